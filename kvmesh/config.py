@@ -1,0 +1,139 @@
+"""Configuration in one place: a dataclass per component.
+
+Defaults fit a laptop (CPU, a few hundred pages). Every field can be set from
+the environment as ``KVMESH_<FIELD>`` (upper case) through `from_env`, and the
+CLI maps its flags onto the same fields, so a value means the same thing
+wherever it is set. Components own their section; add fields there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvmesh.errors import ConfigError
+
+T = TypeVar("T")
+
+DEFAULT_SEED = "kvmesh-default-seed"
+
+
+@dataclass(frozen=True, slots=True)
+class HashConfig:
+    """Page identity: page size, cluster seed and hash function."""
+
+    page_size: int = 16
+    seed: str = DEFAULT_SEED
+    algo: str = "sha256"  # or "xxh3_128"
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Local page pool and cache manager."""
+
+    num_pages: int = 512
+    enable_caching: bool = True
+    medium: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2:
+            raise ConfigError(f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The small deterministic transformer every worker runs (shapes the KV tensors)."""
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    ffn_dim: int = 128
+    max_positions: int = 8192
+    seed: int = 1234
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Worker gRPC server and the transfer paths between workers."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    max_message_bytes: int = 64 * 1024 * 1024
+    chunk_bytes: int = 4 * 1024 * 1024
+    deadline_s: float = 10.0
+    keepalive_ms: int = 10_000
+    transport: str = "grpc"  # or "dist"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # set: mutual TLS (clients must present a cert from this CA)
+    auth_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Coordinator actor, global index and routing."""
+
+    namespace: str = "kvmesh"
+    actor_name: str = "kvmesh-coordinator"
+    policy: str = "kv_aware"
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    max_restarts: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """What `KVMesh.connect()` starts: the whole embedded cluster."""
+
+    num_workers: int = 4
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    hash: HashConfig = field(default_factory=HashConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+
+def _coerce(name: str, raw: str, target: Any) -> Any:
+    kind = target if isinstance(target, type) else type(target)
+    try:
+        if kind is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from exc
+    return raw
+
+
+def from_env(cls: type[T], prefix: str = "KVMESH_", **overrides: Any) -> T:
+    """Build `cls` from its defaults, then ``KVMESH_<FIELD>`` variables, then `overrides`."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        env_name = prefix + f.name.upper()
+        if env_name in os.environ and f.name not in overrides:
+            default = f.default if f.default is not dataclasses.MISSING else str
+            if default is None:
+                default = str
+            values[f.name] = _coerce(env_name, os.environ[env_name], default)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)

@@ -1,0 +1,117 @@
+"""The errors kvmesh raises.
+
+Every failure a caller can act on is a `KVMeshError` subclass that carries a
+message saying what to do and maps to exactly one gRPC status code (kept as a
+string name so that the shared base never imports grpc). Expected outcomes
+(a cache miss, a full pool in `allocate_slots`) are typed results instead.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class KVMeshError(Exception):
+    """Base of every kvmesh error; `grpc_code` is the status it travels as."""
+
+    grpc_code: ClassVar[str] = "INTERNAL"
+
+
+class ConfigError(KVMeshError):
+    """A configuration value or CLI flag is invalid."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class InvalidInput(KVMeshError):
+    """An argument has the wrong type, range or size."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class PageFormatError(InvalidInput):
+    """A page's bytes, dtype or shape do not match the receiving KV store."""
+
+
+class HashMismatch(InvalidInput):
+    """A page's token ids do not hash to the page hash it claims."""
+
+
+class ChecksumMismatch(KVMeshError):
+    """A page's bytes do not match their checksum (corrupted in transit)."""
+
+    grpc_code = "DATA_LOSS"
+
+
+class EventDecodeError(InvalidInput):
+    """A KV event batch could not be decoded or has fields of the wrong type."""
+
+
+class UnknownHash(KVMeshError):
+    """A page hash is not held where it was asked for."""
+
+    grpc_code = "NOT_FOUND"
+
+
+class PoolExhausted(KVMeshError):
+    """The page pool cannot hold the pages asked for, even after eviction."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class PagesInUse(KVMeshError):
+    """An operation that needs idle pages (e.g. a prefix-cache reset) met held ones."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class InvariantViolation(KVMeshError):
+    """Internal state broke an invariant; the message carries the bad state."""
+
+    grpc_code = "INTERNAL"
+
+
+class UnknownWorker(KVMeshError):
+    """A worker id is not registered with the coordinator."""
+
+    grpc_code = "NOT_FOUND"
+
+
+class StaleWorker(KVMeshError):
+    """A worker's events have a gap; it must resend a full snapshot."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class NoWorkers(KVMeshError):
+    """No worker is available to serve a request."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class TransportError(KVMeshError):
+    """A peer could not be reached or broke off a transfer."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(TransportError):
+    """A remote call did not finish within its deadline."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class WorkerDied(TransportError):
+    """The worker serving a request died before answering."""
+
+
+class Unauthenticated(KVMeshError):
+    """A call carried no credentials or wrong ones."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KVMeshError):
+    """The caller is authenticated but may not do this (e.g. another tenant's pages)."""
+
+    grpc_code = "PERMISSION_DENIED"
