@@ -43,7 +43,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
-            raise ConfigError(f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}")
+            raise ConfigError(
+                f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,9 @@ def _coerce(name: str, raw: str, target: Any) -> Any:
         if kind is float:
             return float(raw)
     except ValueError as exc:
-        raise ConfigError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from exc
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not a valid {kind.__name__}"
+        ) from exc
     return raw
 
 

@@ -59,9 +59,7 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     try:
         arr = array("I", tokens)
     except (OverflowError, TypeError) as exc:
-        raise InvalidInput(
-            f"token ids must be integers in [0, {_MAX_TOKEN}]: {exc}"
-        ) from exc
+        raise InvalidInput(f"token ids must be integers in [0, {_MAX_TOKEN}]: {exc}") from exc
     if arr.itemsize != 4:  # pragma: no cover - exotic platforms
         return struct.pack(f"<{len(arr)}I", *arr)
     if _BIG_ENDIAN:  # pragma: no cover
@@ -73,8 +71,12 @@ def _encode_array_like(tokens: Any) -> bytes:
     import numpy as np
 
     arr = np.asarray(tokens)
-    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
-        raise InvalidInput(f"token ids must be integers in [0, {_MAX_TOKEN}], got dtype {arr.dtype}")
+    if arr.size and (
+        arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN
+    ):
+        raise InvalidInput(
+            f"token ids must be integers in [0, {_MAX_TOKEN}], got dtype {arr.dtype}"
+        )
     return np.ascontiguousarray(arr, dtype="<u4").tobytes()
 
 

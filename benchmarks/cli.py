@@ -1,0 +1,31 @@
+"""`kvmesh bench ...`: each benchmark prints a ratio against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "pool": (
+        "kvmesh.benchmarks.bench_pool",
+        "page pool + cache manager trace replay, page hashing speed",
+    ),
+    "router": ("kvmesh.benchmarks.bench_router", "route decision latency and event ingestion rate"),
+    "transfer": (
+        "kvmesh.benchmarks.bench_transfer",
+        "page transfer GB/s over gRPC and torch.distributed",
+    ),
+    "load": ("kvmesh.benchmarks.bench_load", "concurrent clients against the embedded cluster"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).configure(p)
+        p.set_defaults(_bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._bench_module).run(args) or 0)
