@@ -53,7 +53,7 @@ class ModelConfig:
     """The small deterministic transformer every worker runs (shapes the KV tensors)."""
 
     vocab_size: int = 256
-    num_layers: int = 2
+    num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
@@ -62,6 +62,8 @@ class ModelConfig:
     seed: int = 1234
     dtype: str = "float32"
     device: str = "cpu"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
