@@ -241,7 +241,7 @@ class KVStore:
         self._check_id(page_id)
         if self._np_bytes is not None:
             return memoryview(self._np_bytes[page_id])
-        return memoryview(_byte_view(self.kv[page_id]).cpu().numpy())
+        return _byte_view(self.kv[page_id]).cpu().numpy().data
 
     def export_page(self, page_id: PageId, *, copy: bool = False) -> PageBlob:
         """One page as a `PageBlob`.

@@ -1,0 +1,126 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupRequest(_message.Message):
+    __slots__ = ("page_hashes",)
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("held", "prefix_pages")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedScalarFieldContainer[bool]
+    prefix_pages: int
+    def __init__(self, held: _Optional[_Iterable[bool]] = ..., prefix_pages: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("page_hashes", "max_chunk_bytes")
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    max_chunk_bytes: int
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PageHeader(_message.Message):
+    __slots__ = ("page_hash", "parent_hash", "token_ids", "lora_id", "dtype", "shape", "nbytes", "checksum", "tier")
+    PAGE_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    page_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lora_id: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    checksum: int
+    tier: str
+    def __init__(self, page_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("page_index", "header", "offset", "missing", "data")
+    PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    page_index: int
+    header: PageHeader
+    offset: int
+    missing: bool
+    data: bytes
+    def __init__(self, page_index: _Optional[int] = ..., header: _Optional[_Union[PageHeader, _Mapping]] = ..., offset: _Optional[int] = ..., missing: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("inserted",)
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    inserted: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, inserted: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("page_hashes", "num_tokens")
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PAGES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    worker_address: str
+    matched_pages: int
+    peer_worker_id: str
+    peer_address: str
+    peer_pages: int
+    policy: str
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: bytes
+    def __init__(self, batch: _Optional[bytes] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ("resync",)
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    resync: bool
+    def __init__(self, resync: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("values",)
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, float]
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
