@@ -1,0 +1,349 @@
+"""The worker-side facade the transports use: look up, pin, export and insert pages.
+
+It joins the page pool (which pages are cached, reference counts) and the KV
+store (the bytes) behind one lock, so gRPC handlers, the torch.distributed
+path and the worker's own request loop can share a pool that is itself not
+thread-safe. It imports neither gRPC nor Ray.
+
+Streaming a page out::
+
+    ids = service.pin(hashes)        # ref +1: cannot be evicted or reused
+    try:   ... service.export(id) ...
+    finally: service.unpin(ids)      # ref -1: back to the free queue (cached)
+
+Taking a page in (`insert`): checked first (dtype, shape, size, checksum and,
+when token ids come with it, the hash chain), then a page is allocated, the
+bytes are written outside the lock, and the page is cached and freed, so it
+stays cached but evictable. A page already held is skipped, never
+overwritten. A refused page changes nothing.
+
+Trust: when token ids come with a page, ``hash(parent, tokens, lora) ==
+page_hash`` is checked, so a peer cannot cache bytes under a hash those
+tokens do not produce. The extra keys of a page (salt, media) cannot be
+re-derived from its tokens: for the first page of a salted request, or a
+page with multimodal input, the sender cannot prove the chain, sends no
+tokens, and the receiver trusts the checksum (integrity, not authenticity)
+and its transport's authentication. Whether such pages should be refused
+from unauthenticated peers is for the security work (issue 7) to decide.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+from kvmesh.errors import HashMismatch, InvalidInput
+from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.types import PageHash, PageId
+from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.page_pool import PagePool
+
+MAX_HASH_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingPage:
+    """A page offered to `PageService.insert_many`; empty `token_ids`: checksum-only trust."""
+
+    page_hash: PageHash
+    parent_hash: PageHash | None
+    token_ids: tuple[int, ...]
+    blob: PageBlob
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageInfo:
+    """What a sender says about a pinned page besides its bytes.
+
+    `token_ids` is empty unless they are known and provably hash to `page_hash`.
+    """
+
+    page_id: PageId
+    page_hash: PageHash
+    parent_hash: PageHash | None
+    token_ids: tuple[int, ...]
+    lora_id: int | None
+    tier: str
+
+
+def check_hash(page_hash: bytes, what: str = "page hash") -> PageHash:
+    """A page hash from the wire: 1 to 64 bytes."""
+    if not isinstance(page_hash, bytes) or not 0 < len(page_hash) <= MAX_HASH_BYTES:
+        size = len(page_hash) if isinstance(page_hash, bytes) else type(page_hash).__name__
+        raise InvalidInput(f"{what} must be 1-{MAX_HASH_BYTES} bytes, got {size}")
+    return PageHash(page_hash)
+
+
+class PageService:
+    """Thread-safe page lookup / pin / export / insert over one pool and store.
+
+    Every pool call happens under `lock` (pass the worker's own lock to share
+    it with the cache manager). Byte copies happen outside it: an allocated
+    page is private to the inserting thread until it is cached.
+    """
+
+    __slots__ = ("_inflight", "_lock", "_tokens", "hasher", "pool", "store")
+
+    def __init__(
+        self,
+        pool: PagePool,
+        store: KVStore,
+        hasher: PageHasher,
+        *,
+        lock: AbstractContextManager[object] | None = None,
+    ) -> None:
+        if store.num_pages != pool.num_pages:
+            raise InvalidInput(
+                f"KV store has {store.num_pages} pages but the pool {pool.num_pages}; "
+                "build both from the same PoolConfig"
+            )
+        if hasher.page_size != pool.page_size or store.page_shape[2] != pool.page_size:
+            raise InvalidInput(
+                f"page sizes disagree: hasher {hasher.page_size}, pool {pool.page_size}, "
+                f"store {store.page_shape[2]}"
+            )
+        self.pool = pool
+        self.store = store
+        self.hasher = hasher
+        self._lock: AbstractContextManager[object] = lock if lock is not None else threading.Lock()
+        self._inflight: set[PageHash] = set()
+        # Token ids of cached pages, learnt from PagesStored events and inserts,
+        # so that a sender can prove a page's chain. Bounded by `_prune_tokens`.
+        self._tokens: dict[PageHash, tuple[int, ...]] = {}
+
+    @property
+    def lock(self) -> AbstractContextManager[object]:
+        return self._lock
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup(self, hashes: Sequence[PageHash]) -> list[bool]:
+        """For each hash, whether a page is cached under it (no ref counts change)."""
+        with self._lock:
+            get = self.pool.get_cached_page
+            return [get(h) is not None for h in hashes]
+
+    def prefix_length(self, hashes: Sequence[PageHash]) -> int:
+        """How many leading `hashes` are cached (stops at the first miss)."""
+        with self._lock:
+            get = self.pool.get_cached_page
+            n = 0
+            for h in hashes:
+                if get(h) is None:
+                    break
+                n += 1
+            return n
+
+    # ---------------------------------------------------------------- pinning
+
+    def pin(self, hashes: Sequence[PageHash]) -> list[PageId | None]:
+        """Take a reference on each cached page (a hit); None for a miss.
+
+        Pinned pages are neither evicted nor reused until `unpin`. A hash
+        asked twice is pinned twice (unpin the returned list as it is).
+        """
+        with self._lock:
+            get = self.pool.get_cached_page
+            found = [get(h) for h in hashes]
+            hits = [p for p in found if p is not None]
+            self.pool.touch(hits)
+        return [None if p is None else p.page_id for p in found]
+
+    def unpin(self, page_ids: Iterable[PageId | None]) -> None:
+        """Drop the references `pin` took (Nones are ignored).
+
+        Pages are released last-first, so a prefix's tail is evicted before its head.
+        """
+        ids = [pid for pid in page_ids if pid is not None]
+        if not ids:
+            return
+        with self._lock:
+            pages = self.pool.pages
+            self.pool.free_pages([pages[pid] for pid in reversed(ids)])
+
+    def pinned(self, hashes: Sequence[PageHash]) -> _Pinned:
+        """``with service.pinned(hashes) as ids:`` pins for the block, unpins on any exit."""
+        return _Pinned(self, hashes)
+
+    # ---------------------------------------------------------------- export
+
+    def export(self, page_id: PageId) -> PageBlob:
+        """The bytes of a page the caller has pinned (a zero-copy view on CPU).
+
+        The view stays valid while the pin is held: a cached page is never written.
+        """
+        return self.store.export_page(page_id)
+
+    def page_info(self, page_id: PageId) -> PageInfo:
+        """Hash, parent, provable token ids and LoRA of a pinned page."""
+        with self._lock:
+            page = self.pool.pages[page_id]
+            key, parent, lora = page.page_hash, page.parent_hash, page.lora_id
+            tokens = self._tokens.get(key) if key is not None else None
+            held = page.ref_cnt > 0
+        if key is None or not held:
+            raise InvalidInput(f"page {page_id} is not a pinned cached page; pin it first")
+        if tokens and not self._proves(key, parent, tokens, lora):
+            tokens = None  # salted / multimodal page: extra keys unknown, cannot prove
+        return PageInfo(page_id, key, parent, tokens or (), lora, self.pool.medium)
+
+    def _proves(
+        self,
+        page_hash: PageHash,
+        parent: PageHash | None,
+        tokens: Sequence[int],
+        lora_id: int | None,
+    ) -> bool:
+        extra = ExtraKeys(lora_id=lora_id).for_page(0, self.hasher.page_size)
+        try:
+            return self.hasher.hash_page(parent, tokens, extra) == page_hash
+        except InvalidInput:
+            return False
+
+    # ---------------------------------------------------------------- insert
+
+    def check(self, page: IncomingPage) -> None:
+        """Raise unless `page` may enter the pool: format, checksum, hash chain.
+
+        `PageFormatError` / `ChecksumMismatch` from the store; `HashMismatch`
+        when token ids are given and do not hash to `page_hash`.
+        """
+        check_hash(page.page_hash)
+        if page.parent_hash is not None:
+            check_hash(page.parent_hash, "parent hash")
+        self.store.check_blob(page.blob)
+        if page.token_ids and not self._proves(
+            page.page_hash, page.parent_hash, page.token_ids, page.lora_id
+        ):
+            raise HashMismatch(
+                f"page {page.page_hash.hex()[:16]}: its {len(page.token_ids)} token ids "
+                f"(parent {page.parent_hash.hex()[:16] if page.parent_hash else 'root'}, "
+                f"lora {page.lora_id}) do not hash to it under this cluster's seed and "
+                f"{self.hasher.algo}; the sender disagrees on tokens, seed or hash function"
+            )
+
+    def insert(
+        self,
+        page_hash: PageHash,
+        parent_hash: PageHash | None,
+        token_ids: Sequence[int],
+        blob: PageBlob,
+        lora_id: int | None = None,
+    ) -> bool:
+        """Check and cache one page; False when it is already held (nothing written).
+
+        Raises the check's error, or `PoolExhausted` when every page is held;
+        in either case nothing changed.
+        """
+        page = IncomingPage(page_hash, parent_hash, tuple(token_ids), blob, lora_id)
+        return self.insert_many([page])[0]
+
+    def insert_many(self, pages: Sequence[IncomingPage]) -> list[bool]:
+        """Check every page, then cache the new ones; per page: True inserted, False skipped.
+
+        All or nothing: one bad page, or too few free pages for the new ones,
+        raises before anything is written. Pages are cached in the given order
+        (parents first) and released tail-first.
+        """
+        for page in pages:
+            self.check(page)
+        with self._lock:
+            get = self.pool.get_cached_page
+            seen: set[PageHash] = set()
+            todo: list[int] = []
+            for i, page in enumerate(pages):
+                key = page.page_hash
+                if key in seen or key in self._inflight or get(key) is not None:
+                    continue
+                seen.add(key)
+                todo.append(i)
+            slots = self.pool.get_new_pages(len(todo))  # PoolExhausted: nothing changed
+            self._inflight.update(seen)
+        try:
+            for i, slot in zip(todo, slots, strict=True):
+                self.store.import_page(slot.page_id, pages[i].blob, verified=True)
+        except BaseException:
+            with self._lock:
+                self._inflight.difference_update(seen)
+                self.pool.free_pages(reversed(slots))
+            raise
+        with self._lock:
+            self._inflight.difference_update(seen)
+            for i, slot in zip(todo, slots, strict=True):
+                p = pages[i]
+                self.pool.cache_page(slot, p.page_hash, p.parent_hash, p.token_ids, p.lora_id)
+                if p.token_ids:
+                    self._tokens[p.page_hash] = p.token_ids
+            self.pool.free_pages(reversed(slots))
+        inserted = [False] * len(pages)
+        for i in todo:
+            inserted[i] = True
+        return inserted
+
+    # ---------------------------------------------------------------- events
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the pool's events (atomically) and learn cached pages' token ids from them."""
+        with self._lock:
+            events = self.pool.take_events()
+            self._observe(events)
+        return events
+
+    def observe(self, events: Iterable[KVEvent]) -> None:
+        """Learn token ids from events drained elsewhere (e.g. by the cache manager)."""
+        with self._lock:
+            self._observe(events)
+
+    def _observe(self, events: Iterable[KVEvent]) -> None:
+        tokens = self._tokens
+        size = self.pool.page_size
+        for ev in events:
+            if isinstance(ev, PagesStored):
+                if len(ev.token_ids) == size * len(ev.page_hashes):
+                    for i, h in enumerate(ev.page_hashes):
+                        tokens[h] = tuple(ev.token_ids[i * size : (i + 1) * size])
+            elif isinstance(ev, PagesRemoved):
+                for h in ev.page_hashes:
+                    tokens.pop(h, None)
+            elif isinstance(ev, AllPagesCleared):
+                tokens.clear()
+        if len(tokens) > 2 * self.pool.num_pages:
+            self._prune_tokens()
+
+    def _prune_tokens(self) -> None:
+        """Drop token ids of hashes no longer cached (events drained elsewhere missed them)."""
+        cached = self.pool.cached_hashes()
+        for h in [h for h in self._tokens if h not in cached]:
+            del self._tokens[h]
+
+    # ------------------------------------------------------------- inspection
+
+    def ref_counts(self) -> list[int]:
+        """Every page's reference count (for tests and invariant checks)."""
+        with self._lock:
+            return [p.ref_cnt for p in self.pool.pages]
+
+    def check_invariants(self) -> None:
+        """The pool's invariants, checked under the lock."""
+        with self._lock:
+            self.pool.check_invariants()
+
+
+class _Pinned:
+    __slots__ = ("_hashes", "_ids", "_service")
+
+    def __init__(self, service: PageService, hashes: Sequence[PageHash]) -> None:
+        self._service = service
+        self._hashes = hashes
+        self._ids: list[PageId | None] = []
+
+    def __enter__(self) -> list[PageId | None]:
+        self._ids = self._service.pin(self._hashes)
+        return self._ids
+
+    def __exit__(self, *exc: object) -> None:
+        self._service.unpin(self._ids)
