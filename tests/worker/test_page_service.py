@@ -17,7 +17,7 @@ from kvmesh.errors import (
     PoolExhausted,
 )
 from kvmesh.events import PagesStored
-from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
@@ -39,7 +39,7 @@ def tokens_for(n_pages: int, start: int = 0) -> list[int]:
 
 
 def fill(
-    service: PageService, n_pages: int, *, start: int = 0, keys: ExtraKeys = ExtraKeys()
+    service: PageService, n_pages: int, *, start: int = 0, keys: ExtraKeys = NO_EXTRA
 ) -> tuple[list[PageHash], list[int]]:
     """Cache `n_pages` computed pages (random KV) the way a worker does; returns hashes, tokens."""
     tokens = tokens_for(n_pages, start)
