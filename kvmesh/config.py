@@ -95,6 +95,21 @@ class CoordinatorConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     max_restarts: int = -1
+    # kv_aware: cost = overlap_weight * (pages to prefill + queued prefill pages)
+    #                  + decode_weight * active decode pages
+    decode_weight: float = 1.0
+    pull_cost: float = 0.16  # pulling a page / computing it (6.4 ms vs ~41 ms per 512 tokens)
+    max_load_ratio: float = 0.0  # kv_aware bounded load: skip workers above ratio * mean (0: off)
+    consistent_hash_pages: int = 4  # leading pages that form the affinity key
+    consistent_hash_vnodes: int = 64
+    consistent_hash_load_factor: float = 1.25  # bounded-load ring: cap = factor * mean load
+    cache_threshold: float = 0.3  # cache_aware: min match rate for prefix affinity
+    balance_abs_threshold: int = 64  # cache_aware: imbalance in active requests (absolute)
+    balance_rel_threshold: float = 1.5  # cache_aware: and relative (max > rel * min)
+    reorder_window: int = 64  # batches held back per worker while waiting for a gap to fill
+    default_tier: str = "gpu"  # tier of events whose medium is None
+    detached: bool = False  # actor lifetime="detached" (outlives the driver)
+    seed: int = 0  # routing RNG (ties, random, softmax sampling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,664 @@
+"""The global index: which worker holds which KV page, in which tier.
+
+Pure (no Ray, no gRPC). One dict maps every page hash any worker holds to a
+bit mask of holders, four bits per worker slot (one per tier)::
+
+    mask = ... | tier bits of slot 1 | tier bits of slot 0
+                 [other disk cpu gpu]  [other disk cpu gpu]
+                  bit 7 ........ 4      bit 3 ........ 0
+
+and a second dict keeps each page's parent hash (the chain). Because page
+hashes are chained, a request's hashes are themselves the chain: `match`
+walks them once, keeping the set of workers that held every page so far (an
+AND of masks), and records each worker's length when it drops out. The cost
+grows with the prompt's pages, not with the cluster's pages or workers.
+
+Each worker also keeps the set of hashes it holds, so dropping it (death,
+drain, a new incarnation, a snapshot, `AllPagesCleared`) costs O(its pages).
+Memory grows with distinct pages (plus one set entry per worker and page).
+
+Event batches are applied per worker in sequence order:
+
+- the first batch of an incarnation not seen before replaces everything the
+  index held for the worker's old incarnation (old incarnations are then
+  ignored forever, so a late batch from before a restart changes nothing);
+- a batch whose seq is at most the last one applied is a duplicate: ignored;
+- a batch past a gap is held back (at most `reorder_window` of them) and the
+  worker is marked stale: it is not routed to by cache affinity. If the
+  missing batch arrives, the held ones are applied in order and the stale
+  mark goes away; otherwise a snapshot batch (``snapshot=True``) replaces the
+  worker's entries and clears it. A snapshot's seq is the seq of the last
+  batch whose effects it includes; snapshots older than what was applied are
+  ignored.
+- the sequence numbers of an incarnation start at 0, so a first batch with a
+  higher seq (e.g. after a coordinator restart) is a gap too.
+
+A bad batch (wrong types, unknown worker when registration is required) is
+rejected with `EventDecodeError` / `UnknownWorker` before anything changes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
+from kvmesh.events import (
+    AllPagesCleared,
+    EventBatch,
+    KVEvent,
+    PagesRemoved,
+    PagesStored,
+    decode_batch,
+)
+from kvmesh.types import PageHash, WorkerId
+
+TIER_NAMES: tuple[str, ...] = ("gpu", "cpu", "disk", "other")
+"""Tier of each of a worker's four bits; media the index does not know map to "other"."""
+
+_BITS = 4
+_WORKER_BITS = 0b1111
+_MEDIUM_ALIASES: dict[str, int] = {
+    "gpu": 0,
+    "cuda": 0,
+    "cpu": 1,
+    "disk": 2,
+    "localdisk": 2,
+    "ssd": 2,
+}
+_TIERS_OF_BITS: tuple[tuple[str, ...], ...] = tuple(
+    tuple(name for i, name in enumerate(TIER_NAMES) if bits >> i & 1) for bits in range(16)
+)
+SNAPSHOT_FORMAT = "kvmesh-index"
+SNAPSHOT_VERSION = 1
+
+
+class ApplyResult(enum.Enum):
+    """What `GlobalIndex.apply` did with a batch."""
+
+    APPLIED = "applied"
+    """Applied in order; the worker is up to date."""
+    REPLACED = "replaced"
+    """A snapshot or a new incarnation replaced the worker's entries."""
+    IGNORED = "ignored"
+    """A duplicate, an old batch, or one from a retired incarnation: nothing changed."""
+    STALE = "stale"
+    """The worker has a gap in its sequence: it is stale until a snapshot (or the gap fills)."""
+
+    @property
+    def needs_snapshot(self) -> bool:
+        return self is ApplyResult.STALE
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """Longest held prefix per worker, for one request's hashes.
+
+    `pages` lists only workers holding at least the first page; `tiers` names
+    the tiers in which that worker holds some page of its matched prefix.
+    """
+
+    pages: dict[WorkerId, int]
+    tiers: dict[WorkerId, tuple[str, ...]]
+    num_hashes: int
+
+    def longest(self) -> tuple[WorkerId | None, int]:
+        """The worker with the longest prefix (smallest id on ties) and its length."""
+        best: WorkerId | None = None
+        best_n = 0
+        for wid, n in self.pages.items():
+            if n > best_n or (n == best_n and best is not None and wid < best):
+                best, best_n = wid, n
+        return best, best_n
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIndexState:
+    """A read-only view of what the index knows about one worker."""
+
+    worker_id: WorkerId
+    incarnation: str | None
+    last_seq: int
+    stale: bool
+    num_pages: int
+    pending_batches: int
+
+
+class _Worker:
+    """Mutable per-worker state (internal)."""
+
+    __slots__ = (
+        "incarnation",
+        "last_seq",
+        "needs_snapshot",
+        "pages",
+        "pending",
+        "registered",
+        "retired",
+        "shift",
+        "stale",
+        "worker_id",
+    )
+
+    def __init__(self, worker_id: WorkerId, shift: int, registered: bool) -> None:
+        self.worker_id = worker_id
+        self.shift = shift
+        self.incarnation: str | None = None
+        self.last_seq = -1
+        self.stale = False
+        # True once held-back batches were dropped: only a snapshot can help now.
+        self.needs_snapshot = False
+        self.pages: set[PageHash] = set()
+        self.pending: dict[int, EventBatch] = {}
+        self.retired: deque[str] = deque(maxlen=16)
+        self.registered = registered
+
+
+def tier_of(medium: str | None, default: int) -> int:
+    """Bit index (0-3) of a KV event's medium; None means the index's default tier."""
+    if medium is None:
+        return default
+    return _MEDIUM_ALIASES.get(medium.lower(), 3)
+
+
+def _check_hash(value: object, where: str) -> None:
+    if type(value) is not bytes or not 0 < len(value) <= 64:
+        raise EventDecodeError(f"{where}: a page hash must be 1-64 bytes, got {value!r:.40}")
+
+
+def validate_batch(batch: object) -> EventBatch:
+    """Check every field's type of an in-process batch; raise `EventDecodeError`."""
+    if not isinstance(batch, EventBatch):
+        raise EventDecodeError(f"expected an EventBatch, got {type(batch).__name__}")
+    if not isinstance(batch.worker_id, str) or not batch.worker_id:
+        raise EventDecodeError("batch worker_id must be a non-empty string")
+    if not isinstance(batch.incarnation, str):
+        raise EventDecodeError("batch incarnation must be a string")
+    if type(batch.seq) is not int or batch.seq < 0:
+        raise EventDecodeError(f"batch seq must be a non-negative int, got {batch.seq!r}")
+    if not isinstance(batch.snapshot, bool):
+        raise EventDecodeError("batch snapshot flag must be a bool")
+    if not isinstance(batch.events, tuple | list):
+        raise EventDecodeError("batch events must be a tuple")
+    for i, ev in enumerate(batch.events):
+        where = f"event {i}"
+        if isinstance(ev, PagesStored):
+            if not isinstance(ev.page_hashes, tuple | list):
+                raise EventDecodeError(f"{where}: page_hashes must be a tuple")
+            for h in ev.page_hashes:
+                _check_hash(h, where)
+            if ev.parent_hash is not None:
+                _check_hash(ev.parent_hash, where + " parent")
+            if ev.medium is not None and not isinstance(ev.medium, str):
+                raise EventDecodeError(f"{where}: medium must be a string or None")
+        elif isinstance(ev, PagesRemoved):
+            if not isinstance(ev.page_hashes, tuple | list):
+                raise EventDecodeError(f"{where}: page_hashes must be a tuple")
+            for h in ev.page_hashes:
+                _check_hash(h, where)
+            if ev.medium is not None and not isinstance(ev.medium, str):
+                raise EventDecodeError(f"{where}: medium must be a string or None")
+        elif not isinstance(ev, AllPagesCleared):
+            raise EventDecodeError(f"{where}: unknown event type {type(ev).__name__}")
+    return batch
+
+
+class GlobalIndex:
+    """Page hash -> holders {(worker, tier)}, with parent links; see the module docstring.
+
+    Not thread-safe: the coordinator service holds a lock around it.
+    `require_registration`: batches from workers never passed to
+    `register_worker` raise `UnknownWorker`. `default_tier` is the tier of
+    events whose medium is None (vLLM's GPU-only engines send None); a
+    removal with medium None removes the page from every tier.
+    """
+
+    def __init__(
+        self,
+        *,
+        require_registration: bool = False,
+        default_tier: str = "gpu",
+        reorder_window: int = 64,
+    ) -> None:
+        if default_tier not in TIER_NAMES:
+            raise InvalidInput(f"default_tier must be one of {TIER_NAMES}, got {default_tier!r}")
+        if reorder_window < 0:
+            raise InvalidInput(f"reorder_window must be >= 0, got {reorder_window}")
+        self.require_registration = require_registration
+        self.default_tier = default_tier
+        self._default_bit = TIER_NAMES.index(default_tier)
+        self.reorder_window = reorder_window
+        self._holders: dict[PageHash, int] = {}
+        self._parents: dict[PageHash, PageHash | None] = {}
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._by_slot: list[WorkerId | None] = []
+        self._free_slots: list[int] = []
+        self._ones = 0  # bit 0 of every live worker's nibble
+
+    # ------------------------------------------------------------------ workers
+
+    def _new_worker(self, worker_id: WorkerId, registered: bool) -> _Worker:
+        if self._free_slots:
+            slot = min(self._free_slots)
+            self._free_slots.remove(slot)
+            self._by_slot[slot] = worker_id
+        else:
+            slot = len(self._by_slot)
+            self._by_slot.append(worker_id)
+        w = _Worker(worker_id, slot * _BITS, registered)
+        self._workers[worker_id] = w
+        self._ones |= 1 << w.shift
+        return w
+
+    def register_worker(self, worker_id: WorkerId, incarnation: str | None = None) -> None:
+        """Make `worker_id` known; a different `incarnation` drops its old entries."""
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidInput(f"worker_id must be a non-empty string, got {worker_id!r}")
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._new_worker(worker_id, True)
+        w.registered = True
+        if incarnation is not None and incarnation != w.incarnation:
+            self._start_incarnation(w, incarnation)
+
+    def remove_worker(self, worker_id: WorkerId) -> int:
+        """Drop a worker and all its entries at once (O(its pages)); returns pages dropped."""
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return 0
+        n = len(w.pages)
+        self._drop_all(w)
+        slot = w.shift // _BITS
+        self._by_slot[slot] = None
+        self._free_slots.append(slot)
+        self._ones &= ~(1 << w.shift)
+        return n
+
+    def workers(self) -> list[WorkerId]:
+        return sorted(self._workers)
+
+    def worker_state(self, worker_id: WorkerId) -> WorkerIndexState:
+        w = self._get(worker_id)
+        return WorkerIndexState(
+            w.worker_id, w.incarnation, w.last_seq, w.stale, len(w.pages), len(w.pending)
+        )
+
+    def is_stale(self, worker_id: WorkerId) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.stale
+
+    def stale_workers(self) -> set[WorkerId]:
+        return {wid for wid, w in self._workers.items() if w.stale}
+
+    def mark_stale(self, worker_id: WorkerId) -> None:
+        """Stop trusting a worker's entries until it sends a snapshot."""
+        w = self._get(worker_id)
+        w.stale = True
+        w.needs_snapshot = True
+
+    def worker_pages(self, worker_id: WorkerId) -> frozenset[PageHash]:
+        return frozenset(self._get(worker_id).pages)
+
+    def _get(self, worker_id: WorkerId) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise UnknownWorker(f"worker {worker_id!r} is not in the index; register it first")
+        return w
+
+    # ------------------------------------------------------------------ events
+
+    def apply_encoded(self, data: bytes) -> ApplyResult:
+        """Decode (`kvmesh.events.decode_batch`) and apply one batch."""
+        return self._apply(decode_batch(data))
+
+    def apply(self, batch: EventBatch) -> ApplyResult:
+        """Apply one batch in the worker's sequence order (see the module docstring)."""
+        return self._apply(validate_batch(batch))
+
+    def _apply(self, batch: EventBatch) -> ApplyResult:
+        wid = batch.worker_id
+        w = self._workers.get(wid)
+        if w is None:
+            if self.require_registration:
+                raise UnknownWorker(
+                    f"events from unregistered worker {wid!r}: register it before reporting"
+                )
+            w = self._new_worker(wid, False)
+        replaced = False
+        if batch.incarnation != w.incarnation:
+            if batch.incarnation in w.retired:
+                return ApplyResult.IGNORED
+            self._start_incarnation(w, batch.incarnation)
+            replaced = True
+        seq = batch.seq
+        if batch.snapshot:
+            if seq < w.last_seq:
+                return ApplyResult.IGNORED
+            self._drop_all(w)
+            self._apply_events(w, batch.events)
+            w.last_seq = seq
+            w.needs_snapshot = False
+            for s in [s for s in w.pending if s <= seq]:
+                del w.pending[s]
+            self._drain_pending(w)
+            return ApplyResult.STALE if w.stale else ApplyResult.REPLACED
+        if seq <= w.last_seq or seq in w.pending:
+            return ApplyResult.IGNORED
+        if w.needs_snapshot:
+            return ApplyResult.STALE
+        if seq != w.last_seq + 1:
+            w.stale = True
+            if len(w.pending) >= self.reorder_window:
+                w.pending.clear()
+                w.needs_snapshot = True
+            else:
+                w.pending[seq] = batch
+            return ApplyResult.STALE
+        self._apply_events(w, batch.events)
+        w.last_seq = seq
+        self._drain_pending(w)
+        if w.stale:
+            return ApplyResult.STALE
+        return ApplyResult.REPLACED if replaced else ApplyResult.APPLIED
+
+    def _drain_pending(self, w: _Worker) -> None:
+        pending = w.pending
+        while pending:
+            nxt = pending.pop(w.last_seq + 1, None)
+            if nxt is None:
+                break
+            self._apply_events(w, nxt.events)
+            w.last_seq = nxt.seq
+        w.stale = bool(pending) or w.needs_snapshot
+
+    def _start_incarnation(self, w: _Worker, incarnation: str) -> None:
+        if w.incarnation is not None:
+            w.retired.append(w.incarnation)
+        self._drop_all(w)
+        w.incarnation = incarnation
+        w.last_seq = -1
+        w.stale = False
+        w.needs_snapshot = False
+        w.pending.clear()
+
+    def _apply_events(self, w: _Worker, events: Iterable[KVEvent]) -> None:
+        holders = self._holders
+        parents = self._parents
+        pages = w.pages
+        shift = w.shift
+        for ev in events:
+            if isinstance(ev, PagesStored):
+                bit = 1 << (shift + tier_of(ev.medium, self._default_bit))
+                parent = ev.parent_hash
+                for h in ev.page_hashes:
+                    m = holders.get(h)
+                    if m is None:
+                        holders[h] = bit
+                        parents[h] = parent
+                    else:
+                        holders[h] = m | bit
+                    pages.add(h)
+                    parent = h
+            elif isinstance(ev, PagesRemoved):
+                if ev.medium is None:
+                    clear = _WORKER_BITS << shift
+                else:
+                    clear = 1 << (shift + tier_of(ev.medium, self._default_bit))
+                self._remove(w, ev.page_hashes, clear)
+            else:
+                self._drop_all(w)
+
+    def _remove(self, w: _Worker, hashes: Iterable[PageHash], clear: int) -> None:
+        holders = self._holders
+        parents = self._parents
+        pages = w.pages
+        keep = ~clear
+        mine = _WORKER_BITS << w.shift
+        for h in hashes:
+            m = holders.get(h)
+            if m is None or not m & clear:
+                continue
+            m &= keep
+            if m:
+                holders[h] = m
+                if not m & mine:
+                    pages.discard(h)
+            else:
+                del holders[h]
+                del parents[h]
+                pages.discard(h)
+
+    def _drop_all(self, w: _Worker) -> None:
+        if w.pages:
+            self._remove(w, list(w.pages), _WORKER_BITS << w.shift)
+            w.pages.clear()
+
+    # ------------------------------------------------------------------ lookups
+
+    def match(self, hashes: Sequence[PageHash]) -> MatchResult:
+        """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no one holds."""
+        holders = self._holders
+        alive = self._ones
+        tiers = 0
+        dropped: list[tuple[int, int]] = []
+        n = 0
+        for h in hashes:
+            m = holders.get(h)
+            if m is None:
+                break
+            still = (m | m >> 1 | m >> 2 | m >> 3) & alive
+            if still != alive:
+                if n:
+                    dropped.append((alive & ~still, n))
+                alive = still
+                if not still:
+                    break
+            tiers |= m & (still * _WORKER_BITS)
+            n += 1
+        if alive and n:
+            dropped.append((alive, n))
+        pages: dict[WorkerId, int] = {}
+        tier_names: dict[WorkerId, tuple[str, ...]] = {}
+        by_slot = self._by_slot
+        for bits, length in dropped:
+            while bits:
+                low = bits & -bits
+                pos = low.bit_length() - 1
+                wid = by_slot[pos >> 2]
+                if wid is not None:
+                    pages[wid] = length
+                    tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
+                bits ^= low
+        return MatchResult(pages, tier_names, len(hashes))
+
+    def holders(self, page_hash: PageHash) -> dict[WorkerId, tuple[str, ...]]:
+        """Who holds one page, and in which tiers."""
+        m = self._holders.get(page_hash, 0)
+        out: dict[WorkerId, tuple[str, ...]] = {}
+        for wid, w in self._workers.items():
+            bits = m >> w.shift & _WORKER_BITS
+            if bits:
+                out[wid] = _TIERS_OF_BITS[bits]
+        return out
+
+    def parent(self, page_hash: PageHash) -> PageHash | None:
+        """The page before `page_hash` in its chain; raises `KeyError` if nobody holds it."""
+        return self._parents[page_hash]
+
+    def chain(self, page_hash: PageHash) -> list[PageHash]:
+        """The held chain ending at `page_hash`, first page first, as far back as it is indexed."""
+        out: list[PageHash] = []
+        h: PageHash | None = page_hash
+        seen: set[PageHash] = set()
+        while h is not None and h in self._parents and h not in seen:
+            seen.add(h)
+            out.append(h)
+            h = self._parents[h]
+        out.reverse()
+        return out
+
+    def __len__(self) -> int:
+        """Distinct pages indexed."""
+        return len(self._holders)
+
+    def __contains__(self, page_hash: object) -> bool:
+        return page_hash in self._holders
+
+    def all_pages(self) -> set[PageHash]:
+        return set(self._holders)
+
+    def num_entries(self) -> int:
+        """(worker, page) pairs indexed."""
+        return sum(len(w.pages) for w in self._workers.values())
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> bytes:
+        """The whole index as msgpack (deterministic order; no pickle). Held-back batches are not kept."""
+        order = sorted(self._workers)
+        pos = {wid: i for i, wid in enumerate(order)}
+        workers = [
+            [
+                wid,
+                w.incarnation,
+                w.last_seq,
+                w.stale,
+                w.needs_snapshot or bool(w.pending),
+                w.registered,
+                list(w.retired),
+            ]
+            for wid, w in ((wid, self._workers[wid]) for wid in order)
+        ]
+        pages: list[list[Any]] = []
+        for h in sorted(self._holders):
+            m = self._holders[h]
+            held: list[int] = []
+            for wid in order:
+                bits = m >> self._workers[wid].shift & _WORKER_BITS
+                if bits:
+                    held.extend((pos[wid], bits))
+            pages.append([h, self._parents[h], held])
+        return msgpack.packb(
+            {
+                "format": SNAPSHOT_FORMAT,
+                "version": SNAPSHOT_VERSION,
+                "default_tier": self.default_tier,
+                "workers": workers,
+                "pages": pages,
+            },
+            use_bin_type=True,
+        )
+
+    def restore(self, data: bytes) -> None:
+        """Replace the whole index with a `snapshot()`; on any error raise `InvalidInput`, change nothing."""
+        fresh = GlobalIndex(
+            require_registration=self.require_registration,
+            default_tier=self.default_tier,
+            reorder_window=self.reorder_window,
+        )
+        try:
+            fresh._load(data)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # msgpack and type errors of a malformed snapshot
+            raise InvalidInput(f"not a kvmesh index snapshot: {exc}") from exc
+        fresh.check_invariants()
+        self._holders = fresh._holders
+        self._parents = fresh._parents
+        self._workers = fresh._workers
+        self._by_slot = fresh._by_slot
+        self._free_slots = fresh._free_slots
+        self._ones = fresh._ones
+
+    def _load(self, data: bytes) -> None:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise InvalidInput(f"an index snapshot must be bytes, got {type(data).__name__}")
+        raw = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        if not isinstance(raw, dict) or raw.get("format") != SNAPSHOT_FORMAT:
+            raise InvalidInput("not a kvmesh index snapshot (missing format tag)")
+        if raw.get("version") != SNAPSHOT_VERSION:
+            raise InvalidInput(
+                f"index snapshot version {raw.get('version')!r} is not {SNAPSHOT_VERSION}"
+            )
+        ws: list[_Worker] = []
+        for item in raw["workers"]:
+            wid, inc, last, stale, needs, registered, retired = item
+            if not isinstance(wid, str) or not wid or wid in self._workers:
+                raise InvalidInput(f"index snapshot: bad or repeated worker id {wid!r}")
+            if inc is not None and not isinstance(inc, str):
+                raise InvalidInput(f"index snapshot: bad incarnation for {wid!r}")
+            if type(last) is not int or last < -1:
+                raise InvalidInput(f"index snapshot: bad last seq for {wid!r}")
+            if not all(isinstance(x, bool) for x in (stale, needs, registered)):
+                raise InvalidInput(f"index snapshot: bad flags for {wid!r}")
+            if not isinstance(retired, list) or not all(isinstance(r, str) for r in retired):
+                raise InvalidInput(f"index snapshot: bad retired incarnations for {wid!r}")
+            w = self._new_worker(WorkerId(wid), registered)
+            w.incarnation, w.last_seq, w.stale, w.needs_snapshot = inc, last, stale, needs
+            w.retired.extend(retired)
+            ws.append(w)
+        for item in raw["pages"]:
+            h, parent, held = item
+            _check_hash(h, "index snapshot page")
+            if parent is not None:
+                _check_hash(parent, "index snapshot parent")
+            if not isinstance(held, list) or not held or len(held) % 2:
+                raise InvalidInput("index snapshot: a page must list (worker, tier bits) pairs")
+            mask = 0
+            for i in range(0, len(held), 2):
+                k, bits = held[i], held[i + 1]
+                if type(k) is not int or not 0 <= k < len(ws):
+                    raise InvalidInput(f"index snapshot: page names unknown worker {k!r}")
+                if type(bits) is not int or not 0 < bits <= _WORKER_BITS:
+                    raise InvalidInput(f"index snapshot: bad tier bits {bits!r}")
+                mask |= bits << ws[k].shift
+                ws[k].pages.add(PageHash(h))
+            if h in self._holders:
+                raise InvalidInput("index snapshot: a page is listed twice")
+            self._holders[PageHash(h)] = mask
+            self._parents[PageHash(h)] = None if parent is None else PageHash(parent)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantViolation` with the bad state if the index is inconsistent. O(entries)."""
+        if self._holders.keys() != self._parents.keys():
+            extra = self._holders.keys() ^ self._parents.keys()
+            raise InvariantViolation(f"holder and parent maps differ on {len(extra)} hashes")
+        ones = 0
+        for wid, w in self._workers.items():
+            slot = w.shift // _BITS
+            if self._by_slot[slot] != wid:
+                raise InvariantViolation(f"slot {slot} names {self._by_slot[slot]!r}, not {wid!r}")
+            ones |= 1 << w.shift
+            mine = _WORKER_BITS << w.shift
+            for h in w.pages:
+                if not self._holders.get(h, 0) & mine:
+                    raise InvariantViolation(f"{wid!r} lists page {h.hex()} without a holder bit")
+        if ones != self._ones:
+            raise InvariantViolation(f"live-slot mask {self._ones:#x} != {ones:#x}")
+        entries = 0
+        for h, m in self._holders.items():
+            if not m:
+                raise InvariantViolation(f"page {h.hex()} has an empty holder mask")
+            if m & ~(ones * _WORKER_BITS):
+                raise InvariantViolation(f"page {h.hex()} names a free slot: mask {m:#x}")
+            entries += sum(1 for w in self._workers.values() if m >> w.shift & _WORKER_BITS)
+        if entries != self.num_entries():
+            raise InvariantViolation(
+                f"holder bits name {entries} (worker, page) pairs, worker sets {self.num_entries()}"
+            )
+        for wid, w in self._workers.items():
+            if w.pending and not w.stale:
+                raise InvariantViolation(
+                    f"{wid!r} holds back {len(w.pending)} batches but is not stale"
+                )
+
+    def iter_workers(self) -> Iterator[WorkerIndexState]:
+        for wid in sorted(self._workers):
+            yield self.worker_state(wid)

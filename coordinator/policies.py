@@ -1,0 +1,510 @@
+"""Routing policies: pick the worker for a request from prefix overlap and load.
+
+Pure (no Ray, no gRPC). A policy gets the request (its page hashes and token
+count), the index's longest held prefix per worker (`GlobalIndex.match`) and
+each worker's load, and returns a `RouteDecision`. Policies are a registry
+(`REGISTRY`, name -> class) built by `make_policy`; each one takes the
+`CoordinatorConfig` and an injected `random.Random`, so runs are repeatable.
+
+Every policy handles degraded workers the same way, through `candidates`:
+workers are ranked healthy < stale < full < draining and only the best
+non-empty rank is considered. A stale worker's overlap counts as zero (its
+entries are not trusted), so it is never chosen for cache affinity, and it,
+a full or a draining worker is still chosen when nothing better exists. With
+no worker at all, `NoWorkers` is raised.
+
+Every decision also names the non-stale peer holding the longest prefix when
+that prefix is longer than the chosen worker's, so the worker can pull the
+difference instead of computing it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import xxhash
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.errors import ConfigError, InvalidInput, NoWorkers
+from kvmesh.types import PageHash, WorkerId
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load as last reported (heartbeat) or as a simulator tracks it.
+
+    `active_prefill_tokens`: prompt tokens queued or being computed (not the
+    cached ones). `active_decode_pages`: pages held by running requests.
+    `total_pages` 0 means capacity unknown (the worker is then never "full").
+    """
+
+    worker_id: WorkerId
+    active_prefill_tokens: int = 0
+    active_decode_pages: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    stale: bool = False
+    draining: bool = False
+    active_requests: int = 0
+
+    def load_pages(self, page_size: int) -> float:
+        """Queued prefill work plus held decode pages, in pages."""
+        return self.active_prefill_tokens / page_size + self.active_decode_pages
+
+    def fits(self, pages: int) -> bool:
+        """Whether `pages` new pages can be allocated here (always, if capacity is unknown)."""
+        return self.total_pages <= 0 or self.free_pages >= pages
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy needs to know of a request: its full-page hashes and token count."""
+
+    hashes: Sequence[PageHash]
+    num_tokens: int
+    page_size: int = 16
+    allow_pull: bool = False
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise InvalidInput(f"page_size must be positive, got {self.page_size}")
+        if self.num_tokens < 0:
+            raise InvalidInput(f"num_tokens must be >= 0, got {self.num_tokens}")
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the prompt occupies (a partial last page counts)."""
+        return max(len(self.hashes), -(-self.num_tokens // self.page_size))
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where a request goes and what it can reuse there.
+
+    `local_pages`: the prefix the chosen worker holds (as far as the index
+    trusts it). `peer_id`/`peer_pages`: a worker holding a longer prefix and
+    how many pages beyond `local_pages` it could give. `degraded`: the worker
+    was picked from stale, full or draining workers because no healthy one was
+    left.
+    """
+
+    worker_id: WorkerId
+    local_pages: int
+    peer_id: WorkerId | None
+    peer_pages: int
+    total_pages: int
+    policy: str
+    cost: float = 0.0
+    degraded: bool = False
+
+
+class RoutingPolicy(Protocol):
+    """What every policy offers; `choose` raises `NoWorkers` on an empty `loads`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None: ...
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The workers a policy may choose from, with the overlap it may count for each."""
+
+    loads: list[WorkerLoad]
+    overlaps: list[int]
+    degraded: bool
+
+
+def candidates(
+    request: RouteRequest, overlaps: Mapping[WorkerId, int], loads: Sequence[WorkerLoad]
+) -> Candidates:
+    """The best non-empty rank of healthy < stale < full < draining workers."""
+    if not loads:
+        raise NoWorkers("no worker is registered: start workers before routing requests")
+    need = request.num_pages
+    best_rank = 4
+    picked: list[WorkerLoad] = []
+    picked_ov: list[int] = []
+    for load in loads:
+        ov = 0 if load.stale else overlaps.get(load.worker_id, 0)
+        if load.draining:
+            rank = 3
+        elif not load.fits(need - ov):
+            rank = 2
+        elif load.stale:
+            rank = 1
+        else:
+            rank = 0
+        if rank < best_rank:
+            best_rank = rank
+            picked, picked_ov = [load], [ov]
+        elif rank == best_rank:
+            picked.append(load)
+            picked_ov.append(ov)
+    return Candidates(picked, picked_ov, best_rank > 0)
+
+
+def best_peer(
+    overlaps: Mapping[WorkerId, int],
+    loads: Sequence[WorkerLoad],
+    page_size: int,
+    exclude: WorkerId | None = None,
+) -> tuple[WorkerId | None, int]:
+    """The non-stale worker with the longest prefix (least loaded, then smallest id, on ties)."""
+    best: WorkerLoad | None = None
+    best_n = 0
+    for load in loads:
+        if load.stale or load.worker_id == exclude:
+            continue
+        n = overlaps.get(load.worker_id, 0)
+        if n <= 0 or n < best_n:
+            continue
+        if n > best_n or best is None:
+            best, best_n = load, n
+            continue
+        key = (load.load_pages(page_size), load.worker_id)
+        if key < (best.load_pages(page_size), best.worker_id):
+            best = load
+    return (None, 0) if best is None else (best.worker_id, best_n)
+
+
+def decide(
+    name: str,
+    request: RouteRequest,
+    overlaps: Mapping[WorkerId, int],
+    loads: Sequence[WorkerLoad],
+    cands: Candidates,
+    i: int,
+    cost: float = 0.0,
+) -> RouteDecision:
+    """The decision for candidate `i`, naming the peer that holds more, if any."""
+    chosen = cands.loads[i]
+    local = cands.overlaps[i]
+    peer, peer_n = best_peer(overlaps, loads, request.page_size, exclude=chosen.worker_id)
+    if peer is None or peer_n <= local:
+        peer, extra = None, 0
+    else:
+        extra = peer_n - local
+    return RouteDecision(
+        chosen.worker_id,
+        local,
+        peer,
+        extra,
+        request.num_pages,
+        name,
+        cost,
+        cands.degraded,
+    )
+
+
+def _pick_min(keys: Sequence[float], loads: Sequence[WorkerLoad], rng: random.Random) -> int:
+    """Index of the smallest key; ties by lower load, then uniformly at random."""
+    lo = min(keys)
+    tied = [i for i, k in enumerate(keys) if k <= lo + _EPS]
+    if len(tied) > 1:
+        load_keys = [(loads[i].active_prefill_tokens, loads[i].active_decode_pages) for i in tied]
+        best = min(load_keys)
+        tied = [i for i, k in zip(tied, load_keys, strict=True) if k == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+class KVAwarePolicy:
+    """Dynamo-style cost, minimum wins (or softmax-sampled with `temperature` > 0)::
+
+        cost = overlap_weight * (pages_to_prefill + queued_prefill_pages)
+             + decode_weight * active_decode_pages
+
+    `pages_to_prefill` is the prompt's pages minus the worker's held prefix;
+    with `request.allow_pull`, pages a peer holds beyond it count `pull_cost`
+    each instead of 1. The queued prefill term is what makes a worker that
+    holds the prefix but has a long queue lose to an idle one: the cost is,
+    in pages, the prefill work the request waits for. `max_load_ratio` > 0
+    additionally skips workers whose queued prefill plus this request's
+    exceeds that multiple of the mean (bounded load), unless all do.
+    """
+
+    name: ClassVar[str] = "kv_aware"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        if config.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {config.temperature}")
+        if not 0 <= config.pull_cost <= 1:
+            raise ConfigError(f"pull_cost must be in [0, 1], got {config.pull_cost}")
+        self.overlap_weight = config.overlap_weight
+        self.decode_weight = config.decode_weight
+        self.temperature = config.temperature
+        self.pull_cost = config.pull_cost
+        self.max_load_ratio = config.max_load_ratio
+        self.rng = rng
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        peer_n = best_peer(overlaps, loads, request.page_size)[1] if request.allow_pull else 0
+        costs = self.costs(request, cands, peer_n)
+        allowed = self._bounded(request, cands)
+        keys = [c if ok else math.inf for c, ok in zip(costs, allowed, strict=True)]
+        sample = self.temperature > 0
+        i = self._sample(keys) if sample else _pick_min(keys, cands.loads, self.rng)
+        return decide(self.name, request, overlaps, loads, cands, i, costs[i])
+
+    def costs(self, request: RouteRequest, cands: Candidates, peer_n: int = 0) -> list[float]:
+        """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls)."""
+        size = request.page_size
+        total = request.num_pages
+        w, dw, saved = self.overlap_weight, self.decode_weight, 1.0 - self.pull_cost
+        out: list[float] = []
+        for load, local in zip(cands.loads, cands.overlaps, strict=True):
+            prefill = float(total - local)
+            if peer_n > local:
+                prefill -= (peer_n - local) * saved
+            out.append(
+                w * (prefill + load.active_prefill_tokens / size) + dw * load.active_decode_pages
+            )
+        return out
+
+    def _bounded(self, request: RouteRequest, cands: Candidates) -> list[bool]:
+        n = len(cands.loads)
+        if self.max_load_ratio <= 0 or n < 2:
+            return [True] * n
+        size = request.page_size
+        queued = [load.active_prefill_tokens / size for load in cands.loads]
+        own = [request.num_pages - ov for ov in cands.overlaps]
+        mean = (sum(queued) + sum(own) / n) / n
+        cap = self.max_load_ratio * mean + 1.0
+        ok = [q + o <= cap for q, o in zip(queued, own, strict=True)]
+        return ok if any(ok) else [True] * n
+
+    def _sample(self, keys: Sequence[float]) -> int:
+        finite = [k for k in keys if k != math.inf]
+        lo, hi = min(finite), max(finite)
+        span = hi - lo or 1.0
+        weights = [
+            0.0 if k == math.inf else math.exp(-(k - lo) / span / self.temperature) for k in keys
+        ]
+        r = self.rng.random() * sum(weights)
+        for i, wt in enumerate(weights):
+            r -= wt
+            if r < 0 and wt > 0:
+                return i
+        return max(i for i, wt in enumerate(weights) if wt > 0)
+
+
+class RoundRobinPolicy:
+    """Each request to the next candidate, in worker-id order."""
+
+    name: ClassVar[str] = "round_robin"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        self._next = 0
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        order = sorted(range(len(cands.loads)), key=lambda j: cands.loads[j].worker_id)
+        i = order[self._next % len(order)]
+        self._next += 1
+        return decide(self.name, request, overlaps, loads, cands, i)
+
+
+class RandomPolicy:
+    """A uniformly random candidate."""
+
+    name: ClassVar[str] = "random"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        i = self.rng.randrange(len(cands.loads))
+        return decide(self.name, request, overlaps, loads, cands, i)
+
+
+class LeastLoadedPolicy:
+    """The candidate with the least queued prefill plus decode pages; ties at random."""
+
+    name: ClassVar[str] = "least_loaded"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        keys = [load.load_pages(request.page_size) for load in cands.loads]
+        i = _pick_min(keys, cands.loads, self.rng)
+        return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+
+
+class ConsistentHashPolicy:
+    """Prefix affinity on a hash ring with bounded load.
+
+    The key is the hash of page `consistent_hash_pages - 1` (a chained hash
+    names the whole leading prefix), so requests sharing only a system prompt
+    shorter than that spread out. Even when every request has the same key,
+    the ring walk skips workers whose load would exceed
+    `consistent_hash_load_factor` x the mean (consistent hashing with bounded
+    loads, Mirrokni et al.), so one worker never takes everything.
+    """
+
+    name: ClassVar[str] = "consistent_hash"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        if config.consistent_hash_pages < 1 or config.consistent_hash_vnodes < 1:
+            raise ConfigError("consistent_hash_pages and consistent_hash_vnodes must be >= 1")
+        if config.consistent_hash_load_factor < 1:
+            raise ConfigError(
+                f"consistent_hash_load_factor must be >= 1, got {config.consistent_hash_load_factor}"
+            )
+        self.key_pages = config.consistent_hash_pages
+        self.vnodes = config.consistent_hash_vnodes
+        self.load_factor = config.consistent_hash_load_factor
+        self.rng = rng
+        self._ring_of: tuple[WorkerId, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[WorkerId] = []
+
+    def _ring(self, workers: tuple[WorkerId, ...]) -> None:
+        if workers == self._ring_of:
+            return
+        pts = sorted(
+            (xxhash.xxh3_64_intdigest(f"{wid}#{v}".encode()), wid)
+            for wid in workers
+            for v in range(self.vnodes)
+        )
+        self._points = [p for p, _ in pts]
+        self._owners = [w for _, w in pts]
+        self._ring_of = workers
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        by_id = {load.worker_id: i for i, load in enumerate(cands.loads)}
+        self._ring(tuple(sorted(by_id)))
+        size = request.page_size
+        if request.hashes:
+            key_hash = request.hashes[min(self.key_pages, len(request.hashes)) - 1]
+            point = xxhash.xxh3_64_intdigest(key_hash)
+        else:
+            point = self.rng.getrandbits(64)
+        need = request.num_pages
+        load_of = [load.load_pages(size) for load in cands.loads]
+        cap = self.load_factor * (sum(load_of) + need) / len(load_of)
+        start = bisect.bisect_left(self._points, point)
+        ring_n = len(self._points)
+        seen: set[WorkerId] = set()
+        for k in range(ring_n):
+            wid = self._owners[(start + k) % ring_n]
+            if wid in seen:
+                continue
+            seen.add(wid)
+            i = by_id[wid]
+            if load_of[i] + need <= cap:
+                return decide(self.name, request, overlaps, loads, cands, i, load_of[i])
+            if len(seen) == len(by_id):
+                break
+        i = _pick_min(load_of, cands.loads, self.rng)
+        return decide(self.name, request, overlaps, loads, cands, i, load_of[i])
+
+
+class CacheAwarePolicy:
+    """SGLang router's cache-aware policy.
+
+    Load imbalanced (max - min active requests > `balance_abs_threshold` and
+    max > `balance_rel_threshold` x min): shortest queue. Otherwise the
+    worker with the longest prefix if its match rate (held pages / prompt
+    pages) exceeds `cache_threshold`, else the least loaded.
+    """
+
+    name: ClassVar[str] = "cache_aware"
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        if not 0 <= config.cache_threshold <= 1:
+            raise ConfigError(f"cache_threshold must be in [0, 1], got {config.cache_threshold}")
+        self.cache_threshold = config.cache_threshold
+        self.abs_threshold = config.balance_abs_threshold
+        self.rel_threshold = config.balance_rel_threshold
+        self.rng = rng
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        queue = [load.active_requests for load in cands.loads]
+        lo, hi = min(queue), max(queue)
+        imbalanced = hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
+        if not imbalanced:
+            best = max(cands.overlaps)
+            total = request.num_pages
+            if best > 0 and total > 0 and best / total > self.cache_threshold:
+                keys = [float(-ov) for ov in cands.overlaps]
+                i = _pick_min(keys, cands.loads, self.rng)
+                return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+        keys = [float(q) for q in queue]
+        i = _pick_min(keys, cands.loads, self.rng)
+        return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+
+
+REGISTRY: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls
+    for cls in (
+        KVAwarePolicy,
+        RoundRobinPolicy,
+        RandomPolicy,
+        LeastLoadedPolicy,
+        ConsistentHashPolicy,
+        CacheAwarePolicy,
+    )
+}
+"""Policy name -> class; every class is built as ``cls(config, rng)``."""
+
+
+def make_policy(
+    name: str, config: CoordinatorConfig | None = None, rng: random.Random | None = None
+) -> RoutingPolicy:
+    """Build a policy by name; raises `ConfigError` naming the known ones."""
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown routing policy {name!r}; choose one of {sorted(REGISTRY)}")
+    cfg = config or CoordinatorConfig()
+    return cls(cfg, rng if rng is not None else random.Random(cfg.seed))
