@@ -64,6 +64,7 @@ class ModelConfig:
     device: str = "cpu"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    prefill_chunk_tokens: int = 512  # chunked prefill: tokens per model call (rounded to pages)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,405 @@
+"""A worker serving requests: cache hits, pulls and computed pages all give the from-scratch answer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from kvmesh.config import ModelConfig
+from kvmesh.errors import InvalidInput, PoolExhausted, TransportError
+from kvmesh.events import PagesStored
+from kvmesh.hashing import ExtraKeys, PageHasher, RequestHashes
+from kvmesh.types import PageHash
+from kvmesh.worker.cache_manager import KVCacheManager, Request
+from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.model import TinyTransformer
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.serving import (
+    GenerationResult,
+    PulledPage,
+    PullFn,
+    PullRequest,
+    RouteHint,
+    ServingEngine,
+)
+
+PAGE = 8
+CFG = ModelConfig(num_layers=2, prefill_chunk_tokens=3 * PAGE)
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyTransformer:
+    return TinyTransformer(CFG)
+
+
+def make_engine(
+    model: TinyTransformer, num_pages: int = 64, chunk_tokens: int | None = None, **kw: object
+) -> ServingEngine:
+    pool = PagePool(num_pages, page_size=PAGE)
+    store = KVStore(num_pages, CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, PAGE, CFG.dtype)
+    return ServingEngine(
+        model,
+        KVCacheManager(pool, PAGE),
+        store,
+        PageHasher(PAGE),
+        chunk_tokens=chunk_tokens,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+
+
+def assert_idle_and_consistent(engine: ServingEngine) -> None:
+    engine.pool.check_invariants()
+    assert engine.pool.get_num_free_pages() == engine.pool.num_pages - 1
+    assert engine.cache_manager.request_ids() == []
+
+
+def copying_pull_fn(source: ServingEngine, asked: list[PullRequest]) -> PullFn:
+    """An in-process peer: export the asked pages from `source`'s pool and store."""
+
+    def pull(req: PullRequest) -> Sequence[PulledPage]:
+        asked.append(req)
+        out: list[PulledPage] = []
+        with source.lock:
+            for h in req.page_hashes:
+                page = source.pool.get_cached_page(h)
+                if page is None:
+                    break
+                out.append((h, source.kv_store.export_page(page.page_id, copy=True)))
+        return out
+
+    return pull
+
+
+def test_the_same_prompt_twice_hits_the_second_time_with_identical_tokens(
+    model: TinyTransformer,
+) -> None:
+    engine = make_engine(model)
+    p = prompt(5 * PAGE + 3)
+    first = engine.serve("r1", p, 10)
+    second = engine.serve("r2", p, 10)
+    assert first.pages_hit_local == 0 and first.pages_computed == 6
+    assert second.pages_hit_local == 5 and second.pages_computed == 1
+    assert second.cached_tokens == 5 * PAGE
+    assert second.tokens == first.tokens == tuple(engine.compute_from_scratch(p, 10))
+    assert_idle_and_consistent(engine)
+
+
+def test_a_prompt_of_whole_pages_recomputes_its_last_page(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(4 * PAGE, seed=1)
+    engine.serve("a", p, 4)
+    again = engine.serve("b", p, 4)
+    assert (again.pages_hit_local, again.pages_computed) == (3, 1)
+    assert list(again.tokens) == engine.compute_from_scratch(p, 4)
+
+
+def test_a_shared_prefix_is_reused_and_only_the_rest_is_computed(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    system = prompt(6 * PAGE, seed=2)
+    a = system + prompt(2 * PAGE + 5, seed=3)
+    b = system + prompt(3 * PAGE + 1, seed=4)
+    engine.serve("a", a, 6)
+    rb = engine.serve("b", b, 6)
+    assert rb.pages_hit_local == 6
+    assert rb.pages_computed == 4
+    assert list(rb.tokens) == engine.compute_from_scratch(b, 6)
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 2, 64])
+@pytest.mark.parametrize("length", [1, PAGE - 1, PAGE, 3 * PAGE + 1, 9 * PAGE])
+def test_results_equal_compute_from_scratch_for_any_length_and_chunking(
+    model: TinyTransformer, length: int, chunk_pages: int
+) -> None:
+    engine = make_engine(model, chunk_tokens=chunk_pages * PAGE)
+    p = prompt(length, seed=length)
+    expected = engine.compute_from_scratch(p, 7)
+    assert list(engine.serve("cold", p, 7).tokens) == expected
+    assert list(engine.serve("warm", p, 7).tokens) == expected
+    assert_idle_and_consistent(engine)
+
+
+def test_cached_pages_hold_the_kv_of_a_whole_prompt_pass(model: TinyTransformer) -> None:
+    engine = make_engine(model, chunk_tokens=PAGE)  # strictly page by page
+    p = prompt(7 * PAGE + 2, seed=9)
+    engine.serve("r", p, 1)
+    _, whole_kv = model.prefill(p)
+    hashes = PageHasher(PAGE).hash_prompt(p)
+    for i, h in enumerate(hashes):
+        page = engine.pool.get_cached_page(h)
+        assert page is not None
+        stored = engine.kv_store.read_page(page.page_id)  # [L, 2, P, H, D]
+        torch.testing.assert_close(
+            stored, whole_kv[:, :, i * PAGE : (i + 1) * PAGE], atol=ATOL, rtol=0
+        )
+
+
+def test_serving_caches_the_full_prompt_pages_and_announces_them(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(3 * PAGE + 4, seed=11)
+    engine.serve("r", p, 2)
+    events = engine.take_events()
+    stored = [h for ev in events if isinstance(ev, PagesStored) for h in ev.page_hashes]
+    assert stored == PageHasher(PAGE).hash_prompt(p)
+    assert engine.pool.cached_hashes() == set(stored)
+    assert engine.take_events() == []
+
+
+def test_cache_salts_separate_tenants_completely(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(6 * PAGE, seed=12)
+    alice, bob = ExtraKeys(cache_salt="alice"), ExtraKeys(cache_salt="bob")
+    ra = engine.serve("a", p, 5, extra_keys=alice)
+    rb = engine.serve("b", p, 5, extra_keys=bob)
+    plain = engine.serve("c", p, 5)
+    assert rb.pages_hit_local == 0 and plain.pages_hit_local == 0
+    assert engine.serve("a2", p, 5, extra_keys=alice).pages_hit_local == 5
+    assert ra.tokens == rb.tokens == plain.tokens  # a salt changes identity, never the answer
+
+
+def test_pages_pulled_from_a_peer_give_the_from_scratch_tokens(model: TinyTransformer) -> None:
+    peer, engine = make_engine(model), make_engine(model)
+    p = prompt(8 * PAGE + 5, seed=13)
+    peer.serve("warm", p, 1)
+    asked: list[PullRequest] = []
+    hint = RouteHint(promised_local=0, promised_pull=8, peer="peer-0")
+    result = engine.serve("r", p, 9, hint=hint, pull_fn=copying_pull_fn(peer, asked))
+    assert (result.pages_hit_local, result.pages_pulled, result.pages_computed) == (0, 8, 1)
+    assert (result.promised_local, result.promised_pull) == (0, 8)
+    assert result.pull_error is None
+    assert list(result.tokens) == engine.compute_from_scratch(p, 9)
+    (req,) = asked
+    assert req.peer == "peer-0" and req.parent_hash is None
+    assert list(req.page_hashes) == PageHasher(PAGE).hash_prompt(p)[:8]
+    assert req.token_ids == tuple(p[: 8 * PAGE])
+    for h in req.page_hashes:  # bit-exact copies, now cached locally
+        mine, theirs = engine.pool.get_cached_page(h), peer.pool.get_cached_page(h)
+        assert mine is not None and theirs is not None
+        assert torch.equal(
+            engine.kv_store.read_page(mine.page_id), peer.kv_store.read_page(theirs.page_id)
+        )
+    assert engine.serve("again", p, 9).pages_hit_local == 8
+    assert_idle_and_consistent(engine)
+    assert_idle_and_consistent(peer)
+
+
+def test_a_pull_only_fetches_what_the_local_prefix_lacks(model: TinyTransformer) -> None:
+    peer, engine = make_engine(model), make_engine(model)
+    p = prompt(10 * PAGE, seed=14)
+    peer.serve("warm", p, 1)
+    engine.serve("head", p[: 3 * PAGE + 2], 1)  # the worker holds the first 3 pages
+    asked: list[PullRequest] = []
+    hint = RouteHint(promised_local=3, promised_pull=7, peer="peer-0")
+    result = engine.serve("r", p, 5, hint=hint, pull_fn=copying_pull_fn(peer, asked))
+    assert (result.pages_hit_local, result.pages_pulled, result.pages_computed) == (3, 6, 1)
+    hashes = PageHasher(PAGE).hash_prompt(p)
+    assert asked[0].page_hashes == tuple(hashes[3:9])  # the last token is always recomputed
+    assert asked[0].parent_hash == hashes[2]
+    assert list(result.tokens) == engine.compute_from_scratch(p, 5)
+
+
+def test_a_peer_that_lost_some_pages_sends_fewer_and_the_rest_is_computed(
+    model: TinyTransformer,
+) -> None:
+    peer, engine = make_engine(model), make_engine(model)
+    p = prompt(6 * PAGE + 1, seed=15)
+    peer.serve("warm", p[: 2 * PAGE], 1)  # the peer holds only 2 of the 6 pages promised
+    hint = RouteHint(promised_pull=6, peer="peer-0")
+    result = engine.serve("r", p, 4, hint=hint, pull_fn=copying_pull_fn(peer, []))
+    assert (result.pages_pulled, result.pages_computed) == (2, 5)
+    assert list(result.tokens) == engine.compute_from_scratch(p, 4)
+
+
+def test_a_failed_pull_is_computed_instead_and_reported(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(4 * PAGE, seed=16)
+
+    def unreachable(req: PullRequest) -> Sequence[PulledPage]:
+        raise TransportError(f"peer {req.peer} unreachable")
+
+    hint = RouteHint(promised_pull=3, peer="peer-0")
+    result = engine.serve("r", p, 3, hint=hint, pull_fn=unreachable)
+    assert result.pull_error is not None and "unreachable" in result.pull_error
+    assert (result.pages_pulled, result.pages_computed) == (0, 4)
+    assert list(result.tokens) == engine.compute_from_scratch(p, 3)
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize("damage", ["checksum", "wrong_hash", "wrong_shape"])
+def test_a_bad_pulled_page_is_rejected_before_it_enters_the_pool(
+    model: TinyTransformer, damage: str
+) -> None:
+    peer, engine = make_engine(model), make_engine(model)
+    p = prompt(5 * PAGE + 3, seed=17)
+    peer.serve("warm", p, 1)
+    good = copying_pull_fn(peer, [])
+
+    def bad(req: PullRequest) -> Sequence[PulledPage]:
+        pages = list(good(req))
+        h, blob = pages[1]
+        if damage == "checksum":
+            raw = bytearray(bytes(blob.data))
+            raw[0] ^= 0xFF
+            pages[1] = (h, PageBlob(bytes(raw), blob.dtype, blob.shape, blob.checksum))
+        elif damage == "wrong_hash":
+            pages[1] = (PageHash(bytes(len(h))), blob)
+        else:
+            pages[1] = (h, PageBlob.from_bytes(bytes(blob.data)[:-4], blob.dtype, (1,)))
+        return pages
+
+    result = engine.serve("r", p, 3, hint=RouteHint(promised_pull=5, peer="p"), pull_fn=bad)
+    assert result.pull_error is not None
+    assert result.pages_pulled == 0 and result.pages_computed == 6
+    assert list(result.tokens) == engine.compute_from_scratch(p, 3)
+    assert_idle_and_consistent(engine)
+
+
+def test_promised_and_realized_pages_are_reported_side_by_side(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(5 * PAGE, seed=18)
+    result = engine.serve("r", p, 2, hint=RouteHint(promised_local=4))  # a wrong promise
+    assert (result.promised_local, result.pages_hit_local) == (4, 0)
+
+
+def test_a_prompt_larger_than_the_pool_is_refused_clearly(model: TinyTransformer) -> None:
+    engine = make_engine(model, num_pages=5)
+    with pytest.raises(PoolExhausted, match="needs 7 pages"):
+        engine.serve("big", prompt(6 * PAGE + 1), 2)
+    assert_idle_and_consistent(engine)
+
+
+def test_a_pool_held_by_other_requests_raises_pool_exhausted_and_leaks_nothing(
+    model: TinyTransformer,
+) -> None:
+    engine = make_engine(model, num_pages=12)
+    p = prompt(4 * PAGE + 2, seed=19)
+    engine.serve("warm", p, 1)  # 4 cached pages, free
+    blocker = Request("blocker", RequestHashes(engine.hasher, prompt(8 * PAGE, seed=20)))
+    with engine.lock:
+        assert engine.cache_manager.allocate_slots(blocker, 8 * PAGE) is not None
+    free_before = engine.pool.get_num_free_pages()
+    cached_before = engine.pool.cached_hashes()
+    with pytest.raises(PoolExhausted, match="retry later or grow the pool"):
+        engine.serve("r", p + prompt(2 * PAGE, seed=21), 3)
+    engine.pool.check_invariants()
+    assert engine.pool.get_num_free_pages() == free_before
+    assert engine.pool.cached_hashes() == cached_before
+    assert engine.cache_manager.request_ids() == ["blocker"]
+    with engine.lock:
+        engine.cache_manager.free(blocker)
+    assert list(engine.serve("r", p, 3).tokens) == engine.compute_from_scratch(p, 3)
+    assert_idle_and_consistent(engine)
+
+
+def test_concurrent_requests_get_correct_answers_and_leave_the_pool_clean(
+    model: TinyTransformer,
+) -> None:
+    engine = make_engine(model, num_pages=128, max_concurrent=3)
+    system = prompt(5 * PAGE, seed=22)
+    prompts = [system + prompt(PAGE * (i % 3) + i, seed=100 + i) for i in range(12)]
+    expected = [engine.compute_from_scratch(q, 6) for q in prompts]
+    with ThreadPoolExecutor(max_workers=6) as ex:
+        results = list(ex.map(lambda iq: engine.serve(f"r{iq[0]}", iq[1], 6), enumerate(prompts)))
+    assert [list(r.tokens) for r in results] == expected
+    assert sum(r.pages_hit_local for r in results) > 0
+    assert_idle_and_consistent(engine)
+
+
+def test_waiting_requests_count_as_queued_load(model: TinyTransformer) -> None:
+    engine = make_engine(model, max_concurrent=1)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+        entered.set()
+        release.wait(timeout=30)
+        return []
+
+    p = prompt(3 * PAGE, seed=23)
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        first = ex.submit(
+            engine.serve, "a", p, 2, hint=RouteHint(promised_pull=2, peer="x"), pull_fn=slow_pull
+        )
+        assert entered.wait(timeout=30)
+        second = ex.submit(engine.serve, "b", p, 2)
+        for _ in range(3000):
+            if engine.load().waiting == 1:
+                break
+            threading.Event().wait(0.01)
+        load = engine.load()
+        assert (load.running, load.waiting) == (1, 1)
+        assert load.prefill_tokens == 2 * len(p)
+        release.set()
+        ra, rb = first.result(timeout=60), second.result(timeout=60)
+    assert ra.tokens == rb.tokens
+    assert rb.timings.queue_ms >= 0
+    assert engine.load().running == engine.load().waiting == 0
+
+
+def test_a_request_id_already_running_is_refused(model: TinyTransformer) -> None:
+    engine = make_engine(model, max_concurrent=2)
+    errors: list[Exception] = []
+
+    def reentrant_pull(req: PullRequest) -> Sequence[PulledPage]:
+        try:
+            engine.serve("same", prompt(4), 1)
+        except InvalidInput as exc:
+            errors.append(exc)
+        return []
+
+    hint = RouteHint(promised_pull=2, peer="x")
+    engine.serve("same", prompt(3 * PAGE), 1, hint=hint, pull_fn=reentrant_pull)
+    assert len(errors) == 1 and "already being served" in str(errors[0])
+    assert_idle_and_consistent(engine)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_tokens", "message"),
+    [
+        ([], 3, "empty"),
+        ([1, 256], 3, r"\[0, 256\)"),
+        ([1, -1], 3, r"\[0, 256\)"),
+        ([1, 2], -1, "max_tokens"),
+        (["a"], 1, "integers"),
+        ([1] * CFG.max_positions, 2, "max_positions"),
+    ],
+)
+def test_bad_requests_are_refused_before_touching_the_pool(
+    model: TinyTransformer, tokens: list[object], max_tokens: int, message: str
+) -> None:
+    engine = make_engine(model, num_pages=2048)
+    with pytest.raises(InvalidInput, match=message):
+        engine.serve("bad", tokens, max_tokens)  # type: ignore[arg-type]
+    assert_idle_and_consistent(engine)
+    assert engine.take_events() == []
+
+
+def test_zero_max_tokens_prefills_and_caches_without_an_answer(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(3 * PAGE + 1, seed=24)
+    result = engine.serve("prefill-only", p, 0)
+    assert result.tokens == ()
+    assert engine.serve("decode", p, 4).pages_hit_local == 3
+
+
+def test_timings_are_consistent(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    result: GenerationResult = engine.serve("r", prompt(40), 5, arrival_time=None)
+    t = result.timings
+    assert min(t.queue_ms, t.pull_ms, t.prefill_ms) >= 0
+    assert t.queue_ms + t.prefill_ms <= t.ttft_ms <= t.total_ms
+
+
+def test_parts_that_disagree_are_refused(model: TinyTransformer) -> None:
+    pool = PagePool(16, page_size=PAGE)
+    store = KVStore(16, CFG.num_layers + 1, CFG.num_kv_heads, CFG.head_dim, PAGE)
+    with pytest.raises(InvalidInput, match="KV store pages"):
+        ServingEngine(model, KVCacheManager(pool, PAGE), store, PageHasher(PAGE))

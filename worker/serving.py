@@ -1,0 +1,487 @@
+"""One worker serving one request: cached prefix, pulled pages, computed rest, greedy answer.
+
+Pure of Ray and gRPC: the actor owns a `ServingEngine` and injects the pull
+(a callable that fetches pages from a peer) so that tests run the same code in
+one process. The steps of `ServingEngine.serve`::
+
+    tokens ─► page hashes (chained, with extra keys)
+           ─► local match  ── pages the pool already holds      (pages_hit_local)
+           ─► pull_fn      ── pages the route's peer holds      (pages_pulled)
+           ─► compute      ── the rest, chunk by chunk over the cached KV,
+                              written into the request's pages  (pages_computed)
+           ─► cache the full pages, first token                 (TTFT)
+           ─► greedy decode in a private buffer, free pages tail first
+
+Locking: the pool and the cache manager are not thread-safe, so every call on
+them happens under `lock` (shared with the worker's gRPC servicer, which pins
+pages it streams out). The model runs outside the lock: a request reads only
+pages it holds (a held page is never reused) and writes only pages it
+allocated, which nobody can hit before they are cached, and they are cached
+only after their KV is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvmesh.errors import InvalidInput, KVMeshError, PoolExhausted
+from kvmesh.events import KVEvent
+from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes
+from kvmesh.types import PageHash, PageId, WorkerId
+from kvmesh.worker.cache_manager import KVCacheManager, Request
+from kvmesh.worker.free_queue import KVPage
+from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.model import TinyTransformer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WORKER_ID = WorkerId("worker")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the route decision promised this worker.
+
+    `promised_local`: pages of the prompt the coordinator believes this worker
+    holds. `peer` (an address `pull_fn` understands) holds the prefix up to
+    ``promised_local + promised_pull`` pages, so that many more could be pulled.
+    """
+
+    promised_local: int = 0
+    promised_pull: int = 0
+    peer: str | None = None
+
+
+NO_HINT = RouteHint()
+
+
+@dataclass(frozen=True, slots=True)
+class PullRequest:
+    """Pages to fetch from a peer: consecutive pages of one prompt, in order.
+
+    `token_ids` are those pages' tokens (``page_size`` each) and `parent_hash`
+    the hash before the first, so that the peer can verify the chain.
+    """
+
+    peer: str
+    page_hashes: tuple[PageHash, ...]
+    parent_hash: PageHash | None
+    token_ids: tuple[int, ...]
+
+
+PulledPage = tuple[PageHash, PageBlob]
+PullFn = Callable[[PullRequest], Sequence[PulledPage]]
+"""Fetches pages from a peer: the pages it has, in the order asked, stopping at the first
+it lacks. Raises a `KVMeshError` (e.g. `TransportError`) when the peer cannot serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Milliseconds: queue (arrival to start), pull, prefill, to first token, total."""
+
+    queue_ms: float
+    pull_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """The answer and how it was produced: pages hit, pulled, computed vs promised.
+
+    Page counts are over the prompt's pages (the last, partial one included):
+    ``pages_hit_local + pages_pulled + pages_computed == ceil(prompt_tokens / page_size)``.
+    """
+
+    request_id: str
+    worker_id: WorkerId
+    tokens: tuple[int, ...]
+    timings: RequestTimings
+    prompt_tokens: int
+    cached_tokens: int
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    promised_local: int
+    promised_pull: int
+    pull_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What a router weighs: requests running and waiting, prompt tokens in flight, pages."""
+
+    running: int
+    waiting: int
+    prefill_tokens: int
+    free_pages: int
+    num_pages: int
+    usage: float
+
+
+@dataclass(slots=True)
+class _Progress:
+    """Mutable bookkeeping of one `serve` call (what the result reports)."""
+
+    pull_ms: float = 0.0
+    pull_error: str | None = None
+    pulled_ids: frozenset[PageId] = frozenset()
+
+
+class ServingEngine:
+    """The request-serving logic of one worker over its pool, KV store and model.
+
+    `serve` is safe to call from several threads; at most `max_concurrent`
+    requests compute at once (the others wait, which is their queue time).
+    """
+
+    def __init__(
+        self,
+        model: TinyTransformer,
+        cache_manager: KVCacheManager,
+        kv_store: KVStore,
+        hasher: PageHasher,
+        *,
+        worker_id: WorkerId = DEFAULT_WORKER_ID,
+        max_concurrent: int = 1,
+        chunk_tokens: int | None = None,
+        lock: threading.RLock | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        page_size = hasher.page_size
+        problems = []
+        if cache_manager.page_size != page_size:
+            problems.append(f"cache manager page_size {cache_manager.page_size} != {page_size}")
+        want = (model.num_layers, 2, page_size, model.num_kv_heads, model.head_dim)
+        if tuple(kv_store.page_shape) != want or kv_store.dtype != model.dtype:
+            problems.append(
+                f"KV store pages are {kv_store.dtype} {list(kv_store.page_shape)}, the model "
+                f"needs {model.dtype} {list(want)}"
+            )
+        if kv_store.num_pages != cache_manager.pool.num_pages:
+            problems.append(
+                f"KV store has {kv_store.num_pages} pages, the pool {cache_manager.pool.num_pages}"
+            )
+        if max_concurrent < 1:
+            problems.append(f"max_concurrent must be >= 1, got {max_concurrent}")
+        if problems:
+            raise InvalidInput("ServingEngine parts disagree: " + "; ".join(problems))
+        chunk = model.cfg.prefill_chunk_tokens if chunk_tokens is None else chunk_tokens
+        self.model = model
+        self.cache_manager = cache_manager
+        self.pool = cache_manager.pool
+        self.kv_store = kv_store
+        self.hasher = hasher
+        self.page_size = page_size
+        self.worker_id = worker_id
+        self.chunk_pages = max(1, chunk // page_size)
+        self.lock = lock if lock is not None else threading.RLock()
+        self.clock = clock
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._state = threading.Lock()
+        self._active: dict[str, int] = {}  # request id -> prompt tokens still to compute
+        self._waiting = 0
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        extra_keys: ExtraKeys = NO_EXTRA,
+        hint: RouteHint = NO_HINT,
+        pull_fn: PullFn | None = None,
+        arrival_time: float | None = None,
+    ) -> GenerationResult:
+        """Answer one request with `max_tokens` greedy tokens; see the module docstring.
+
+        `arrival_time` (on `clock`) starts the queue time; default: now. Raises
+        `InvalidInput` for bad tokens, lengths or a request id already running, and
+        `PoolExhausted` when the pool cannot hold the prompt's pages; in every
+        failure the request's pages are released and nothing else changes. A
+        failed pull is not an error: its pages are computed instead (`pull_error`).
+        """
+        arrived = self.clock() if arrival_time is None else arrival_time
+        tokens = self._check_request(token_ids, max_tokens)
+        num_pages = -(-len(tokens) // self.page_size)
+        if num_pages > self.pool.num_pages - 1:
+            raise PoolExhausted(
+                f"a {len(tokens)}-token prompt needs {num_pages} pages of {self.page_size} tokens "
+                f"but the pool has only {self.pool.num_pages - 1}; shorten the prompt or grow "
+                "the pool (num_pages)"
+            )
+        request = Request(request_id, RequestHashes(self.hasher, tokens, extra_keys))
+        with self._admitted(request_id, len(tokens)):
+            started = self.clock()
+            progress = _Progress()
+            try:
+                matched, new_pages = self._take_pages(request, hint, pull_fn, progress)
+                t0 = self.clock()
+                kv, logits = self._prefill(request, matched, new_pages, max_tokens)
+                with self.lock:
+                    self.cache_manager.cache_pages(request, len(tokens))
+                answer: list[int] = []
+                if max_tokens:
+                    answer.append(int(torch.argmax(logits)))
+                first = self.clock()
+                if max_tokens > 1:
+                    rest, _ = self.model.decode(answer[0], kv, len(tokens), max_tokens - 1)
+                    answer.extend(rest)
+            finally:
+                with self.lock:
+                    self.cache_manager.free(request)
+            done = self.clock()
+        n_pulled = sum(1 for p in matched if p.page_id in progress.pulled_ids)
+        return GenerationResult(
+            request_id=request_id,
+            worker_id=self.worker_id,
+            tokens=tuple(answer),
+            timings=RequestTimings(
+                queue_ms=(started - arrived) * 1e3,
+                pull_ms=progress.pull_ms,
+                prefill_ms=(first - t0) * 1e3,
+                ttft_ms=(first - arrived) * 1e3,
+                total_ms=(done - arrived) * 1e3,
+            ),
+            prompt_tokens=len(tokens),
+            cached_tokens=len(matched) * self.page_size,
+            pages_hit_local=len(matched) - n_pulled,
+            pages_pulled=n_pulled,
+            pages_computed=num_pages - len(matched),
+            promised_local=hint.promised_local,
+            promised_pull=hint.promised_pull,
+            pull_error=progress.pull_error,
+        )
+
+    def compute_from_scratch(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The reference answer: the whole prompt in one pass, no cache, no pool."""
+        return self.model.generate(self._check_request(token_ids, max_tokens), max_tokens)
+
+    # -------------------------------------------------------------- inspection
+
+    def load(self) -> EngineLoad:
+        """The engine's load now (cheap; for heartbeats and routing)."""
+        with self._state:
+            running, waiting = len(self._active) - self._waiting, self._waiting
+            prefill = sum(self._active.values())
+        with self.lock:
+            free = self.pool.get_num_free_pages()
+            usage = self.pool.usage
+        return EngineLoad(running, waiting, prefill, free, self.pool.num_pages, usage)
+
+    def take_events(self) -> list[KVEvent]:
+        """The pool's KV events since the last call (drained atomically)."""
+        with self.lock:
+            return self.cache_manager.take_events()
+
+    # ----------------------------------------------------------------- steps
+
+    def _check_request(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidInput(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        try:
+            tokens = [operator.index(t) for t in token_ids]
+        except TypeError as exc:
+            raise InvalidInput(f"token ids must be integers: {exc}") from exc
+        if not tokens:
+            raise InvalidInput("the prompt is empty: give at least one token")
+        vocab = self.model.cfg.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise InvalidInput(
+                f"token ids must lie in [0, {vocab}), got range [{min(tokens)}, {max(tokens)}]"
+            )
+        limit = self.model.cfg.max_positions
+        if len(tokens) + max(max_tokens - 1, 0) > limit:
+            raise InvalidInput(
+                f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's max_positions={limit}"
+            )
+        return tokens
+
+    @contextmanager
+    def _admitted(self, request_id: str, num_tokens: int) -> Iterator[None]:
+        """Register the request, wait for a compute slot, run, unregister."""
+        with self._state:
+            if request_id in self._active:
+                raise InvalidInput(f"request id {request_id!r} is already being served")
+            self._active[request_id] = num_tokens
+            self._waiting += 1
+        admitted = False
+        try:
+            with self._slots:
+                with self._state:
+                    self._waiting -= 1
+                    admitted = True
+                yield
+        finally:
+            with self._state:
+                if not admitted:
+                    self._waiting -= 1
+                self._active.pop(request_id, None)
+
+    def _take_pages(
+        self, request: Request, hint: RouteHint, pull_fn: PullFn | None, progress: _Progress
+    ) -> tuple[list[KVPage], list[KVPage]]:
+        """Hold the request's pages: the cached prefix (after an optional pull) and new ones."""
+        pulled: Sequence[PulledPage] = ()
+        first_pulled = 0
+        if pull_fn is not None and hint.peer is not None and self.cache_manager.enable_caching:
+            t0 = self.clock()
+            pulled, first_pulled = self._pull(request, hint, pull_fn, progress)
+            progress.pull_ms = (self.clock() - t0) * 1e3
+        cm, pool = self.cache_manager, self.pool
+        with self.lock:
+            t0 = self.clock()
+            held: list[KVPage] = []
+            try:
+                if pulled:
+                    limit = (request.num_tokens - 1) // self.page_size
+                    held = pool.match_prefix(request.page_hashes, limit)
+                    pool.touch(held)  # shield the local prefix while pulled pages go in
+                    inserted = self._insert_pulled(request, pulled, first_pulled, len(held))
+                    held.extend(inserted)
+                    progress.pulled_ids = frozenset(p.page_id for p in inserted)
+                matched, _ = cm.get_computed_pages(request)
+                new_pages = cm.allocate_slots(
+                    request,
+                    request.num_tokens - len(matched) * self.page_size,
+                    len(matched) * self.page_size,
+                    matched,
+                    delay_caching=True,
+                )
+            finally:
+                pool.free_pages(reversed(held))
+            if pulled:
+                progress.pull_ms += (self.clock() - t0) * 1e3
+            if new_pages is None:
+                raise PoolExhausted(
+                    f"request {request.request_id!r} needs {-(-request.num_tokens // self.page_size)}"
+                    f" pages ({len(matched)} cached) but only {pool.get_num_free_pages()} of "
+                    f"{pool.num_pages - 1} are free: too many requests at once for this pool; "
+                    "retry later or grow the pool (num_pages)"
+                )
+        return matched, new_pages
+
+    def _pull(
+        self, request: Request, hint: RouteHint, pull_fn: PullFn, progress: _Progress
+    ) -> tuple[Sequence[PulledPage], int]:
+        """Fetch from the hinted peer the pages past the local prefix; checked, not inserted."""
+        hashes = request.page_hashes
+        limit = min((request.num_tokens - 1) // self.page_size, len(hashes))
+        end = min(hint.promised_local + hint.promised_pull, limit)
+        with self.lock:
+            start = len(self.pool.match_prefix(hashes, limit))
+        if start >= end or hint.peer is None:
+            return (), 0
+        ps = self.page_size
+        ask = PullRequest(
+            peer=hint.peer,
+            page_hashes=tuple(hashes[start:end]),
+            parent_hash=hashes[start - 1] if start else None,
+            token_ids=tuple(request.token_ids[start * ps : end * ps]),
+        )
+        try:
+            pages = pull_fn(ask)
+            good: list[PulledPage] = []
+            for want, (got, blob) in zip(ask.page_hashes, pages, strict=False):
+                if got != want:
+                    raise InvalidInput(
+                        f"peer {hint.peer} sent page {got.hex()[:16]} where "
+                        f"{want.hex()[:16]} was asked"
+                    )
+                self.kv_store.check_blob(blob)
+                good.append((got, blob))
+        except KVMeshError as exc:
+            # Pulling is an optimisation: whatever did not arrive intact is computed.
+            progress.pull_error = f"{type(exc).__name__}: {exc}"
+            log.warning("pull from %s failed, computing instead: %s", hint.peer, exc)
+            return (), 0
+        return good, start
+
+    def _insert_pulled(
+        self, request: Request, pulled: Sequence[PulledPage], first: int, num_matched: int
+    ) -> list[KVPage]:
+        """Put pulled pages that extend the held prefix into the pool; they stay held (lock held).
+
+        Pages the prefix already covers are skipped; a gap (the prefix shrank
+        while pulling) makes the rest unusable for this request, so they are dropped.
+        """
+        pool, store, ps = self.pool, self.kv_store, self.page_size
+        hashes, tokens = request.page_hashes, request.token_ids
+        skip = num_matched - first
+        if skip < 0:
+            return []
+        todo = pulled[skip:]
+        n = min(len(todo), pool.get_num_free_pages())
+        if n <= 0:
+            return []
+        pages = pool.get_new_pages(n)
+        for i, (page, (page_hash, blob)) in enumerate(zip(pages, todo, strict=False)):
+            index = num_matched + i
+            store.import_page(page.page_id, blob, verified=True)
+            pool.cache_page(
+                page,
+                page_hash,
+                hashes[index - 1] if index else None,
+                tokens[index * ps : (index + 1) * ps],
+                request.lora_id,
+            )
+        return pages
+
+    def _prefill(
+        self, request: Request, matched: list[KVPage], new_pages: list[KVPage], max_tokens: int
+    ) -> tuple[Tensor, Tensor]:
+        """Compute the uncached tokens chunk by chunk; returns the KV buffer and last logits.
+
+        The buffer holds the whole prompt's KV (cached pages copied in) and room
+        to decode; each computed chunk's pages are written to the KV store.
+        """
+        model, store, ps = self.model, self.kv_store, self.page_size
+        tokens = request.token_ids
+        n = len(tokens)
+        pages = [*matched, *new_pages]
+        capacity = max(n + max(max_tokens - 1, 0), len(pages) * ps)
+        kv = model.empty_kv(capacity)
+        start = len(matched) * ps
+        if matched:
+            cached = store.read_pages([p.page_id for p in matched])
+            kv[:, :, :start] = _pages_to_tokens(cached)
+        logits = torch.empty(0)
+        step = self.chunk_pages * ps
+        for lo in range(start, n, step):
+            hi = min(lo + step, n)
+            logits = model.prefill_into(kv, lo, tokens[lo:hi])
+            first_page, end_page = lo // ps, -(-hi // ps)
+            store.write_pages(
+                [p.page_id for p in pages[first_page:end_page]],
+                _tokens_to_pages(kv[:, :, first_page * ps : end_page * ps], ps),
+            )
+            with self._state:
+                if request.request_id in self._active:
+                    self._active[request.request_id] = n - hi
+        return kv, logits
+
+
+def _pages_to_tokens(pages: Tensor) -> Tensor:
+    """``[n, L, 2, P, H, D]`` (store layout) -> ``[L, 2, n * P, H, D]`` (model layout)."""
+    n, layers, two, ps, heads, dim = pages.shape
+    return pages.permute(1, 2, 0, 3, 4, 5).reshape(layers, two, n * ps, heads, dim)
+
+
+def _tokens_to_pages(kv: Tensor, page_size: int) -> Tensor:
+    """``[L, 2, n * P, H, D]`` (model layout) -> contiguous ``[n, L, 2, P, H, D]``."""
+    layers, two, total, heads, dim = kv.shape
+    n = total // page_size
+    return kv.reshape(layers, two, n, page_size, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
