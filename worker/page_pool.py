@@ -1,0 +1,495 @@
+"""The worker's page pool: fixed pages, reference counts, LRU prefix cache.
+
+Semantics of vLLM v1's block pool (and EasyDeL eSurge's page pool):
+
+- `num_pages` pages; page 0 is the null page (a placeholder for pages a
+  sliding window skipped), never handed out, freed or cached;
+- a page is either held (``ref_cnt > 0``) or in the free queue
+  (``ref_cnt == 0``), never both;
+- a full, computed page is cached under its hash; when its count drops to 0
+  it goes back to the free queue *with* its hash, so it can still be hit
+  (`touch` takes it out again) until it reaches the queue's head and is reused,
+  which is when its hash is evicted;
+- ``hash -> pages`` tolerates duplicates (two requests that computed the same
+  prefix at once each cache their own copy).
+
+Every change of the cached *set of hashes* is a KV event: `PagesStored` when a
+hash gains its first page, `PagesRemoved` when it loses its last, and
+`AllPagesCleared` on reset. A second copy of a cached hash changes nothing a
+consumer can see, so it emits nothing (unlike vLLM, whose consumers must count
+copies); replaying the events into a set always gives `cached_hashes()`.
+
+Token ids in `PagesStored` are optional (`event_token_ids`, off by default):
+kvmesh's coordinator indexes the hash chain and never needs them, they are
+~50x the size of the hashes on the wire, and copying them costs more than the
+rest of a page's bookkeeping (see `kvmesh bench pool`). Turn them on for a
+consumer that re-hashes tokens itself, as some vLLM event consumers do.
+
+Not thread-safe: the owner (the worker) holds a lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation, PagesInUse, PoolExhausted
+from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from kvmesh.types import PageHash, PageId
+from kvmesh.worker.free_queue import FreePageQueue, KVPage
+
+_CacheEntry = KVPage | dict[PageId, KVPage]
+"""One page (the common case, no dict allocated) or several copies by page id."""
+
+
+class PagePool:
+    """Fixed pool of KV pages with reference counts and an LRU prefix cache.
+
+    Costs: `get_cached_page` O(1); `get_new_pages`, `touch`, `free_pages`,
+    `cache_full_pages` O(pages passed); `check_invariants`, `reset_prefix_cache`
+    O(num_pages).
+    """
+
+    __slots__ = (
+        "_cached",
+        "_events",
+        "enable_caching",
+        "event_token_ids",
+        "free_queue",
+        "medium",
+        "null_page",
+        "num_pages",
+        "page_size",
+        "pages",
+    )
+
+    def __init__(
+        self,
+        num_pages: int,
+        *,
+        enable_caching: bool = True,
+        medium: str = "cpu",
+        page_size: int = 16,
+        event_token_ids: bool = False,
+    ) -> None:
+        if num_pages < 2:
+            raise ConfigError(
+                f"num_pages must be at least 2 (page 0 is the null page), got {num_pages}"
+            )
+        if page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {page_size}")
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.medium = medium
+        self.page_size = page_size
+        self.event_token_ids = event_token_ids
+        self.pages: list[KVPage] = [KVPage(PageId(i)) for i in range(num_pages)]
+        self.null_page = self.pages[0]
+        self.null_page.is_null = True
+        self.free_queue = FreePageQueue(self.pages[1:])
+        self._cached: dict[PageHash, _CacheEntry] = {}
+        self._events: list[KVEvent] = []
+
+    # ------------------------------------------------------------------ lookups
+
+    def get_cached_page(self, page_hash: PageHash) -> KVPage | None:
+        """A page cached under `page_hash` (any copy), or None on a miss."""
+        entry = self._cached.get(page_hash)
+        if entry is None or type(entry) is KVPage:
+            return entry
+        return next(iter(entry.values()))  # type: ignore[union-attr]
+
+    def match_prefix(self, page_hashes: Sequence[PageHash], max_pages: int) -> list[KVPage]:
+        """The cached pages of the longest prefix of `page_hashes`, at most `max_pages`.
+
+        One dict lookup per page up to the first miss; nothing is touched.
+        """
+        get = self._cached.get
+        out: list[KVPage] = []
+        push = out.append
+        for i in range(min(max_pages, len(page_hashes))):
+            entry = get(page_hashes[i])
+            if entry is None:
+                break
+            if type(entry) is not KVPage:
+                entry = next(iter(entry.values()))  # type: ignore[union-attr]
+            push(entry)
+        return out
+
+    def get_cached_pages(self, page_hash: PageHash) -> list[KVPage]:
+        """Every copy cached under `page_hash` (empty on a miss)."""
+        entry = self._cached.get(page_hash)
+        if entry is None:
+            return []
+        if type(entry) is KVPage:
+            return [entry]
+        return list(entry.values())  # type: ignore[union-attr]
+
+    def cached_hashes(self) -> set[PageHash]:
+        """The set of hashes the pool can hit right now."""
+        return set(self._cached)
+
+    def num_cached_hashes(self) -> int:
+        return len(self._cached)
+
+    def get_num_free_pages(self) -> int:
+        """Pages `get_new_pages` can hand out now (free, cached or not)."""
+        return self.free_queue.num_free_pages
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null pages that are held (0.0 idle, 1.0 full)."""
+        return 1.0 - self.free_queue.num_free_pages / (self.num_pages - 1)
+
+    # --------------------------------------------------------------- allocation
+
+    def get_new_pages(self, n: int) -> list[KVPage]:
+        """Hand out `n` pages (ref count 1) from the head of the free queue.
+
+        A reused page loses its old hash first (one `PagesRemoved` for all of
+        them). Raises `PoolExhausted` when fewer than `n` pages are free, and
+        then changes nothing.
+        """
+        if n > self.free_queue.num_free_pages or n < 0:
+            if n < 0:
+                raise InvalidInput(f"cannot allocate {n} pages")
+            raise PoolExhausted(
+                f"asked for {n} pages but only {self.free_queue.num_free_pages} of "
+                f"{self.num_pages - 1} are free; free requests or grow the pool"
+            )
+        pages = self.free_queue.popleft_n(n)
+        removed: list[PageHash] | None = None
+        cached = self._cached
+        for page in pages:
+            page.ref_cnt = 1
+            key = page.page_hash
+            if key is not None:
+                entry = cached.get(key)
+                page.page_hash = page.parent_hash = None
+                if entry is page:
+                    del cached[key]
+                    if removed is None:
+                        removed = [key]
+                    else:
+                        removed.append(key)
+                else:
+                    self._drop_copy(key, entry, page)
+        if removed is not None:
+            self._events.append(PagesRemoved(tuple(removed), self.medium))
+        return pages
+
+    def _drop_copy(self, key: PageHash, entry: _CacheEntry | None, page: KVPage) -> None:
+        """Forget one of several copies of `key` (the hash stays cached)."""
+        if entry is None or type(entry) is KVPage:
+            raise InvariantViolation(
+                f"page {page.page_id} carries hash {key.hex()[:16]} that maps to "
+                f"{None if entry is None else entry.page_id}"
+            )
+        copies: dict[PageId, KVPage] = entry  # type: ignore[assignment]
+        if copies.pop(page.page_id, None) is None:
+            raise InvariantViolation(
+                f"page {page.page_id} carries hash {key.hex()[:16]} but is not among its copies "
+                f"{sorted(copies)}"
+            )
+        if len(copies) == 1:
+            self._cached[key] = next(iter(copies.values()))
+
+    def touch(self, pages: Sequence[KVPage]) -> None:
+        """Take hit pages: ref count +1, out of the free queue if it was 0."""
+        idle = [p for p in pages if not p.ref_cnt and not p.is_null]
+        if idle:
+            for p in idle:
+                if p.prev_free is None:
+                    raise InvariantViolation(
+                        f"page {p.page_id} has ref_cnt 0 but is not in the free queue"
+                    )
+            self.free_queue.remove_n(idle)
+        for p in pages:
+            p.ref_cnt += 1
+
+    def free_pages(self, ordered_pages: Iterable[KVPage]) -> None:
+        """Ref count -1; pages reaching 0 join the free queue in the given order.
+
+        Callers pass a request's pages reversed, so its tail is evicted first.
+        The pages keep their hashes until they are reused.
+        """
+        released: list[KVPage] = []
+        push = released.append
+        for page in ordered_pages:
+            rc = page.ref_cnt - 1
+            page.ref_cnt = rc
+            if not rc:
+                if not page.is_null:
+                    push(page)
+            elif rc < 0:
+                page.ref_cnt = 0
+                raise InvariantViolation(
+                    f"page {page.page_id} freed more often than it was taken (ref_cnt {rc})"
+                )
+        self.free_queue.append_n(released)
+
+    # ------------------------------------------------------------------ caching
+
+    def cache_page(
+        self,
+        page: KVPage,
+        page_hash: PageHash,
+        parent_hash: PageHash | None,
+        token_ids: Sequence[int] = (),
+        lora_id: int | None = None,
+    ) -> None:
+        """Cache one held, computed page under `page_hash` (emits `PagesStored` if new)."""
+        if page.is_null or page.ref_cnt <= 0:
+            raise InvalidInput(
+                f"page {page.page_id} cannot be cached: "
+                + ("it is the null page" if page.is_null else "it is not held (ref_cnt 0)")
+            )
+        if page.page_hash is not None:
+            if page.page_hash == page_hash:
+                return
+            raise InvalidInput(
+                f"page {page.page_id} is already cached under another hash; "
+                "a computed page's content never changes"
+            )
+        if token_ids and len(token_ids) != self.page_size:
+            raise InvalidInput(
+                f"a page holds {self.page_size} tokens, got {len(token_ids)} token ids"
+            )
+        if self._insert(page, page_hash, parent_hash, lora_id):
+            self._events.append(
+                PagesStored(
+                    (page_hash,),
+                    parent_hash,
+                    tuple(token_ids) if self.event_token_ids else (),
+                    self.page_size,
+                    lora_id,
+                    self.medium,
+                )
+            )
+
+    def _insert(
+        self, page: KVPage, key: PageHash, parent: PageHash | None, lora_id: int | None
+    ) -> bool:
+        """Map `key` to `page`; True when `key` was not cached before."""
+        page.page_hash = key
+        page.parent_hash = parent
+        page.lora_id = lora_id
+        cached = self._cached
+        entry = cached.get(key)
+        if entry is None:
+            cached[key] = page
+            return True
+        if type(entry) is KVPage:
+            cached[key] = {entry.page_id: entry, page.page_id: page}
+        else:
+            entry[page.page_id] = page  # type: ignore[index]
+        return False
+
+    def cache_full_pages(
+        self,
+        pages: Sequence[KVPage],
+        page_hashes: Sequence[PageHash],
+        num_cached_pages: int,
+        num_full_pages: int,
+        token_ids: Sequence[int] = (),
+        lora_id: int | None = None,
+    ) -> None:
+        """Cache ``pages[num_cached:num_full]`` under ``page_hashes[num_cached:num_full]``.
+
+        `pages` and `page_hashes` are a request's whole lists (index i is page
+        i); `token_ids` its tokens, or empty when the events need not carry
+        them. Null pages (skipped by a sliding window) are left alone. Emits
+        one `PagesStored` per run of newly cached hashes (normally exactly one).
+        """
+        if num_cached_pages >= num_full_pages:
+            return
+        if num_full_pages > len(pages) or num_full_pages > len(page_hashes) or num_cached_pages < 0:
+            raise InvalidInput(
+                f"cannot cache pages [{num_cached_pages}:{num_full_pages}] of a request with "
+                f"{len(pages)} pages and {len(page_hashes)} page hashes"
+            )
+        cached = self._cached
+        get = cached.get
+        parent = page_hashes[num_cached_pages - 1] if num_cached_pages else None
+        run_start = num_cached_pages  # first page of the current run of new hashes
+        for i in range(num_cached_pages, num_full_pages):
+            page = pages[i]
+            key = page_hashes[i]
+            if page.page_hash is None and not page.is_null:
+                page.page_hash = key
+                page.parent_hash = parent
+                page.lora_id = lora_id
+                parent = key
+                entry = get(key)
+                if entry is None:
+                    cached[key] = page
+                    continue
+                if type(entry) is KVPage:
+                    cached[key] = {entry.page_id: entry, page.page_id: page}
+                else:
+                    entry[page.page_id] = page  # type: ignore[index]
+            elif not page.is_null and page.page_hash != key:
+                raise InvalidInput(
+                    f"page {page.page_id} is already cached under another hash; "
+                    "a computed page's content never changes"
+                )
+            parent = key
+            # Not newly cached (a copy, already cached, or null): the run ends here.
+            if run_start < i:
+                self._stored(page_hashes, run_start, i, token_ids, lora_id)
+            run_start = i + 1
+        if run_start < num_full_pages:
+            self._stored(page_hashes, run_start, num_full_pages, token_ids, lora_id)
+
+    def _stored(
+        self,
+        page_hashes: Sequence[PageHash],
+        start: int,
+        end: int,
+        token_ids: Sequence[int],
+        lora_id: int | None,
+    ) -> None:
+        size = self.page_size
+        tokens = (
+            tuple(token_ids[start * size : end * size])
+            if token_ids and self.event_token_ids
+            else ()
+        )
+        self._events.append(
+            PagesStored(
+                tuple(page_hashes[start:end]),
+                page_hashes[start - 1] if start else None,
+                tokens,
+                size,
+                lora_id,
+                self.medium,
+            )
+        )
+
+    def evict_pages(self, hashes: Iterable[PageHash]) -> int:
+        """Forget the given hashes (every copy); returns how many were cached.
+
+        Held pages stay held and usable by their requests; they just can no
+        longer be hit. Free pages stay where they are in the queue.
+        """
+        removed: list[PageHash] = []
+        cached = self._cached
+        for key in hashes:
+            entry = cached.pop(key, None)
+            if entry is None:
+                continue
+            copies = [entry] if type(entry) is KVPage else list(entry.values())  # type: ignore[union-attr]
+            for page in copies:
+                page.page_hash = page.parent_hash = None
+                page.lora_id = None
+            removed.append(key)
+        if removed:
+            self._events.append(PagesRemoved(tuple(removed), self.medium))
+        return len(removed)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; refuses (`PagesInUse`) while any page is held."""
+        held = self.num_pages - 1 - self.free_queue.num_free_pages
+        if held:
+            raise PagesInUse(
+                f"cannot reset the prefix cache: {held} pages are held by running requests; "
+                "free them first"
+            )
+        self._cached.clear()
+        for page in self.pages:
+            page.page_hash = page.parent_hash = None
+            page.lora_id = None
+        self._events.append(AllPagesCleared())
+
+    # ------------------------------------------------------------------- events
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first; the queue is left empty."""
+        events = self._events
+        self._events = []
+        return events
+
+    def snapshot_events(self) -> list[PagesStored]:
+        """The whole cached set as events, one per hash, parents before children.
+
+        For a snapshot batch; token ids are not kept per page, so they are empty.
+        """
+        size, medium = self.page_size, self.medium
+        out: list[PagesStored] = []
+        for key, entry in self._cached.items():
+            page = entry if type(entry) is KVPage else next(iter(entry.values()))  # type: ignore[union-attr]
+            out.append(PagesStored((key,), page.parent_hash, (), size, page.lora_id, medium))
+        known = {ev.page_hashes[0] for ev in out}
+        # Order so that a page's cached parent precedes it: an index rebuilding
+        # chains never sees a child first.
+        ordered: list[PagesStored] = []
+        emitted: set[PageHash] = set()
+        by_parent: dict[PageHash | None, list[PagesStored]] = {}
+        for ev in out:
+            parent = ev.parent_hash if ev.parent_hash in known else None
+            by_parent.setdefault(parent, []).append(ev)
+        stack = list(reversed(by_parent.get(None, [])))
+        while stack:
+            ev = stack.pop()
+            h = ev.page_hashes[0]
+            if h in emitted:
+                continue
+            emitted.add(h)
+            ordered.append(ev)
+            stack.extend(reversed(by_parent.get(h, [])))
+        ordered.extend(ev for ev in out if ev.page_hashes[0] not in emitted)  # cycles: impossible
+        return ordered
+
+    # --------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantViolation` naming the bad state unless the pool is consistent.
+
+        Checks: the null page is never free or cached; every other page is either
+        in the free queue with ref count 0 or held with ref count > 0; the queue's
+        links and count agree; the hash map and the pages' hashes agree. O(num_pages).
+        """
+        self.free_queue.check()
+        null = self.null_page
+        if null.prev_free is not None or null.next_free is not None:
+            raise InvariantViolation("the null page is in the free queue")
+        if null.page_hash is not None or null.ref_cnt < 0:
+            raise InvariantViolation(f"the null page is cached or has ref_cnt {null.ref_cnt} < 0")
+        free_ids = {p.page_id for p in self.free_queue.get_all_free_pages()}
+        for page in self.pages[1:]:
+            in_queue = page.page_id in free_ids
+            if in_queue and page.ref_cnt != 0:
+                raise InvariantViolation(
+                    f"page {page.page_id} is in the free queue with ref_cnt {page.ref_cnt}"
+                )
+            if not in_queue and page.ref_cnt <= 0:
+                raise InvariantViolation(
+                    f"page {page.page_id} has ref_cnt {page.ref_cnt} but is not in the free queue"
+                )
+            if not in_queue and (page.prev_free is not None or page.next_free is not None):
+                raise InvariantViolation(f"held page {page.page_id} still has free-queue links")
+            if page.page_hash is not None:
+                entry = self._cached.get(page.page_hash)
+                ids = (
+                    set()
+                    if entry is None
+                    else {entry.page_id}
+                    if type(entry) is KVPage
+                    else set(entry)  # type: ignore[arg-type]
+                )
+                if page.page_id not in ids:
+                    raise InvariantViolation(
+                        f"page {page.page_id} carries hash {page.page_hash.hex()[:16]} that the "
+                        f"hash map does not map to it (maps to {sorted(ids)})"
+                    )
+        for key, entry in self._cached.items():
+            copies = [entry] if type(entry) is KVPage else list(entry.values())  # type: ignore[union-attr]
+            if type(entry) is not KVPage and len(copies) < 2:
+                raise InvariantViolation(
+                    f"hash {key.hex()[:16]} keeps a copy dict of {len(copies)} pages"
+                )
+            for page in copies:
+                if page.page_hash != key or self.pages[page.page_id] is not page or page.is_null:
+                    raise InvariantViolation(
+                        f"hash map entry {key.hex()[:16]} points at page {page.page_id} "
+                        f"whose hash is {page.page_hash.hex()[:16] if page.page_hash else None}"
+                    )
