@@ -1,0 +1,313 @@
+"""The coordinator as a named Ray actor: a thin async shell around `Coordinator`.
+
+One actor per cluster namespace, named `CoordinatorConfig.actor_name`
+(``kvmesh-coordinator``) in `CoordinatorConfig.namespace`, created
+get-if-exists by `get_or_create_coordinator` and restarted by Ray when it
+dies (`max_restarts`; -1 = forever).
+
+Surviving a restart. The index itself is not persisted: it is rebuilt from
+the workers, who are the truth. What must survive is the list of workers, and
+it is kept in Ray's GCS key-value store (`ray.experimental.internal_kv`,
+namespace ``kvmesh:<namespace>``), which lives as long as the Ray cluster and
+outside any actor: one msgpack record per worker, written on registration and
+deleted on removal or expiry. On (re)start the actor reads those records,
+re-registers the workers (their heartbeat clock starts now), asks every
+worker that registered with a Ray actor name for a snapshot
+(``await handle.snapshot.remote()``, see `kvmesh.coordinator.service`) and
+applies them. Workers without an actor name, or whose snapshot failed, are
+rebuilt the other way: their next `report` finds the index stale/empty and
+the reply asks for a snapshot; a worker unknown to the registry gets
+`UnknownWorker` and registers again.
+
+Background loop: every `heartbeat_interval_s` the actor expires workers
+that missed heartbeats for `heartbeat_timeout_s` (dropping their index
+entries and their GCS record) and asks stale workers with an actor name for
+a snapshot. Every method is ``async``; object refs are awaited, never
+``ray.get``-ed, and blocking GCS calls run in the default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import ray
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.index import MatchResult
+from kvmesh.coordinator.policies import RouteDecision, WorkerLoad
+from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.service import (
+    Coordinator,
+    RebuildResult,
+    Registration,
+    ReportResult,
+)
+from kvmesh.types import PageHash, WorkerId
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 30.0
+"""How long a (re)starting coordinator waits for the workers' snapshots."""
+
+
+def _kv_namespace(config: CoordinatorConfig) -> str:
+    return f"kvmesh:{config.namespace}"
+
+
+def _kv_prefix(config: CoordinatorConfig) -> str:
+    return f"{config.actor_name}/worker/"
+
+
+class WorkerStore:
+    """The registered workers' records in Ray's GCS key-value store (survives actor restarts)."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.namespace = _kv_namespace(config)
+        self.prefix = _kv_prefix(config)
+
+    def put(self, info: WorkerInfo) -> None:
+        from ray.experimental import internal_kv
+
+        record = {
+            "worker_id": info.worker_id,
+            "address": info.address,
+            "capacity": info.capacity,
+            "incarnation": info.incarnation,
+            "role": info.role,
+            "actor_name": info.actor_name,
+            "actor_namespace": info.actor_namespace,
+        }
+        internal_kv._internal_kv_put(
+            self.prefix + info.worker_id,
+            msgpack.packb(record, use_bin_type=True),
+            overwrite=True,
+            namespace=self.namespace,
+        )
+
+    def delete(self, worker_id: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.prefix + worker_id, namespace=self.namespace)
+
+    def load(self) -> list[dict[str, Any]]:
+        """Every record that decodes; a corrupt one is logged and skipped."""
+        from ray.experimental import internal_kv
+
+        out: list[dict[str, Any]] = []
+        for key in internal_kv._internal_kv_list(self.prefix, namespace=self.namespace):
+            raw = internal_kv._internal_kv_get(key, namespace=self.namespace)
+            if raw is None:
+                continue
+            try:
+                rec = msgpack.unpackb(raw, raw=False)
+                if not isinstance(rec, dict) or not isinstance(rec.get("worker_id"), str):
+                    raise ValueError("not a worker record")
+                out.append(rec)
+            except Exception as exc:  # a corrupt record must not stop the restart
+                log.warning("skipping unreadable worker record %r: %s", key, exc)
+        return out
+
+
+class CoordinatorActor:
+    """Ray actor wrapping `Coordinator`; build it with `get_or_create_coordinator`."""
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.core = Coordinator(config)
+        self.store = WorkerStore(config)
+        self._ready = asyncio.Event()
+        self._snapshot_asked: dict[WorkerId, float] = {}
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recover()), loop.create_task(self._expire_loop())]
+
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def _recover(self) -> None:
+        try:
+            records = await self._blocking(self.store.load)
+            for rec in records:
+                try:
+                    self.core.register_worker(
+                        WorkerId(rec["worker_id"]),
+                        rec["address"],
+                        rec["capacity"],
+                        rec["incarnation"],
+                        rec["role"],
+                        actor_name=rec.get("actor_name"),
+                        actor_namespace=rec.get("actor_namespace"),
+                    )
+                except Exception as exc:  # one bad record must not stop the others
+                    log.warning("cannot restore worker %r: %s", rec.get("worker_id"), exc)
+            if records:
+                await self._ask_snapshots([WorkerId(r["worker_id"]) for r in records])
+        finally:
+            self._ready.set()
+
+    async def _ask_snapshots(self, worker_ids: Sequence[WorkerId]) -> RebuildResult:
+        """Fetch snapshots from the workers' actors (concurrently, with a deadline) and apply them."""
+        loop = asyncio.get_running_loop()
+        names: dict[WorkerId, tuple[str, str | None]] = {}
+        for info in self.core.workers():
+            if info.worker_id in worker_ids and info.actor_name:
+                names[info.worker_id] = (info.actor_name, info.actor_namespace)
+                self._snapshot_asked[info.worker_id] = loop.time()
+        failed: dict[WorkerId, str] = {}
+
+        async def fetch(wid: WorkerId, name: str, ns: str | None) -> bytes:
+            handle = await self._blocking(lambda: ray.get_actor(name, namespace=ns))
+            ref = handle.snapshot.remote()
+            data: bytes = await asyncio.wait_for(ref, SNAPSHOT_TIMEOUT_S)
+            return data
+
+        wids = list(names)
+        results = await asyncio.gather(*(fetch(w, *names[w]) for w in wids), return_exceptions=True)
+        snaps: dict[WorkerId, bytes] = {}
+        for wid, res in zip(wids, results, strict=True):
+            if isinstance(res, BaseException):
+                failed[wid] = f"{type(res).__name__}: {res}"
+            else:
+                snaps[wid] = res
+        rebuilt = self.core.rebuild_from_snapshots(snaps)
+        rebuilt.failed.update(failed)
+        if rebuilt.failed:
+            log.warning("snapshots failed for %s", sorted(rebuilt.failed))
+        return rebuilt
+
+    async def _expire_loop(self) -> None:
+        interval = max(self.config.heartbeat_interval_s, 0.01)
+        await self._ready.wait()
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for wid in self.core.expire():
+                    self._snapshot_asked.pop(wid, None)
+                    await self._blocking(self.store.delete, wid)
+                now = asyncio.get_running_loop().time()
+                due = [
+                    w
+                    for w in self.core.workers_needing_snapshot()
+                    if now - self._snapshot_asked.get(w, -1e9) > self.config.heartbeat_timeout_s
+                ]
+                if due:
+                    await self._ask_snapshots(due)
+            except Exception:  # the loop must outlive any one failure
+                log.exception("coordinator background loop failed; continuing")
+
+    # ---------------------------------------------------------------- API
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """True once the start-up rebuild from worker snapshots has finished."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return self._ready.is_set()
+
+    async def register_worker(
+        self,
+        worker_id: WorkerId,
+        address: str,
+        capacity: int,
+        incarnation: str,
+        role: Role = "both",
+        actor_name: str | None = None,
+        actor_namespace: str | None = None,
+    ) -> Registration:
+        reg = self.core.register_worker(
+            worker_id,
+            address,
+            capacity,
+            incarnation,
+            role,
+            actor_name=actor_name,
+            actor_namespace=actor_namespace,
+        )
+        info = self.core.registry_info(worker_id)
+        await self._blocking(self.store.put, info)
+        return reg
+
+    async def report(
+        self,
+        worker_id: WorkerId,
+        encoded_batches: Sequence[bytes] = (),
+        load: WorkerLoad | None = None,
+    ) -> ReportResult:
+        return self.core.report(worker_id, encoded_batches, load)
+
+    async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
+        return self.core.heartbeat(worker_id, load)
+
+    async def route(
+        self,
+        hashes: Sequence[PageHash],
+        num_tokens: int,
+        page_size: int = 16,
+        allow_pull: bool = False,
+        role: Role | None = None,
+        policy: str | None = None,
+        request_id: str = "",
+    ) -> RouteDecision:
+        return self.core.route(
+            hashes,
+            num_tokens,
+            page_size=page_size,
+            allow_pull=allow_pull,
+            role=role,
+            policy=policy,
+            request_id=request_id,
+        )
+
+    async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
+        return self.core.match(hashes)
+
+    async def record_result(
+        self, promised_local: int, promised_pull: int, realized_local: int, realized_pull: int
+    ) -> bool:
+        return self.core.record_result(promised_local, promised_pull, realized_local, realized_pull)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.core.stats().as_dict()
+
+    async def workers(self) -> list[WorkerInfo]:
+        return self.core.workers()
+
+    async def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
+        self.core.drain_worker(worker_id, draining)
+
+    async def remove_worker(self, worker_id: WorkerId) -> bool:
+        removed = self.core.remove_worker(worker_id)
+        await self._blocking(self.store.delete, worker_id)
+        return removed
+
+    async def rebuild(self) -> RebuildResult:
+        """Ask every registered worker with an actor name for a snapshot now."""
+        return await self._ask_snapshots([i.worker_id for i in self.core.workers()])
+
+    async def snapshot_index(self) -> bytes:
+        return self.core.snapshot_index()
+
+
+def get_or_create_coordinator(config: CoordinatorConfig | None = None) -> Any:
+    """The cluster's coordinator actor handle, creating it if it does not exist yet.
+
+    Needs `ray.init()` first. The actor takes no CPU slot (it is mostly idle
+    between small calls), is restarted up to `max_restarts` times, and calls
+    made while it restarts are retried.
+    """
+    cfg = config or CoordinatorConfig()
+    options: dict[str, Any] = {
+        "name": cfg.actor_name,
+        "namespace": cfg.namespace,
+        "get_if_exists": True,
+        "max_restarts": cfg.max_restarts,
+        "max_task_retries": 3,
+        "num_cpus": 0,
+        "max_concurrency": 64,
+    }
+    if cfg.detached:
+        options["lifetime"] = "detached"
+    return ray.remote(CoordinatorActor).options(**options).remote(cfg)
