@@ -101,6 +101,12 @@ class DeadlineExceeded(TransportError):
     grpc_code = "DEADLINE_EXCEEDED"
 
 
+class MessageTooLarge(TransportError):
+    """A message exceeded a peer's size limit (max_message_bytes / chunk_bytes disagree)."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class WorkerDied(TransportError):
     """The worker serving a request died before answering."""
 
