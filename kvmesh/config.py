@@ -82,14 +82,14 @@ class TransferConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # set: mutual TLS (clients must present a cert from this CA)
     auth_token: str | None = None
-
-
     tls_root_ca: str | None = None  # CA clients verify servers with; default tls_ca, then system
     tls_server_name: str | None = None  # name in the peers' certificates if not their host
     keepalive_timeout_ms: int = 5_000
     fetch_streams: int = 2  # concurrent FetchPages streams (own connections) per pull
     retries: int = 3  # extra attempts on UNAVAILABLE, idempotent calls only
     retry_backoff_s: float = 0.05  # first backoff; doubles, jittered, within the deadline
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Coordinator actor, global index and routing."""
