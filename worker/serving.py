@@ -27,7 +27,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -119,11 +119,16 @@ class GenerationResult:
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """What a router weighs: requests running and waiting, prompt tokens in flight, pages."""
+    """What a router weighs: requests running and waiting, tokens still to compute, pages.
+
+    `prefill_tokens` / `decode_tokens`: prompt tokens not yet computed and answer
+    tokens not yet produced, over running and waiting requests.
+    """
 
     running: int
     waiting: int
     prefill_tokens: int
+    decode_tokens: int
     free_pages: int
     num_pages: int
     usage: float
@@ -155,7 +160,7 @@ class ServingEngine:
         worker_id: WorkerId = DEFAULT_WORKER_ID,
         max_concurrent: int = 1,
         chunk_tokens: int | None = None,
-        lock: threading.RLock | None = None,
+        lock: AbstractContextManager[object] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         page_size = hasher.page_size
@@ -185,11 +190,11 @@ class ServingEngine:
         self.page_size = page_size
         self.worker_id = worker_id
         self.chunk_pages = max(1, chunk // page_size)
-        self.lock = lock if lock is not None else threading.RLock()
+        self.lock: AbstractContextManager[object] = lock if lock is not None else threading.RLock()
         self.clock = clock
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._state = threading.Lock()
-        self._active: dict[str, int] = {}  # request id -> prompt tokens still to compute
+        self._active: dict[str, list[int]] = {}  # request id -> [prefill, decode] tokens to go
         self._waiting = 0
 
     # ------------------------------------------------------------------ serving
@@ -223,7 +228,7 @@ class ServingEngine:
                 "the pool (num_pages)"
             )
         request = Request(request_id, RequestHashes(self.hasher, tokens, extra_keys))
-        with self._admitted(request_id, len(tokens)):
+        with self._admitted(request_id, len(tokens), max_tokens):
             started = self.clock()
             progress = _Progress()
             try:
@@ -275,11 +280,12 @@ class ServingEngine:
         """The engine's load now (cheap; for heartbeats and routing)."""
         with self._state:
             running, waiting = len(self._active) - self._waiting, self._waiting
-            prefill = sum(self._active.values())
+            prefill = sum(todo[0] for todo in self._active.values())
+            decode = sum(todo[1] for todo in self._active.values())
         with self.lock:
             free = self.pool.get_num_free_pages()
             usage = self.pool.usage
-        return EngineLoad(running, waiting, prefill, free, self.pool.num_pages, usage)
+        return EngineLoad(running, waiting, prefill, decode, free, self.pool.num_pages, usage)
 
     def take_events(self) -> list[KVEvent]:
         """The pool's KV events since the last call (drained atomically)."""
@@ -311,12 +317,12 @@ class ServingEngine:
         return tokens
 
     @contextmanager
-    def _admitted(self, request_id: str, num_tokens: int) -> Iterator[None]:
+    def _admitted(self, request_id: str, num_tokens: int, max_tokens: int) -> Iterator[None]:
         """Register the request, wait for a compute slot, run, unregister."""
         with self._state:
             if request_id in self._active:
                 raise InvalidInput(f"request id {request_id!r} is already being served")
-            self._active[request_id] = num_tokens
+            self._active[request_id] = [num_tokens, max_tokens]
             self._waiting += 1
         admitted = False
         try:
@@ -366,9 +372,10 @@ class ServingEngine:
             if pulled:
                 progress.pull_ms += (self.clock() - t0) * 1e3
             if new_pages is None:
+                need = -(-request.num_tokens // self.page_size)
                 raise PoolExhausted(
-                    f"request {request.request_id!r} needs {-(-request.num_tokens // self.page_size)}"
-                    f" pages ({len(matched)} cached) but only {pool.get_num_free_pages()} of "
+                    f"request {request.request_id!r} needs {need} pages ({len(matched)} cached)"
+                    f" but only {pool.get_num_free_pages()} of "
                     f"{pool.num_pages - 1} are free: too many requests at once for this pool; "
                     "retry later or grow the pool (num_pages)"
                 )
@@ -392,9 +399,11 @@ class ServingEngine:
             parent_hash=hashes[start - 1] if start else None,
             token_ids=tuple(request.token_ids[start * ps : end * ps]),
         )
+        # Pulling is an optimisation: the pages before the first failure are used,
+        # the rest are computed, and the failure is reported with the result.
+        good: list[PulledPage] = []
         try:
             pages = pull_fn(ask)
-            good: list[PulledPage] = []
             for want, (got, blob) in zip(ask.page_hashes, pages, strict=False):
                 if got != want:
                     raise InvalidInput(
@@ -403,11 +412,9 @@ class ServingEngine:
                     )
                 self.kv_store.check_blob(blob)
                 good.append((got, blob))
-        except KVMeshError as exc:
-            # Pulling is an optimisation: whatever did not arrive intact is computed.
+        except (KVMeshError, OSError) as exc:
             progress.pull_error = f"{type(exc).__name__}: {exc}"
             log.warning("pull from %s failed, computing instead: %s", hint.peer, exc)
-            return (), 0
         return good, start
 
     def _insert_pulled(
@@ -469,8 +476,9 @@ class ServingEngine:
                 _tokens_to_pages(kv[:, :, first_page * ps : end_page * ps], ps),
             )
             with self._state:
-                if request.request_id in self._active:
-                    self._active[request.request_id] = n - hi
+                todo = self._active.get(request.request_id)
+                if todo is not None:
+                    todo[0] = n - hi
         return kv, logits
 
 

@@ -1,4 +1,4 @@
-"""The worker's tiny transformer: deterministic, and chunked prefill over cached KV equals one pass."""
+"""The worker's tiny transformer: deterministic; chunked prefill over cached KV equals one pass."""
 
 from __future__ import annotations
 
