@@ -1,0 +1,616 @@
+"""Client side of page transfer: `PeerClient` (grpc.aio) and `SyncPeerClient`.
+
+Every call has a deadline (`TransferConfig.deadline_s` unless given). Failures
+raise kvmesh errors that name the peer and what to do: `DeadlineExceeded`,
+`Unauthenticated`, `ChecksumMismatch`, `MessageTooLarge`, `TransportError`
+(and the server's own `KVMeshError` class when it sent one). Retries are
+bounded, jittered and exponential, only on ``UNAVAILABLE`` and only for
+idempotent calls (Lookup, FetchPages, Health), never PushPages; a retried
+fetch asks again only for the pages it has not received.
+
+Fetching (`fetch_pages`) splits the hashes over `fetch_streams` concurrent
+streams, interleaved (page i on stream i mod k), each on its own connection,
+and hands the pages to the caller strictly in request order; each page is
+checked (framing, dtype, shape, size, checksum, and that it is the page asked
+for) before it is handed over. If the peer dies mid-stream, the pages handed
+over so far are complete and valid, and none after the first gap is.
+`pull_into` inserts them into a local `PageService` as they come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.config import TransferConfig
+from kvmesh.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    KVMeshError,
+    MessageTooLarge,
+    PageFormatError,
+    TransportError,
+    Unauthenticated,
+    UnknownHash,
+)
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.types import PageHash
+from kvmesh.worker.kv_store import DTYPES, checksum
+from kvmesh.worker.page_service import IncomingPage, PageService, check_hash
+from kvmesh.worker.transfer_server import (
+    ERROR_METADATA_KEY,
+    SERVICE_NAME,
+    PageAssembler,
+    _read,
+    chunk_size,
+    decode_chunk,
+    iter_page_chunks,
+)
+
+T = TypeVar("T")
+
+_METHOD = f"/{SERVICE_NAME}/"
+OnPage = Callable[[int, IncomingPage], None]
+"""Called with (request index, page) for every received page, in request order."""
+
+
+def _all_errors(cls: type[KVMeshError]) -> dict[str, type[KVMeshError]]:
+    out = {cls.__name__: cls}
+    for sub in cls.__subclasses__():
+        out.update(_all_errors(sub))
+    return out
+
+
+ERRORS_BY_NAME = _all_errors(KVMeshError)
+"""Registry of kvmesh error classes by name, for the server's ``kvmesh-error`` metadata."""
+
+ERRORS_BY_CODE: dict[grpc.StatusCode, type[KVMeshError]] = {
+    grpc.StatusCode.UNAVAILABLE: TransportError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
+    grpc.StatusCode.NOT_FOUND: UnknownHash,
+}
+"""A gRPC status without kvmesh metadata (transport-level failures) -> the error raised."""
+
+_HINTS: dict[type[KVMeshError], str] = {
+    TransportError: "check that the peer is running and reachable (kvmesh status)",
+    DeadlineExceeded: "the peer is slow or stuck; retry later or raise TransferConfig.deadline_s",
+    Unauthenticated: "use the cluster's auth_token and a client certificate from its CA",
+    MessageTooLarge: "use the same max_message_bytes / chunk_bytes on every worker",
+    ChecksumMismatch: "the page was corrupted on the way; fetch it again",
+}
+
+
+def translate(err: grpc.aio.AioRpcError | grpc.RpcError, what: str, address: str) -> KVMeshError:
+    """The kvmesh error for a failed call: the server's class if it sent one, else by status."""
+    code = err.code()
+    details = err.details() or ""
+    name = None
+    for key, value in err.trailing_metadata() or ():
+        if key == ERROR_METADATA_KEY:
+            name = value if isinstance(value, str) else bytes(value).decode(errors="replace")
+    cls = ERRORS_BY_NAME.get(name or "")
+    if cls is None or cls.grpc_code != code.name:
+        cls = ERRORS_BY_CODE.get(code, TransportError)
+    hint = next((h for c, h in _HINTS.items() if issubclass(cls, c) and c is cls), "")
+    hint = hint or next((h for c, h in _HINTS.items() if issubclass(cls, c)), "")
+    message = f"{what} to peer {address} failed ({code.name}): {details}"
+    return cls(f"{message}; {hint}" if hint else message)
+
+
+def channel_credentials(config: TransferConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials for dialing peers, or None for plaintext.
+
+    TLS is on when any of tls_root_ca, tls_ca or tls_cert is set; the client
+    presents tls_cert/tls_key (mutual TLS) when both are set.
+    """
+    root = _read(config.tls_root_ca or config.tls_ca, "TLS root CA")
+    if root is None and config.tls_cert is None:
+        return None
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("a client certificate needs both tls_cert and tls_key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=root,
+        private_key=_read(config.tls_key, "TLS key"),
+        certificate_chain=_read(config.tls_cert, "TLS certificate"),
+    )
+
+
+def _channel_options(config: TransferConfig) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", config.keepalive_ms),
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 0),  # retries are ours: bounded, idempotent calls only
+        ("grpc.use_local_subchannel_pool", 1),  # one connection per channel
+    ]
+    if config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What a fetch returned: the pages (in request order) and the hashes the peer lacks.
+
+    `pages` is empty when the pages went to an ``on_page`` callback instead.
+    """
+
+    pages: tuple[IncomingPage, ...]
+    missing: tuple[PageHash, ...]
+    received: int
+
+
+def verify_page(page: IncomingPage, expected: PageHash, address: str) -> None:
+    """Check a received page on its own: the hash asked for, a consistent format, its checksum."""
+    if page.page_hash != expected:
+        raise InvalidInput(
+            f"peer {address} sent page {page.page_hash.hex()[:16]} where "
+            f"{expected.hex()[:16]} was asked for; the peer is faulty"
+        )
+    blob = page.blob
+    itemsize = DTYPES[blob.dtype].itemsize
+    if math.prod(blob.shape) * itemsize != blob.nbytes or not blob.shape:
+        raise PageFormatError(
+            f"peer {address} sent page {expected.hex()[:16]} with {blob.nbytes} bytes, "
+            f"which is not {blob.dtype} {list(blob.shape)}"
+        )
+    actual = checksum(blob.data)
+    if actual != blob.checksum:
+        raise ChecksumMismatch(
+            f"page {expected.hex()[:16]} from peer {address} hashes to {actual:#018x}, "
+            f"header says {blob.checksum:#018x}: corrupted in transit; fetch it again"
+        )
+
+
+class _Reorder:
+    """Hands pages to the caller in request order as the streams deliver them."""
+
+    __slots__ = ("deliver", "missing", "next", "pages", "ready")
+
+    def __init__(self, deliver: OnPage) -> None:
+        self.deliver = deliver
+        self.ready: dict[int, IncomingPage | None] = {}
+        self.next = 0
+        self.missing: list[PageHash] = []
+        self.pages = 0
+
+    def put(self, index: int, page: IncomingPage | None, page_hash: PageHash) -> None:
+        if page is None:
+            self.missing.append(page_hash)
+        self.ready[index] = page
+        while self.next in self.ready:
+            got = self.ready.pop(self.next)
+            if got is not None:
+                self.deliver(self.next, got)
+                self.pages += 1
+            self.next += 1
+
+
+class PeerClient:
+    """Async client for one peer's `kvmesh.v1.KVWorker`; use in one event loop.
+
+    `rng` and `sleep` are injectable for deterministic retry tests.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: TransferConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,
+    ) -> None:
+        self.address = address
+        self.config = config if config is not None else TransferConfig()
+        self._rng = rng if rng is not None else random.Random()
+        self._sleep = sleep
+        self._credentials = channel_credentials(self.config)
+        self._options = _channel_options(self.config)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {self.config.auth_token}"),)
+            if self.config.auth_token
+            else ()
+        )
+        self._chunk_bytes = chunk_size(self.config)
+        self._channels: list[grpc.aio.Channel] = []
+
+    # -- channels ---------------------------------------------------------------
+
+    def _channel(self, i: int = 0) -> grpc.aio.Channel:
+        while len(self._channels) <= i:
+            if self._credentials is not None:
+                ch = grpc.aio.secure_channel(self.address, self._credentials, self._options)
+            else:
+                ch = grpc.aio.insecure_channel(self.address, self._options)
+            self._channels.append(ch)
+        return self._channels[i]
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, []
+        for ch in channels:
+            await ch.close()
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- retries ------------------------------------------------------------------
+
+    def _deadline(self, deadline_s: float | None) -> float:
+        timeout = self.config.deadline_s if deadline_s is None else deadline_s
+        if timeout <= 0:
+            raise InvalidInput(f"deadline must be positive, got {timeout}")
+        return asyncio.get_running_loop().time() + timeout
+
+    def _remaining(self, end: float, what: str) -> float:
+        left = end - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise DeadlineExceeded(
+                f"{what} to peer {self.address} ran out of its deadline; {_HINTS[DeadlineExceeded]}"
+            )
+        return left
+
+    async def _call(
+        self,
+        what: str,
+        attempt: Callable[[float], Coroutine[Any, Any, T]],
+        end: float,
+        *,
+        idempotent: bool,
+    ) -> T:
+        """Run `attempt(timeout)`; on UNAVAILABLE retry (idempotent only) within `end`."""
+        tries = 0
+        while True:
+            timeout = self._remaining(end, what)
+            try:
+                return await attempt(timeout)
+            except grpc.aio.AioRpcError as err:
+                retry = (
+                    idempotent
+                    and err.code() == grpc.StatusCode.UNAVAILABLE
+                    and tries < self.config.retries
+                )
+                if not retry:
+                    raise translate(err, what, self.address) from None
+            backoff = self.config.retry_backoff_s * (2**tries) * (0.5 + self._rng.random())
+            tries += 1
+            await self._sleep(min(backoff, max(0.0, self._remaining(end, what) - 0.001)))
+
+    # -- calls --------------------------------------------------------------------
+
+    async def lookup(
+        self, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> list[bool]:
+        """For each hash, whether the peer holds it (in order)."""
+        call = self._channel().unary_unary(
+            _METHOD + "Lookup",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        request = pb.LookupRequest(page_hashes=list(hashes))
+
+        async def attempt(timeout: float) -> list[bool]:
+            reply = await call(request, timeout=timeout, metadata=self._metadata)
+            return list(reply.held)
+
+        held = await self._call("Lookup", attempt, self._deadline(deadline_s), idempotent=True)
+        if len(held) != len(hashes):
+            raise TransportError(
+                f"peer {self.address} answered {len(held)} lookups for {len(hashes)} hashes"
+            )
+        return held
+
+    async def health(self, *, deadline_s: float | None = None, service: str = SERVICE_NAME) -> str:
+        """The peer's standard health status: ``SERVING``, ``NOT_SERVING``, ..."""
+        stub = health_pb2_grpc.HealthStub(self._channel())
+
+        async def attempt(timeout: float) -> str:
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout,
+                metadata=self._metadata,
+            )
+            return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+        return await self._call("Health", attempt, self._deadline(deadline_s), idempotent=True)
+
+    async def fetch_pages(
+        self,
+        hashes: Sequence[PageHash],
+        *,
+        deadline_s: float | None = None,
+        on_page: OnPage | None = None,
+        streams: int | None = None,
+    ) -> FetchResult:
+        """Fetch the pages for `hashes`; each is verified before it is handed over.
+
+        With `on_page`, pages go to it in request order as they arrive (and are
+        not kept); otherwise they are returned. On failure this raises; pages
+        already handed to `on_page` are valid and complete, later ones are not
+        handed over.
+        """
+        hashes = [check_hash(h) for h in hashes]
+        kept: list[IncomingPage] = []
+        deliver: OnPage = on_page if on_page is not None else (lambda _i, p: kept.append(p))
+        order = _Reorder(deliver)
+        end = self._deadline(deadline_s)
+        k = max(1, min(streams or self.config.fetch_streams, len(hashes) or 1))
+        todo = list(range(len(hashes)))
+        tries = 0
+        while todo:
+            shards = [todo[s::k] for s in range(k)]
+            shards = [s for s in shards if s]
+            tasks = [
+                asyncio.ensure_future(self._fetch_stream(i, shard, hashes, order, end))
+                for i, shard in enumerate(shards)
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            except grpc.aio.AioRpcError as err:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                retry = err.code() == grpc.StatusCode.UNAVAILABLE and tries < self.config.retries
+                if not retry:
+                    raise translate(err, "FetchPages", self.address) from None
+                backoff = self.config.retry_backoff_s * (2**tries) * (0.5 + self._rng.random())
+                tries += 1
+                await self._sleep(min(backoff, self._remaining(end, "FetchPages")))
+                # Ask again only for what has not arrived (valid pages past a gap are kept).
+                todo = [i for i in range(order.next, len(hashes)) if i not in order.ready]
+                continue
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            todo = []
+        return FetchResult(tuple(kept), tuple(order.missing), order.pages)
+
+    async def _fetch_stream(
+        self,
+        stream: int,
+        indices: list[int],
+        hashes: list[PageHash],
+        order: _Reorder,
+        end: float,
+    ) -> None:
+        timeout = self._remaining(end, "FetchPages")
+        call = self._channel(stream).unary_stream(
+            _METHOD + "FetchPages",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=decode_chunk,
+        )
+        request = pb.FetchRequest(
+            page_hashes=[hashes[i] for i in indices], max_chunk_bytes=self._chunk_bytes
+        )
+        responses = call(request, timeout=timeout, metadata=self._metadata)
+        assembler = PageAssembler(allow_missing=True)
+        try:
+            async for chunk in responses:
+                got = assembler.add(chunk)
+                if got is None:
+                    continue
+                index = indices[assembler.next_index - 1]
+                if isinstance(got, IncomingPage):
+                    verify_page(got, hashes[index], self.address)
+                    order.put(index, got, got.page_hash)
+                else:
+                    if got != hashes[index]:
+                        raise InvalidInput(
+                            f"peer {self.address} reported {got.hex()[:16]} missing where "
+                            f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
+                        )
+                    order.put(index, None, got)
+            assembler.finish()
+            if assembler.next_index != len(indices):
+                raise TransportError(
+                    f"peer {self.address} ended FetchPages after {assembler.next_index} of "
+                    f"{len(indices)} pages; the peer is faulty"
+                )
+        finally:
+            responses.cancel()
+
+    async def push_pages(
+        self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None
+    ) -> list[bool]:
+        """Push pages for the peer to check and cache; per page: True new, False already held.
+
+        Never retried (not idempotent from the caller's view: a retry after a
+        partial success would be indistinguishable). On failure the pages the
+        peer finished before the error stay cached there, the rest do not.
+        """
+        call = self._channel().stream_unary(
+            _METHOD + "PushPages",
+            request_serializer=None,
+            response_deserializer=pb.PushResponse.FromString,
+        )
+        chunk = self._chunk_bytes
+
+        def messages() -> Iterator[bytes]:
+            for i, page in enumerate(pages):
+                header = pb.PageHeader(
+                    page_hash=page.page_hash,
+                    parent_hash=page.parent_hash or b"",
+                    token_ids=page.token_ids,
+                    dtype=page.blob.dtype,
+                    shape=page.blob.shape,
+                    nbytes=page.blob.nbytes,
+                    checksum=page.blob.checksum,
+                )
+                if page.lora_id is not None:
+                    header.lora_id = page.lora_id
+                yield from iter_page_chunks(i, header, memoryview(page.blob.data), chunk)
+
+        async def attempt(timeout: float) -> list[bool]:
+            reply = await call(messages(), timeout=timeout, metadata=self._metadata)
+            return list(reply.inserted)
+
+        return await self._call("PushPages", attempt, self._deadline(deadline_s), idempotent=False)
+
+    async def push_from(
+        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> list[bool]:
+        """Push pages held by a local `service` (prefill -> decode); pinned while sent.
+
+        Raises `UnknownHash` (nothing sent) when a hash is not held locally.
+        """
+        ids = service.pin(hashes)
+        try:
+            absent = [h.hex()[:16] for h, pid in zip(hashes, ids, strict=True) if pid is None]
+            if absent:
+                raise UnknownHash(
+                    f"cannot push {len(absent)} pages this worker does not hold: {absent[:4]}"
+                )
+            pages = []
+            for pid in ids:
+                if pid is None:  # pragma: no cover - excluded above
+                    continue
+                info = service.page_info(pid)
+                pages.append(
+                    IncomingPage(
+                        info.page_hash,
+                        info.parent_hash,
+                        info.token_ids,
+                        service.export(pid),
+                        info.lora_id,
+                    )
+                )
+            return await self.push_pages(pages, deadline_s=deadline_s)
+        finally:
+            service.unpin(ids)
+
+    async def pull_into(
+        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> int:
+        """Fetch `hashes` and insert each page into `service` as it arrives; returns pages inserted.
+
+        Pages the local pool already holds are skipped (not counted). On
+        failure (peer died, deadline, bad page) the error is raised; the pages
+        inserted before it are complete and valid, no later page is inserted.
+        """
+        inserted = 0
+
+        def insert(_index: int, page: IncomingPage) -> None:
+            nonlocal inserted
+            inserted += service.insert_many([page])[0]
+
+        await self.fetch_pages(hashes, deadline_s=deadline_s, on_page=insert)
+        return inserted
+
+
+async def pull_into(
+    service: PageService,
+    peer_address: str,
+    hashes: Sequence[PageHash],
+    *,
+    config: TransferConfig | None = None,
+    deadline_s: float | None = None,
+) -> int:
+    """One-shot `PeerClient.pull_into` over a fresh connection to `peer_address`."""
+    async with PeerClient(peer_address, config) as client:
+        return await client.pull_into(service, hashes, deadline_s=deadline_s)
+
+
+class SyncPeerClient:
+    """Blocking wrapper: a `PeerClient` on a private event loop in a daemon thread.
+
+    For sync callers (Ray actor methods, benchmarks, tests). Thread-safe: calls
+    from several threads are serialized onto that loop.
+    """
+
+    def __init__(self, address: str, config: TransferConfig | None = None) -> None:
+        self.config = config if config is not None else TransferConfig()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvmesh-peer-client", daemon=True
+        )
+        self._thread.start()
+        self._client = self._run(self._make(address), 10.0)
+
+    async def _make(self, address: str) -> PeerClient:
+        return PeerClient(address, self.config)
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    def _run(self, coro: Coroutine[Any, Any, T], deadline_s: float | None) -> T:
+        timeout = (self.config.deadline_s if deadline_s is None else deadline_s) + 5.0
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise DeadlineExceeded(
+                f"a call on the client loop did not return within {timeout:.1f}s; "
+                "the loop thread is blocked"
+            ) from None
+
+    def lookup(self, hashes: Sequence[PageHash], *, deadline_s: float | None = None) -> list[bool]:
+        return self._run(self._client.lookup(hashes, deadline_s=deadline_s), deadline_s)
+
+    def health(self, *, deadline_s: float | None = None) -> str:
+        return self._run(self._client.health(deadline_s=deadline_s), deadline_s)
+
+    def fetch_pages(
+        self,
+        hashes: Sequence[PageHash],
+        *,
+        deadline_s: float | None = None,
+        on_page: OnPage | None = None,
+    ) -> FetchResult:
+        """See `PeerClient.fetch_pages`; `on_page` runs on the client's loop thread."""
+        coro = self._client.fetch_pages(hashes, deadline_s=deadline_s, on_page=on_page)
+        return self._run(coro, deadline_s)
+
+    def push_pages(
+        self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None
+    ) -> list[bool]:
+        return self._run(self._client.push_pages(pages, deadline_s=deadline_s), deadline_s)
+
+    def push_from(
+        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> list[bool]:
+        return self._run(self._client.push_from(service, hashes, deadline_s=deadline_s), deadline_s)
+
+    def pull_into(
+        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> int:
+        return self._run(self._client.pull_into(service, hashes, deadline_s=deadline_s), deadline_s)
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            self._loop.close()
+
+    def __enter__(self) -> SyncPeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

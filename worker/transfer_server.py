@@ -1,0 +1,657 @@
+"""The worker's gRPC transfer server (`kvmesh.v1.KVWorker`) and the page wire codec.
+
+The server adapts a `PageService` to gRPC (`grpc.aio`):
+
+- ``Lookup``: which hashes are held, in order;
+- ``FetchPages``: pins the pages for the whole stream and unpins them on
+  completion, error or cancellation (``try/finally``); a hash not held is one
+  ``missing`` chunk, not an error; pages larger than the chunk size travel as
+  several chunks;
+- ``PushPages``: reassembles chunks, checks each page (`PageService.check`)
+  and caches it; pages completed before an error stay, the rest are dropped;
+- the standard ``grpc.health.v1.Health`` service, SERVING / NOT_SERVING by
+  `set_serving` (draining);
+- optional TLS, mutual TLS (`TransferConfig.tls_*`) and a bearer token checked
+  by `TokenAuthInterceptor` (missing / wrong: ``UNAUTHENTICATED``).
+
+A `KVMeshError` travels as its ``grpc_code`` with the class name in the
+``kvmesh-error`` trailing metadata, so the client raises the same class.
+
+Wire codec. ``PageChunk`` messages are protobuf-encoded by hand around the
+page bytes, ``<fields 1-4 by protobuf> <tag 15> <len> <data>``, which is the
+byte-exact protobuf encoding (any protobuf client can parse it), but costs one
+copy (memoryview of the KV tensor -> message) instead of three. Decoding
+returns the data as a memoryview into the received message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvmesh.config import TransferConfig
+from kvmesh.errors import (
+    ConfigError,
+    InvalidInput,
+    KVMeshError,
+    PageFormatError,
+    TransportError,
+)
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.types import PageHash, PageId
+from kvmesh.worker.kv_store import DTYPES, PageBlob
+from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService, check_hash
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVWorker"].full_name  # "kvmesh.v1.KVWorker"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+ERROR_METADATA_KEY = "kvmesh-error"
+MAX_HASHES_PER_CALL = 100_000
+HEADER_RESERVE_BYTES = 64 * 1024
+"""Room left in a message for everything but the page bytes (hashes, token ids, shape)."""
+MIN_CHUNK_BYTES = 64 * 1024
+
+
+# ------------------------------------------------------------------ wire codec
+
+_DATA_TAG = b"\x7a"  # field 15 (PageChunk.data), wire type 2 (length-delimited)
+_DATA_FIELD = 15
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise InvalidInput("malformed PageChunk: truncated or overlong varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_chunk(
+    page_index: int,
+    offset: int,
+    data: bytes | memoryview,
+    *,
+    header: pb.PageHeader | None = None,
+    missing: bool = False,
+) -> bytes:
+    """One ``PageChunk`` as protobuf bytes, with `data` copied once (see the module doc)."""
+    meta = pb.PageChunk(page_index=page_index, offset=offset, missing=missing)
+    if header is not None:
+        meta.header.CopyFrom(header)
+    head = meta.SerializeToString()
+    if not len(data):
+        return head
+    return b"".join((head, _DATA_TAG, _varint(memoryview(data).nbytes), data))
+
+
+@dataclass(frozen=True, slots=True)
+class WireChunk:
+    """A decoded ``PageChunk``: its small fields (`meta`, without data) and the data bytes."""
+
+    meta: pb.PageChunk
+    data: memoryview
+
+
+def decode_chunk(raw: bytes) -> WireChunk:
+    """Parse a ``PageChunk`` from any protobuf encoder; `data` aliases `raw` (no copy).
+
+    Raises `InvalidInput` on malformed bytes.
+    """
+    pos, n = 0, len(raw)
+    data = memoryview(b"")
+    spans: list[tuple[int, int]] = []
+    while pos < n:
+        start = pos
+        key, pos = _read_varint(raw, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(raw, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(raw, pos)
+            if pos + length > n:
+                raise InvalidInput("malformed PageChunk: a field runs past the message end")
+            if field == _DATA_FIELD:
+                data = memoryview(raw)[pos : pos + length]
+                pos += length
+                continue
+            pos += length
+        else:
+            raise InvalidInput(f"malformed PageChunk: wire type {wire_type}")
+        if pos > n:
+            raise InvalidInput("malformed PageChunk: truncated field")
+        if spans and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], pos)
+        else:
+            spans.append((start, pos))
+    rest = (
+        raw[spans[0][0] : spans[0][1]] if len(spans) == 1 else b"".join(raw[a:b] for a, b in spans)
+    )
+    try:
+        meta = pb.PageChunk.FromString(rest)
+    except DecodeError as exc:
+        raise InvalidInput(f"malformed PageChunk: {exc}") from None
+    return WireChunk(meta, data)
+
+
+def page_header(info: PageInfo, blob: PageBlob) -> pb.PageHeader:
+    header = pb.PageHeader(
+        page_hash=info.page_hash,
+        parent_hash=info.parent_hash or b"",
+        token_ids=info.token_ids,
+        dtype=blob.dtype,
+        shape=blob.shape,
+        nbytes=blob.nbytes,
+        checksum=blob.checksum,
+        tier=info.tier,
+    )
+    if info.lora_id is not None:
+        header.lora_id = info.lora_id
+    return header
+
+
+def iter_page_chunks(
+    index: int, header: pb.PageHeader, data: memoryview, chunk_bytes: int
+) -> Iterator[bytes]:
+    """The encoded chunks of one page, lazily (the header rides on the first)."""
+    yield encode_chunk(index, 0, data[:chunk_bytes], header=header)
+    for off in range(chunk_bytes, data.nbytes, chunk_bytes):
+        yield encode_chunk(index, off, data[off : off + chunk_bytes])
+
+
+class PageAssembler:
+    """Rebuilds pages from a stream of `WireChunk`s, checking the framing as it goes.
+
+    Pages must come in `page_index` order (0, 1, ...), each starting with a
+    header chunk at offset 0 and continuing with contiguous offsets. A page
+    that fits one chunk keeps the chunk's bytes (no copy); a larger page is
+    copied into one buffer of its declared size, which is checked against
+    `expect_nbytes` before anything is allocated.
+    """
+
+    __slots__ = ("_buf", "_filled", "_header", "_index", "allow_missing", "expect_nbytes")
+
+    def __init__(self, expect_nbytes: int | None = None, *, allow_missing: bool = False) -> None:
+        self.expect_nbytes = expect_nbytes
+        self.allow_missing = allow_missing
+        self._index = 0
+        self._header: pb.PageHeader | None = None
+        self._buf: bytearray | None = None
+        self._filled = 0
+
+    @property
+    def next_index(self) -> int:
+        """The page index the next page must carry."""
+        return self._index
+
+    def add(self, chunk: WireChunk) -> IncomingPage | PageHash | None:
+        """Feed one chunk: a finished page, a missing page's hash, or None (need more)."""
+        meta = chunk.meta
+        if self._header is None:
+            if meta.page_index != self._index:
+                raise InvalidInput(
+                    f"chunk for page {meta.page_index} arrived while page {self._index} was expected"
+                )
+            if meta.missing:
+                if not self.allow_missing:
+                    raise InvalidInput(f"page {meta.page_index} is marked missing in a push")
+                self._index += 1
+                return check_hash(meta.header.page_hash)
+            if not meta.HasField("header") or meta.offset != 0:
+                raise InvalidInput(f"page {meta.page_index} does not start with a header chunk")
+            header = meta.header
+            total = header.nbytes
+            if self.expect_nbytes is not None and total != self.expect_nbytes:
+                raise PageFormatError(
+                    f"page {meta.page_index} declares {total} bytes ({header.dtype} "
+                    f"{list(header.shape)}) but this KV store's pages are {self.expect_nbytes}: "
+                    "sender and receiver must run the same model config"
+                )
+            if chunk.data.nbytes == total:
+                self._index += 1
+                return _incoming(header, chunk.data)
+            self._header = header
+            self._buf = bytearray(total)
+            self._filled = 0
+        elif meta.page_index != self._index or meta.HasField("header") or meta.missing:
+            raise InvalidInput(
+                f"page {self._index} is incomplete ({self._filled} of {self._header.nbytes} bytes) "
+                f"but a chunk for page {meta.page_index} arrived"
+            )
+        buf = self._buf
+        if buf is None:  # pragma: no cover - set together with _header
+            raise InvalidInput("chunk without a page")
+        size = chunk.data.nbytes
+        if meta.offset != self._filled or self._filled + size > len(buf):
+            raise InvalidInput(
+                f"page {self._index}: chunk at offset {meta.offset} with {size} bytes does not "
+                f"continue the {self._filled} of {len(buf)} bytes received"
+            )
+        buf[self._filled : self._filled + size] = chunk.data
+        self._filled += size
+        if self._filled < len(buf):
+            return None
+        header = self._header
+        self._header, self._buf = None, None
+        self._index += 1
+        return _incoming(header, memoryview(buf))
+
+    def finish(self) -> None:
+        """Raise if the stream ended inside a page."""
+        if self._header is not None:
+            raise InvalidInput(
+                f"stream ended inside page {self._index} "
+                f"({self._filled} of {self._header.nbytes} bytes received)"
+            )
+
+
+def _incoming(header: pb.PageHeader, data: memoryview) -> IncomingPage:
+    if header.dtype not in DTYPES:
+        raise PageFormatError(f"page has unknown dtype {header.dtype!r}; known: {sorted(DTYPES)}")
+    return IncomingPage(
+        page_hash=check_hash(header.page_hash),
+        parent_hash=check_hash(header.parent_hash, "parent hash") if header.parent_hash else None,
+        token_ids=tuple(header.token_ids),
+        blob=PageBlob(data, header.dtype, tuple(header.shape), header.checksum),
+        lora_id=header.lora_id if header.HasField("lora_id") else None,
+    )
+
+
+# ------------------------------------------------------------------ security
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror}") from None
+
+
+def server_credentials(config: TransferConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from `config` (None: plaintext); mutual TLS when `tls_ca` is set."""
+    if config.tls_cert is None and config.tls_key is None:
+        if config.tls_ca is not None:
+            raise ConfigError("tls_ca (mutual TLS) needs tls_cert and tls_key for the server too")
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise ConfigError("TLS needs both tls_cert and tls_key")
+    cert = _read(config.tls_cert, "TLS certificate")
+    key = _read(config.tls_key, "TLS key")
+    ca = _read(config.tls_ca, "TLS client CA")
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls whose ``authorization`` metadata is not ``Bearer <token>``.
+
+    The health service is exempt: load-balancer and Kubernetes probes carry no
+    token, and health says nothing about the cache. Comparison is constant-time.
+    """
+
+    def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = (HEALTH_METHOD_PREFIX,)):
+        if not token:
+            raise ConfigError("auth_token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = exempt_prefixes
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(self._exempt):
+            return handler
+        got = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+        if hmac.compare_digest(got, self._expected):
+            return handler
+        reason = "no bearer token" if not got else "wrong bearer token"
+        return _deny(
+            handler, f"{reason} for {method}: set TransferConfig.auth_token to the cluster's token"
+        )
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            message,
+            trailing_metadata=((ERROR_METADATA_KEY, "Unauthenticated"),),
+        )
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+def _options(config: TransferConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", config.keepalive_ms),
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, config.keepalive_ms // 2)),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def chunk_size(config: TransferConfig) -> int:
+    """The data bytes per message: `chunk_bytes`, kept under `max_message_bytes`."""
+    room = config.max_message_bytes - HEADER_RESERVE_BYTES
+    if room < MIN_CHUNK_BYTES:
+        raise ConfigError(
+            f"max_message_bytes {config.max_message_bytes} is too small: it must leave "
+            f"{MIN_CHUNK_BYTES} bytes of page data after {HEADER_RESERVE_BYTES} for headers"
+        )
+    return max(MIN_CHUNK_BYTES, min(config.chunk_bytes, room))
+
+
+# ---------------------------------------------------------------------- server
+
+
+class TransferServer:
+    """`kvmesh.v1.KVWorker` + health over one `PageService`, on one asyncio loop.
+
+    Use inside a running loop (``await start()`` ... ``await stop()``), or run it
+    in a background thread with `ServerThread`. `page_delay_s` delays every
+    streamed page (a test hook for slow peers; set it explicitly, never from env).
+    """
+
+    def __init__(
+        self,
+        service: PageService,
+        config: TransferConfig | None = None,
+        *,
+        page_delay_s: float = 0.0,
+    ) -> None:
+        self.service = service
+        self.config = config if config is not None else TransferConfig()
+        self.page_delay_s = page_delay_s
+        self._chunk_bytes = chunk_size(self.config)
+        self._credentials = server_credentials(self.config)
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """``host:port`` clients dial (valid after `start`)."""
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def tls(self) -> bool:
+        return self._credentials is not None
+
+    async def start(self) -> str:
+        """Bind (port 0: a free one) and start serving; returns the address."""
+        if self._server is not None:
+            raise InvalidInput(f"transfer server already started on {self.address}")
+        interceptors = (
+            [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        )
+        server = grpc.aio.server(interceptors=interceptors, options=_options(self.config))
+        server.add_generic_rpc_handlers((self._handlers(),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        target = f"{self.config.host}:{self.config.port}"
+        try:
+            if self._credentials is not None:
+                port = server.add_secure_port(target, self._credentials)
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise TransportError(f"cannot bind the transfer server to {target}: {exc}") from None
+        if port == 0:
+            raise TransportError(f"cannot bind the transfer server to {target}")
+        self.port = port
+        await server.start()
+        self._server = server
+        await self.set_serving(True)
+        log.info(
+            "transfer server on %s (tls=%s, token=%s)", self.address, self.tls, bool(interceptors)
+        )
+        return self.address
+
+    async def set_serving(self, serving: bool) -> None:
+        """Report SERVING or NOT_SERVING (draining) on the standard health service."""
+        if self._health is None:
+            raise InvalidInput("transfer server is not started")
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        """Stop accepting calls; in-flight calls get `grace_s` to finish, then are cancelled."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # -- handlers ----------------------------------------------------------------
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Lookup": grpc.unary_unary_rpc_method_handler(
+                    self._lookup,
+                    request_deserializer=pb.LookupRequest.FromString,
+                    response_serializer=pb.LookupResponse.SerializeToString,
+                ),
+                # FetchPages writes pre-encoded PageChunk bytes (see encode_chunk).
+                "FetchPages": grpc.unary_stream_rpc_method_handler(
+                    self._fetch_pages, request_deserializer=pb.FetchRequest.FromString
+                ),
+                # PushPages hands raw bytes to decode_chunk itself, to map its errors.
+                "PushPages": grpc.stream_unary_rpc_method_handler(
+                    self._push_pages, response_serializer=pb.PushResponse.SerializeToString
+                ),
+            },
+        )
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, exc: KVMeshError) -> None:
+        await context.abort(
+            grpc.StatusCode[exc.grpc_code],
+            f"{type(exc).__name__}: {exc}",
+            trailing_metadata=((ERROR_METADATA_KEY, type(exc).__name__),),
+        )
+
+    @staticmethod
+    def _hashes(raw: Any) -> list[PageHash]:
+        if len(raw) > MAX_HASHES_PER_CALL:
+            raise InvalidInput(f"{len(raw)} page hashes in one call; at most {MAX_HASHES_PER_CALL}")
+        return [check_hash(h) for h in raw]
+
+    async def _lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse:
+        try:
+            hashes = self._hashes(request.page_hashes)
+            held = self.service.lookup(hashes)
+        except KVMeshError as exc:
+            await self._abort(context, exc)
+            raise  # pragma: no cover - abort raises
+        prefix = next((i for i, h in enumerate(held) if not h), len(held))
+        return pb.LookupResponse(held=held, prefix_pages=prefix)
+
+    async def _fetch_pages(
+        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            hashes = self._hashes(request.page_hashes)
+        except KVMeshError as exc:
+            await self._abort(context, exc)
+            return  # pragma: no cover
+        chunk = self._chunk_bytes
+        if request.max_chunk_bytes:
+            chunk = max(MIN_CHUNK_BYTES, min(chunk, request.max_chunk_bytes))
+        ids = self.service.pin(hashes)
+        try:
+            for index, (page_hash, page_id) in enumerate(zip(hashes, ids, strict=True)):
+                if self.page_delay_s:
+                    await asyncio.sleep(self.page_delay_s)
+                for message in self._page_messages(index, page_hash, page_id, chunk):
+                    await context.write(message)
+        finally:
+            # Runs on completion, on error and when the call is cancelled (the
+            # task gets CancelledError at its current await).
+            self.service.unpin(ids)
+
+    def _page_messages(
+        self, index: int, page_hash: PageHash, page_id: PageId | None, chunk: int
+    ) -> Iterator[bytes]:
+        info = None
+        if page_id is not None:
+            try:
+                info = self.service.page_info(page_id)
+            except InvalidInput:  # evicted by hash between pin and now: cannot vouch for it
+                info = None
+        if page_id is None or info is None or info.page_hash != page_hash:
+            missing = pb.PageHeader(page_hash=page_hash)
+            return iter((encode_chunk(index, 0, b"", header=missing, missing=True),))
+        blob = self.service.export(page_id)
+        return iter_page_chunks(index, page_header(info, blob), memoryview(blob.data), chunk)
+
+    async def _push_pages(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.PushResponse:
+        assembler = PageAssembler(self.service.store.page_nbytes)
+        inserted: list[bool] = []
+        try:
+            async for raw in request_iterator:
+                page = assembler.add(decode_chunk(raw))
+                if isinstance(page, IncomingPage):
+                    inserted.extend(self.service.insert_many([page]))
+            assembler.finish()
+        except KVMeshError as exc:
+            log.warning(
+                "PushPages from %s refused after %d pages: %s", context.peer(), len(inserted), exc
+            )
+            await self._abort(context, exc)
+        return pb.PushResponse(inserted=inserted)
+
+
+class ServerThread:
+    """Runs a `TransferServer` on its own event loop in a daemon thread.
+
+    For callers without a loop of their own (Ray actors, sync code, tests)::
+
+        with ServerThread(service, config) as srv:
+            peer = srv.address
+    """
+
+    def __init__(
+        self,
+        service: PageService,
+        config: TransferConfig | None = None,
+        *,
+        page_delay_s: float = 0.0,
+    ) -> None:
+        self.server = TransferServer(service, config, page_delay_s=page_delay_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvmesh-transfer-server", daemon=True
+        )
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the loop thread and the server; returns the address."""
+        self._thread.start()
+        try:
+            return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(
+                timeout_s
+            )
+        except BaseException:
+            self._shutdown_loop()
+            raise
+
+    def set_serving(self, serving: bool, timeout_s: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.set_serving(serving), self._loop).result(
+            timeout_s
+        )
+
+    def stop(self, grace_s: float | None = 0.5, timeout_s: float = 10.0) -> None:
+        """Stop the server and the loop thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(
+                timeout_s
+            )
+        finally:
+            self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def __enter__(self) -> ServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
