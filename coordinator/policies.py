@@ -226,7 +226,7 @@ def _pick_min(keys: Sequence[float], loads: Sequence[WorkerLoad], rng: random.Ra
 class KVAwarePolicy:
     """Dynamo-style cost, minimum wins (or softmax-sampled with `temperature` > 0)::
 
-        cost = overlap_weight * (pages_to_prefill + queued_prefill_pages)
+        cost = overlap_weight * (pages_to_prefill + queue_weight * queued_prefill_pages)
              + decode_weight * active_decode_pages
 
     `pages_to_prefill` is the prompt's pages minus the worker's held prefix;
@@ -247,6 +247,7 @@ class KVAwarePolicy:
             raise ConfigError(f"pull_cost must be in [0, 1], got {config.pull_cost}")
         self.overlap_weight = config.overlap_weight
         self.decode_weight = config.decode_weight
+        self.queue_weight = config.queue_weight
         self.temperature = config.temperature
         self.pull_cost = config.pull_cost
         self.max_load_ratio = config.max_load_ratio
@@ -272,26 +273,30 @@ class KVAwarePolicy:
         size = request.page_size
         total = request.num_pages
         w, dw, saved = self.overlap_weight, self.decode_weight, 1.0 - self.pull_cost
+        qw = self.queue_weight / size
         out: list[float] = []
         for load, local in zip(cands.loads, cands.overlaps, strict=True):
             prefill = float(total - local)
             if peer_n > local:
                 prefill -= (peer_n - local) * saved
             out.append(
-                w * (prefill + load.active_prefill_tokens / size) + dw * load.active_decode_pages
+                w * (prefill + qw * load.active_prefill_tokens) + dw * load.active_decode_pages
             )
         return out
 
     def _bounded(self, request: RouteRequest, cands: Candidates) -> list[bool]:
+        """Consistent-hashing-with-bounded-loads rule, in pages of queued prefill.
+
+        A worker may take the request while its queue is at most
+        ``max_load_ratio * (all queued + this request's pages) / workers``.
+        """
         n = len(cands.loads)
         if self.max_load_ratio <= 0 or n < 2:
             return [True] * n
         size = request.page_size
         queued = [load.active_prefill_tokens / size for load in cands.loads]
-        own = [request.num_pages - ov for ov in cands.overlaps]
-        mean = (sum(queued) + sum(own) / n) / n
-        cap = self.max_load_ratio * mean + 1.0
-        ok = [q + o <= cap for q, o in zip(queued, own, strict=True)]
+        cap = self.max_load_ratio * (sum(queued) + request.num_pages) / n
+        ok = [q <= cap for q in queued]
         return ok if any(ok) else [True] * n
 
     def _sample(self, keys: Sequence[float]) -> int:
@@ -375,9 +380,10 @@ class ConsistentHashPolicy:
     The key is the hash of page `consistent_hash_pages - 1` (a chained hash
     names the whole leading prefix), so requests sharing only a system prompt
     shorter than that spread out. Even when every request has the same key,
-    the ring walk skips workers whose load would exceed
-    `consistent_hash_load_factor` x the mean (consistent hashing with bounded
-    loads, Mirrokni et al.), so one worker never takes everything.
+    the ring walk skips workers whose load exceeds
+    `consistent_hash_load_factor` x the mean load including this request
+    (consistent hashing with bounded loads, Mirrokni et al.), so one worker
+    never takes everything.
     """
 
     name: ClassVar[str] = "consistent_hash"
@@ -436,7 +442,7 @@ class ConsistentHashPolicy:
                 continue
             seen.add(wid)
             i = by_id[wid]
-            if load_of[i] + need <= cap:
+            if load_of[i] <= cap:
                 return decide(self.name, request, overlaps, loads, cands, i, load_of[i])
             if len(seen) == len(by_id):
                 break

@@ -1,0 +1,275 @@
+"""The global index: longest prefix per worker, sequence order, staleness, snapshots."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from kvmesh.coordinator.index import ApplyResult, GlobalIndex
+from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
+from kvmesh.events import (
+    AllPagesCleared,
+    EventBatch,
+    KVEvent,
+    PagesRemoved,
+    PagesStored,
+    encode_batch,
+    make_batch,
+)
+from kvmesh.types import PageHash, WorkerId
+
+A, B, C = WorkerId("worker-a"), WorkerId("worker-b"), WorkerId("worker-c")
+
+
+def chain(n: int, seed: str = "p") -> list[PageHash]:
+    """n chained page hashes (each names its whole prefix, as real ones do)."""
+    out: list[PageHash] = []
+    parent = seed.encode()
+    for i in range(n):
+        parent = hashlib.sha256(parent + i.to_bytes(4, "little")).digest()
+        out.append(PageHash(parent))
+    return out
+
+
+def stored(hashes: list[PageHash], parent: PageHash | None = None, medium: str = "gpu") -> KVEvent:
+    return PagesStored(tuple(hashes), parent, (), 16, None, medium)
+
+
+def batch(
+    worker: WorkerId, seq: int, *events: KVEvent, inc: str = "i1", snapshot: bool = False
+) -> EventBatch:
+    return make_batch(events, worker, inc, seq, snapshot=snapshot)
+
+
+P = chain(8)
+
+
+def test_each_worker_gets_its_longest_held_prefix() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:6])))
+    ix.apply(batch(B, 0, stored(P[:2])))
+    ix.apply(batch(C, 0, stored(chain(3, "other"))))
+    result = ix.match(P)
+    assert result.pages == {A: 6, B: 2}
+    assert result.longest() == (A, 6)
+    ix.check_invariants()
+
+
+def test_a_worker_missing_a_middle_page_matches_only_up_to_it() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:6])))
+    ix.apply(batch(B, 0, stored(P[:6])))
+    ix.apply(batch(A, 1, PagesRemoved((P[2],), "gpu")))
+    assert ix.match(P).pages == {A: 2, B: 6}
+
+
+def test_match_stops_at_the_first_page_nobody_holds() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:3]), stored(P[4:])))
+    assert ix.match(P).pages == {A: 3}
+    assert ix.match(P[3:]).pages == {}
+
+
+def test_match_names_the_tiers_of_the_matched_prefix() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2], medium="gpu"), stored(P[2:4], P[1], medium="cpu")))
+    ix.apply(batch(B, 0, stored(P[:4], medium="CPU")))
+    result = ix.match(P[:3])
+    assert result.pages == {A: 3, B: 3}
+    assert result.tiers == {A: ("gpu", "cpu"), B: ("cpu",)}
+
+
+def test_removal_with_a_medium_keeps_the_page_in_other_tiers() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2], medium="gpu"), stored(P[:2], medium="cpu")))
+    ix.apply(batch(A, 1, PagesRemoved((P[0],), "gpu")))
+    assert ix.holders(P[0]) == {A: ("cpu",)}
+    ix.apply(batch(A, 2, PagesRemoved((P[0],), None)))
+    assert ix.holders(P[0]) == {}
+    assert P[0] not in ix
+    ix.check_invariants()
+
+
+def test_a_gap_marks_the_worker_stale_until_the_missing_batch_arrives() -> None:
+    ix = GlobalIndex()
+    assert ix.apply(batch(A, 0, stored(P[:2]))) is ApplyResult.REPLACED
+    assert ix.apply(batch(A, 2, stored(P[3:4], P[2]))) is ApplyResult.STALE
+    assert ix.is_stale(A)
+    assert ix.match(P).pages == {A: 2}  # the held-back batch is not applied yet
+    assert ix.apply(batch(A, 1, stored(P[2:3], P[1]))) is ApplyResult.APPLIED
+    assert not ix.is_stale(A)
+    assert ix.match(P).pages == {A: 4}
+    ix.check_invariants()
+
+
+def test_a_snapshot_replaces_a_stale_workers_entries_and_clears_stale() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:5])))
+    ix.apply(batch(A, 3, PagesRemoved((P[0],), "gpu")))
+    assert ix.is_stale(A)
+    assert ix.apply(batch(A, 4, stored(P[:2]), snapshot=True)) is ApplyResult.REPLACED
+    assert not ix.is_stale(A)
+    assert ix.worker_pages(A) == frozenset(P[:2])
+    assert ix.apply(batch(A, 3, PagesRemoved((P[0],), "gpu"))) is ApplyResult.IGNORED
+    assert ix.apply(batch(A, 5, stored(P[2:3], P[1]))) is ApplyResult.APPLIED
+    assert ix.match(P).pages == {A: 3}
+
+
+def test_duplicate_and_old_batches_are_ignored() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    ix.apply(batch(A, 1, PagesRemoved((P[1],), "gpu")))
+    assert ix.apply(batch(A, 0, stored(P[:2]))) is ApplyResult.IGNORED
+    assert ix.apply(batch(A, 1, PagesRemoved((P[1],), "gpu"))) is ApplyResult.IGNORED
+    assert ix.match(P).pages == {A: 1}
+
+
+def test_an_old_snapshot_is_ignored() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    ix.apply(batch(A, 1, stored(P[2:3], P[1])))
+    assert ix.apply(batch(A, 0, stored(P[:1]), snapshot=True)) is ApplyResult.IGNORED
+    assert ix.match(P).pages == {A: 3}
+
+
+def test_a_new_incarnation_replaces_everything_of_the_old_one() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:4]), inc="old"))
+    ix.apply(batch(A, 1, stored(chain(2, "x")), inc="old"))
+    assert ix.apply(batch(A, 0, stored(P[:1]), inc="new")) is ApplyResult.REPLACED
+    assert ix.worker_pages(A) == frozenset(P[:1])
+    assert len(ix) == 1
+    assert ix.apply(batch(A, 2, stored(P[1:4], P[0]), inc="old")) is ApplyResult.IGNORED
+    assert ix.worker_pages(A) == frozenset(P[:1])
+
+
+def test_a_new_incarnations_first_batch_past_seq_zero_is_a_gap() -> None:
+    ix = GlobalIndex()
+    assert ix.apply(batch(A, 7, stored(P[:2]), inc="restarted")) is ApplyResult.STALE
+    assert ix.is_stale(A)
+    assert ix.apply(batch(A, 7, stored(P[:3]), inc="restarted", snapshot=True)) is (
+        ApplyResult.REPLACED
+    )
+    assert not ix.is_stale(A)
+    assert ix.match(P).pages == {A: 3}
+
+
+def test_overflowing_the_reorder_window_requires_a_snapshot() -> None:
+    ix = GlobalIndex(reorder_window=2)
+    ix.apply(batch(A, 0, stored(P[:1])))
+    for seq in (2, 3, 4):
+        assert ix.apply(batch(A, seq, stored(P[seq : seq + 1], P[seq - 1]))) is ApplyResult.STALE
+    # The missing batch comes, but the held-back ones were dropped: still stale.
+    assert ix.apply(batch(A, 1, stored(P[1:2], P[0]))) is ApplyResult.STALE
+    assert ix.is_stale(A)
+    assert ix.apply(batch(A, 4, stored(P[:5]), snapshot=True)) is ApplyResult.REPLACED
+    assert not ix.is_stale(A)
+    ix.check_invariants()
+
+
+def test_all_pages_cleared_drops_only_that_worker() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:3])))
+    ix.apply(batch(B, 0, stored(P[:2])))
+    ix.apply(batch(A, 1, AllPagesCleared()))
+    assert ix.match(P).pages == {B: 2}
+    assert ix.worker_pages(A) == frozenset()
+
+
+def test_removing_a_worker_drops_all_its_entries_and_frees_its_slot() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:3])))
+    ix.apply(batch(B, 0, stored(P[:5])))
+    assert ix.remove_worker(B) == 5
+    assert ix.match(P).pages == {A: 3}
+    assert len(ix) == 3
+    ix.apply(batch(C, 0, stored(P[:1])))  # takes B's slot; no bit of B may leak into C
+    assert ix.match(P).pages == {A: 3, C: 1}
+    ix.check_invariants()
+
+
+def test_shared_pages_are_counted_once() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:4])))
+    ix.apply(batch(B, 0, stored(P[:4])))
+    assert len(ix) == 4
+    assert ix.num_entries() == 8
+
+
+def test_parent_links_give_the_chain() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2]), stored(P[2:5], P[1])))
+    assert ix.parent(P[0]) is None
+    assert ix.parent(P[3]) == P[2]
+    assert ix.chain(P[4]) == P[:5]
+
+
+def test_unknown_worker_is_rejected_when_registration_is_required() -> None:
+    ix = GlobalIndex(require_registration=True)
+    ix.register_worker(A, "i1")
+    ix.apply(batch(A, 0, stored(P[:2])))
+    before = ix.snapshot()
+    with pytest.raises(UnknownWorker, match="register"):
+        ix.apply(batch(B, 0, stored(P[:3])))
+    assert ix.snapshot() == before
+
+
+def test_a_bad_batch_is_rejected_before_anything_changes() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    before = ix.snapshot()
+    bad = make_batch(
+        [stored(P[2:4], P[1]), PagesRemoved(("not-bytes",), "gpu")],  # type: ignore[arg-type]
+        A,
+        "i1",
+        1,
+    )
+    with pytest.raises(EventDecodeError, match="event 1"):
+        ix.apply(bad)
+    with pytest.raises(EventDecodeError, match="seq"):
+        ix.apply(EventBatch((), A, "i1", -1))
+    with pytest.raises(EventDecodeError):
+        ix.apply_encoded(b"\xc1 definitely not msgpack")
+    assert ix.snapshot() == before
+
+
+def test_apply_encoded_decodes_and_applies() -> None:
+    ix = GlobalIndex()
+    assert ix.apply_encoded(encode_batch(batch(A, 0, stored(P[:3])))) is ApplyResult.REPLACED
+    assert ix.match(P).pages == {A: 3}
+
+
+def test_snapshot_then_restore_gives_identical_matches_and_state() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:6], medium="gpu"), stored(P[:2], medium="cpu")))
+    ix.apply(batch(B, 0, stored(P[:3])))
+    ix.apply(batch(B, 2, stored(chain(2, "y"))))  # B is stale
+    data = ix.snapshot()
+    copy = GlobalIndex()
+    copy.restore(data)
+    copy.check_invariants()
+    assert copy.snapshot() == data
+    for n in range(len(P) + 1):
+        assert copy.match(P[:n]) == ix.match(P[:n])
+    assert copy.is_stale(B)
+    # The restored stale worker still needs a snapshot: its held-back batch is gone.
+    assert copy.apply(batch(B, 1, stored(P[3:4], P[2]))) is ApplyResult.STALE
+
+
+def test_restore_rejects_garbage_and_keeps_the_index() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    before = ix.snapshot()
+    for data in (b"junk", b"\x80", encode_batch(batch(A, 0, stored(P[:1])))):
+        with pytest.raises(InvalidInput):
+            ix.restore(data)
+    assert ix.snapshot() == before
+
+
+def test_check_invariants_reports_a_corrupted_index() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    ix._holders[P[0]] = 0
+    with pytest.raises(InvariantViolation, match="holder"):
+        ix.check_invariants()
