@@ -40,6 +40,8 @@ class PoolConfig:
     num_pages: int = 512
     enable_caching: bool = True
     medium: str = "cpu"
+    event_token_ids: bool = True  # PagesStored carries the pages' token ids
+    use_eagle: bool = False  # drop the last matched page (EAGLE recomputes its hidden states)
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:

@@ -19,11 +19,12 @@ hash gains its first page, `PagesRemoved` when it loses its last, and
 consumer can see, so it emits nothing (unlike vLLM, whose consumers must count
 copies); replaying the events into a set always gives `cached_hashes()`.
 
-Token ids in `PagesStored` are optional (`event_token_ids`, off by default):
-kvmesh's coordinator indexes the hash chain and never needs them, they are
-~50x the size of the hashes on the wire, and copying them costs more than the
-rest of a page's bookkeeping (see `kvmesh bench pool`). Turn them on for a
-consumer that re-hashes tokens itself, as some vLLM event consumers do.
+`PagesStored` carries the pages' token ids when the caller passes them and
+`event_token_ids` is on (the default; the page service learns from them which
+tokens prove an exported page's hash). Copying them is the largest cost of
+caching a page (512 token ids per page in `kvmesh bench pool`), and the
+coordinator's index never reads them, so a pool whose events only feed the
+index can turn them off.
 
 Not thread-safe: the owner (the worker) holds a lock around every call.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvmesh.config import PoolConfig
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation, PagesInUse, PoolExhausted
 from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.types import PageHash, PageId
@@ -69,7 +71,7 @@ class PagePool:
         enable_caching: bool = True,
         medium: str = "cpu",
         page_size: int = 16,
-        event_token_ids: bool = False,
+        event_token_ids: bool = True,
     ) -> None:
         if num_pages < 2:
             raise ConfigError(
@@ -88,6 +90,16 @@ class PagePool:
         self.free_queue = FreePageQueue(self.pages[1:])
         self._cached: dict[PageHash, _CacheEntry] = {}
         self._events: list[KVEvent] = []
+
+    @classmethod
+    def from_config(cls, cfg: PoolConfig, page_size: int) -> PagePool:
+        return cls(
+            cfg.num_pages,
+            enable_caching=cfg.enable_caching,
+            medium=cfg.medium,
+            page_size=page_size,
+            event_token_ids=cfg.event_token_ids,
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -195,15 +207,10 @@ class PagePool:
 
     def touch(self, pages: Sequence[KVPage]) -> None:
         """Take hit pages: ref count +1, out of the free queue if it was 0."""
-        idle = [p for p in pages if not p.ref_cnt and not p.is_null]
-        if idle:
-            for p in idle:
-                if p.prev_free is None:
-                    raise InvariantViolation(
-                        f"page {p.page_id} has ref_cnt 0 but is not in the free queue"
-                    )
-            self.free_queue.remove_n(idle)
+        remove = self.free_queue.remove  # raises if a ref_cnt-0 page is not queued
         for p in pages:
+            if not p.ref_cnt and not p.is_null:
+                remove(p)
             p.ref_cnt += 1
 
     def free_pages(self, ordered_pages: Iterable[KVPage]) -> None:
