@@ -1,0 +1,615 @@
+"""`KVMesh`: the Python API users call, over a Ray cluster (joined or embedded).
+
+::
+
+    with KVMesh.connect() as mesh:                  # embedded local cluster, 4 workers
+        r = mesh.generate("Hello", max_tokens=8)    # route, then serve on the chosen worker
+        r.tokens, r.timings.ttft_ms, r.pages_hit_local
+
+One request: the client hashes the prompt's pages (same seed and page size
+as the workers), asks the coordinator actor for a `RouteDecision`, calls the
+chosen worker actor with what the decision promised (local pages, and pages
+a peer could give), and then tells the coordinator what the worker really
+hit and pulled (`record_result`), so that predicted vs realized is counted.
+
+Failures: a worker that dies before answering is dropped from the
+coordinator and the request is routed again, up to `retries` times (default
+once); after that the caller gets `WorkerDied`. A request is never answered
+from a half-finished run: the answer comes whole from one worker or not at
+all. Errors raised by a worker (`KVMeshError`) reach the caller as the same
+class, not wrapped.
+
+Disaggregation (`prefill_workers`, `decode_workers`): the coordinator picks a
+prefill worker and a decode worker; the prefill worker computes the prompt's
+pages and pushes them to the decode worker over gRPC; the decode worker then
+serves the request from them. The tokens are those of a normal run.
+
+Sync methods run the async ones on a private event loop per call; inside a
+running event loop use `agenerate` / `aroute` (they await object refs and
+never block the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import threading
+import uuid
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvmesh.client import tokenizer
+from kvmesh.config import ClusterConfig
+from kvmesh.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidInput,
+    KVMeshError,
+    NoWorkers,
+    WorkerDied,
+)
+from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.types import PageHash, WorkerId
+
+T = TypeVar("T")
+
+Prompt = str | Sequence[int]
+
+DEFAULT_WORKER_CPUS = 0.5
+"""Ray CPUs per worker actor: small, so that 4 workers fit a 2-core laptop."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStats:
+    """The cluster now: every reachable worker's stats and the coordinator's counters."""
+
+    policy: str
+    workers: tuple[Any, ...]  # kvmesh.worker.actor.WorkerStats
+    coordinator: dict[str, Any]
+
+    @property
+    def requests(self) -> int:
+        return sum(w.requests for w in self.workers)
+
+    @property
+    def prompt_pages(self) -> int:
+        return sum(w.prompt_pages for w in self.workers)
+
+    @property
+    def page_hit_ratio(self) -> float:
+        """Prompt pages served from the serving worker's own cache / all prompt pages."""
+        pages = self.prompt_pages
+        return sum(w.pages_hit_local for w in self.workers) / pages if pages else 0.0
+
+    @property
+    def pulled_pages(self) -> int:
+        return sum(w.pages_pulled for w in self.workers)
+
+    @property
+    def mismatches(self) -> int:
+        """Results whose realized local/pulled pages differed from the route's promise."""
+        return int(self.coordinator.get("mismatches", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "requests": self.requests,
+            "page_hit_ratio": self.page_hit_ratio,
+            "pulled_pages": self.pulled_pages,
+            "mismatches": self.mismatches,
+            "workers": [
+                {**dataclasses.asdict(w), "page_hit_ratio": w.page_hit_ratio} for w in self.workers
+            ],
+            "coordinator": self.coordinator,
+        }
+
+
+@dataclass(slots=True)
+class _Worker:
+    worker_id: WorkerId
+    role: str
+    address: str
+    actor: Any
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise KVMeshError(
+        "a blocking KVMesh method was called inside a running event loop; "
+        "use the async variant (agenerate / aroute / astats)"
+    )
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A worker's own exception out of Ray's wrapper (RayTaskError.cause)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+class KVMesh:
+    """A connection to a kvmesh cluster; build it with `KVMesh.connect`."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        coordinator: Any,
+        workers: dict[WorkerId, _Worker],
+        *,
+        owns_ray: bool,
+        created: Sequence[WorkerId],
+        retries: int,
+        pull: bool,
+        request_timeout_s: float,
+        ray_address: str,
+    ) -> None:
+        self.config = config
+        self.hasher = PageHasher.from_config(config.hash)
+        self.policy = config.coordinator.policy
+        self.retries = retries
+        self.pull = pull
+        self.request_timeout_s = request_timeout_s
+        self.ray_address = ray_address
+        self._coordinator = coordinator
+        self._workers = workers
+        self._owns_ray = owns_ray
+        self._created = list(created)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- connect
+
+    @classmethod
+    def connect(
+        cls,
+        address: str | None = None,
+        *,
+        num_workers: int = 4,
+        config: ClusterConfig | None = None,
+        prefill_workers: int | None = None,
+        decode_workers: int | None = None,
+        worker_num_cpus: float = DEFAULT_WORKER_CPUS,
+        worker_num_gpus: float = 0.0,
+        num_cpus: float | None = None,
+        retries: int = 1,
+        pull: bool = True,
+        request_timeout_s: float = 120.0,
+        worker_max_concurrency: int = 8,
+    ) -> KVMesh:
+        """Join the Ray cluster at `address`, or start an embedded local one (None).
+
+        Workers: if the coordinator already knows workers (another process ran
+        `kvmesh start`), this client uses them and creates none; otherwise it
+        creates `num_workers` (or `prefill_workers` + `decode_workers` for
+        disaggregation), owned by this process. When Ray is already initialised
+        in this process the running cluster is used, and `config` then sets
+        only this client's side (hashing, routing policy, retries): workers
+        keep the config they were started with.
+        """
+        import ray
+
+        from kvmesh.coordinator.actor import get_or_create_coordinator
+
+        cfg = config or ClusterConfig()
+        prefill = cfg.prefill_workers if prefill_workers is None else prefill_workers
+        decode = cfg.decode_workers if decode_workers is None else decode_workers
+        _check_connect(num_workers, prefill, decode, worker_num_cpus, retries, request_timeout_s)
+        if prefill or decode:
+            num_workers = 0
+        cfg = dataclasses.replace(
+            cfg, num_workers=num_workers, prefill_workers=prefill, decode_workers=decode
+        )
+        ns = cfg.coordinator.namespace
+        owns_ray = False
+        if not ray.is_initialized():
+            total = (num_workers + prefill + decode) * worker_num_cpus
+            if address is None:
+                cpus = math.ceil(num_cpus) if num_cpus is not None else max(4, math.ceil(total) + 1)
+                ray.init(
+                    num_cpus=cpus,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    namespace=ns,
+                    configure_logging=False,
+                )
+                owns_ray = True
+            else:
+                try:
+                    ray.init(address=address, namespace=ns, log_to_driver=False)
+                except ConnectionError as exc:
+                    raise ConfigError(
+                        f"cannot join the Ray cluster at {address!r}: {exc}"
+                    ) from None
+                owns_ray = True  # this driver's connection; the cluster itself stays up
+        try:
+            coordinator = get_or_create_coordinator(cfg.coordinator)
+            ray.get(coordinator.wait_ready.remote(), timeout=120)
+            workers = _attach(ray.get(coordinator.workers.remote(), timeout=60))
+            created: list[WorkerId] = []
+            if not workers:
+                plan: list[tuple[str, str]] = [(f"worker-{i}", "both") for i in range(num_workers)]
+                plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]
+                plan += [(f"decode-{i}", "decode") for i in range(decode)]
+                workers = _create_workers(
+                    plan,
+                    cfg,
+                    coordinator,
+                    worker_num_cpus,
+                    worker_num_gpus,
+                    worker_max_concurrency,
+                )
+                created = list(workers)
+            ray_address = ray.get_runtime_context().gcs_address
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+        return cls(
+            cfg,
+            coordinator,
+            workers,
+            owns_ray=owns_ray,
+            created=created,
+            retries=retries,
+            pull=pull,
+            request_timeout_s=request_timeout_s,
+            ray_address=ray_address,
+        )
+
+    def close(self) -> None:
+        """Stop the workers this client created, then leave (or stop) Ray. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        if not ray.is_initialized():
+            return
+        try:
+            for wid in self._created:
+                w = self._workers.get(wid)
+                if w is None:
+                    continue
+                # A dead worker has nothing to stop; a gone coordinator nothing to forget.
+                with contextlib.suppress(Exception):
+                    ray.get(w.actor.shutdown.remote(), timeout=10)
+                with contextlib.suppress(Exception):
+                    ray.get(self._coordinator.remove_worker.remote(wid), timeout=10)
+                ray.kill(w.actor, no_restart=True)
+        finally:
+            if self._owns_ray:
+                ray.shutdown()
+
+    def __enter__(self) -> KVMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- requests
+
+    def tokens(self, prompt: Prompt) -> list[int]:
+        """Token ids of `prompt` (text: byte-level), checked against the model's vocabulary."""
+        if isinstance(prompt, str):
+            tokens = tokenizer.encode(prompt)
+        elif isinstance(prompt, bytes | bytearray):
+            raise InvalidInput("give the prompt as text (str) or token ids, not bytes")
+        else:
+            tokens = list(prompt)
+        if not tokens:
+            raise InvalidInput("the prompt is empty: give at least one token")
+        vocab = self.config.model.vocab_size
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidInput(f"token ids must be integers in [0, {vocab}), got {t!r}")
+        return tokens
+
+    def hashes(
+        self, tokens: Sequence[int], cache_salt: str | None = None, lora_id: int | None = None
+    ) -> list[PageHash]:
+        """The chained page hashes the workers will compute for this prompt."""
+        return self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=cache_salt))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> Any:
+        """Route and serve one request; returns the worker's `GenerationResult`."""
+        return _run(self.agenerate(prompt, max_tokens, cache_salt, lora_id))
+
+    def route(
+        self,
+        prompt: Prompt,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        *,
+        role: str | None = None,
+    ) -> Any:
+        """The coordinator's `RouteDecision` for `prompt` (nothing is served)."""
+        return _run(self.aroute(prompt, cache_salt, lora_id, role=role))
+
+    def stats(self) -> ClusterStats:
+        return _run(self.astats())
+
+    async def aroute(
+        self,
+        prompt: Prompt,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        *,
+        role: str | None = None,
+    ) -> Any:
+        tokens = self.tokens(prompt)
+        return await self._route(tokens, self.hashes(tokens, cache_salt, lora_id), role, "")
+
+    async def agenerate(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> Any:
+        """Async `generate`: awaits object refs, never blocks the event loop."""
+        from kvmesh.worker.actor import GenerateRequest
+
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidInput(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)):
+            raise InvalidInput(f"lora_id must be an integer or None, got {lora_id!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInput(f"cache_salt must be a string or None, got {cache_salt!r}")
+        tokens = self.tokens(prompt)
+        hashes = self.hashes(tokens, cache_salt, lora_id)
+        base = GenerateRequest(
+            uuid.uuid4().hex, tuple(tokens), max_tokens, cache_salt, lora_id, 0, 0, None
+        )
+        disaggregated = self.config.prefill_workers > 0 and self.config.decode_workers > 0
+        last: BaseException | None = None
+        for _attempt in range(self.retries + 1):
+            try:
+                if disaggregated:
+                    return await self._disaggregated(base, hashes)
+                return await self._serve(base, hashes)
+            except _Died as died:
+                last = died.error
+                await self._forget(died.worker_id)
+        raise WorkerDied(
+            f"the worker serving the request died and {self.retries} retries on other workers "
+            f"failed too ({last}); no answer was produced"
+        )
+
+    async def astats(self) -> ClusterStats:
+        coord = await self._call(self._coordinator.stats.remote(), None)
+        workers = list(self._workers.values())
+        results = await asyncio.gather(
+            *(self._call(w.actor.stats.remote(), w.worker_id) for w in workers),
+            return_exceptions=True,
+        )
+        alive = tuple(r for r in results if not isinstance(r, BaseException))
+        return ClusterStats(self.policy, alive, coord)
+
+    # ---------------------------------------------------------------- control
+
+    def reset(self, policy: str | None = None) -> None:
+        """Empty every worker's cache (their events clear the index); optionally switch policy."""
+        import ray
+
+        if policy is not None:
+            from kvmesh.coordinator.policies import REGISTRY
+
+            if policy not in REGISTRY:
+                raise ConfigError(
+                    f"unknown routing policy {policy!r}; choose one of {sorted(REGISTRY)}"
+                )
+            self.policy = policy
+        ray.get([w.actor.reset_cache.remote() for w in self._workers.values()], timeout=60)
+
+    def workers(self) -> list[dict[str, str]]:
+        """Id, role and gRPC address of every worker this client knows."""
+        return [
+            {"worker_id": w.worker_id, "role": w.role, "address": w.address}
+            for w in self._workers.values()
+        ]
+
+    def worker(self, worker_id: str) -> Any:
+        """The Ray actor handle of a worker (for tests and tools)."""
+        try:
+            return self._workers[WorkerId(worker_id)].actor
+        except KeyError:
+            raise InvalidInput(
+                f"unknown worker {worker_id!r}; known: {sorted(self._workers)}"
+            ) from None
+
+    # ---------------------------------------------------------------- internals
+
+    async def _call(self, ref: Any, worker_id: WorkerId | None) -> Any:
+        """Await `ref` within the request deadline; map Ray's failures to kvmesh errors."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        try:
+            return await asyncio.wait_for(ref, self.request_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{'worker ' + worker_id if worker_id else 'the coordinator'} did not answer "
+                f"within {self.request_timeout_s:.0f}s"
+            ) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            if worker_id is None:
+                raise NoWorkers(f"the coordinator actor is unavailable: {exc}") from None
+            raise _Died(worker_id, exc) from None
+        except Exception as exc:
+            cause = _unwrap(exc)
+            if isinstance(cause, KVMeshError):
+                raise cause from None
+            raise
+
+    async def _route(
+        self, tokens: Sequence[int], hashes: Sequence[PageHash], role: str | None, rid: str
+    ) -> Any:
+        ref = self._coordinator.route.remote(
+            list(hashes),
+            len(tokens),
+            self.config.hash.page_size,
+            self.pull,
+            role,
+            self.policy,
+            rid,
+        )
+        return await self._call(ref, None)
+
+    async def _handle(self, worker_id: WorkerId) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:  # registered after we connected (or by another client)
+            infos = await self._call(self._coordinator.workers.remote(), None)
+            with self._lock:
+                self._workers.update(_attach(infos))
+            w = self._workers.get(worker_id)
+        if w is None:
+            raise NoWorkers(f"the coordinator routed to {worker_id!r}, whose actor is not found")
+        return w
+
+    def _promise(self, decision: Any, num_tokens: int) -> tuple[int, int, str | None]:
+        """What a worker can really reuse of the decision: never the prompt's last token."""
+        limit = (num_tokens - 1) // self.config.hash.page_size
+        local = min(decision.local_pages, limit)
+        if not self.pull or decision.peer_id is None or decision.peer_pages <= 0:
+            return local, 0, None
+        peer = self._workers.get(decision.peer_id)
+        pull = min(decision.peer_pages, limit - local)
+        if peer is None or pull <= 0:
+            return local, 0, None
+        return local, pull, peer.address
+
+    async def _serve(self, base: Any, hashes: Sequence[PageHash]) -> Any:
+        decision = await self._route(base.token_ids, hashes, None, base.request_id)
+        w = await self._handle(decision.worker_id)
+        local, pull, peer = self._promise(decision, len(base.token_ids))
+        request = dataclasses.replace(
+            base, promised_local=local, promised_pull=pull, peer_address=peer
+        )
+        result = await self._call(w.actor.generate.remote(request), w.worker_id)
+        await self._record(local, pull, result.pages_hit_local, result.pages_pulled)
+        return result
+
+    async def _disaggregated(self, base: Any, hashes: Sequence[PageHash]) -> Any:
+        n = len(base.token_ids)
+        pre_d = await self._route(base.token_ids, hashes, "prefill", base.request_id)
+        dec_d = await self._route(base.token_ids, hashes, "decode", base.request_id)
+        pre_w = await self._handle(pre_d.worker_id)
+        dec_w = await self._handle(dec_d.worker_id)
+        local, pull, peer = self._promise(pre_d, n)
+        pre_req = dataclasses.replace(
+            base, promised_local=local, promised_pull=pull, peer_address=peer
+        )
+        pre = await self._call(pre_w.actor.prefill.remote(pre_req, dec_w.address), pre_w.worker_id)
+        await self._record(local, pull, pre.pages_hit_local, pre.pages_pulled)
+        limit = (n - 1) // self.config.hash.page_size
+        promised = min(limit, max(dec_d.local_pages, pre.pages_pushed))
+        dec_req = dataclasses.replace(base, promised_local=promised)
+        result = await self._call(dec_w.actor.generate.remote(dec_req), dec_w.worker_id)
+        await self._record(promised, 0, result.pages_hit_local, result.pages_pulled)
+        return result
+
+    async def _record(self, p_local: int, p_pull: int, r_local: int, r_pull: int) -> None:
+        ref = self._coordinator.record_result.remote(p_local, p_pull, r_local, r_pull)
+        await self._call(ref, None)
+
+    async def _forget(self, worker_id: WorkerId) -> None:
+        """Drop a dead worker here and at the coordinator (so it is not routed to again)."""
+        with self._lock:
+            self._workers.pop(worker_id, None)
+        with contextlib.suppress(KVMeshError):
+            await self._call(self._coordinator.remove_worker.remote(worker_id), None)
+
+
+class _Died(Exception):
+    """Internal: the actor of `worker_id` died during a call (retried or turned into WorkerDied)."""
+
+    def __init__(self, worker_id: WorkerId, error: BaseException) -> None:
+        super().__init__(f"worker {worker_id} died: {error}")
+        self.worker_id = worker_id
+        self.error = error
+
+
+def _check_connect(
+    num_workers: int,
+    prefill: int,
+    decode: int,
+    worker_cpus: float,
+    retries: int,
+    timeout_s: float,
+) -> None:
+    if num_workers < 0 or prefill < 0 or decode < 0:
+        raise ConfigError("worker counts must be >= 0")
+    if (prefill > 0) != (decode > 0):
+        raise ConfigError(
+            "disaggregation needs both prefill_workers and decode_workers (got "
+            f"{prefill} and {decode})"
+        )
+    if worker_cpus < 0:
+        raise ConfigError(f"worker_num_cpus must be >= 0, got {worker_cpus}")
+    if retries < 0:
+        raise ConfigError(f"retries must be >= 0, got {retries}")
+    if timeout_s <= 0:
+        raise ConfigError(f"request_timeout_s must be positive, got {timeout_s}")
+
+
+def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
+    """Handles of registered workers whose Ray actors can be found by name."""
+    import ray
+
+    out: dict[WorkerId, _Worker] = {}
+    for info in infos:
+        if not info.actor_name:
+            continue
+        try:
+            actor = ray.get_actor(info.actor_name, namespace=info.actor_namespace)
+        except ValueError:  # registered, but its actor is gone
+            continue
+        out[info.worker_id] = _Worker(info.worker_id, info.role, info.address, actor)
+    return out
+
+
+def _create_workers(
+    plan: Sequence[tuple[str, str]],
+    cfg: ClusterConfig,
+    coordinator: Any,
+    num_cpus: float,
+    num_gpus: float,
+    max_concurrency: int,
+) -> dict[WorkerId, _Worker]:
+    """Start one named worker actor per (id, role) and wait until each has registered."""
+    import ray
+
+    from kvmesh.worker.actor import WorkerActor, WorkerSpec, worker_actor_name
+
+    if not plan:
+        raise ConfigError("no workers to start: give num_workers (or prefill and decode workers)")
+    remote = ray.remote(WorkerActor)
+    handles = []
+    for wid, role in plan:
+        spec = WorkerSpec(WorkerId(wid), cfg, role)  # type: ignore[arg-type]
+        options: dict[str, Any] = {
+            "name": worker_actor_name(wid),
+            "namespace": cfg.coordinator.namespace,
+            "num_cpus": num_cpus,
+            "max_concurrency": max_concurrency,
+            "max_restarts": 0,
+        }
+        if num_gpus:
+            options["num_gpus"] = num_gpus
+        handles.append((wid, role, remote.options(**options).remote(spec, coordinator)))
+    infos = ray.get([h.info.remote() for _, _, h in handles], timeout=300)  # type: ignore[attr-defined]
+    return {
+        WorkerId(wid): _Worker(WorkerId(wid), role, info["address"], h)
+        for (wid, role, h), info in zip(handles, infos, strict=True)
+    }

@@ -1,0 +1,617 @@
+"""The worker as a Ray actor: pool, KV store, model, gRPC page server, heartbeats.
+
+`WorkerActor` is a plain class (tests can build one in-process); the client
+wraps it with ``ray.remote`` and names it `worker_actor_name(worker_id)` in
+the cluster namespace, so that a restarted coordinator finds it again. What
+one actor owns::
+
+    PagePool ─ KVCacheManager ─┐
+    KVStore ───────────────────┼─ ServingEngine (TinyTransformer)   generate / prefill
+    PageService (shared lock) ─┴─ ServerThread (grpc.aio, 127.0.0.1:free port)
+                                  PeerClients (pull from / push to other workers)
+    heartbeat thread ── report(worker_id, [event batches], load) ──► coordinator actor
+
+Events. Every change of the pool's cached set is drained into a batch
+(`kvmesh.events.encode_batch`: worker id, a fresh incarnation uuid per
+start, seq 0, 1, 2, ... from one counter) and reported every heartbeat
+interval and right after each request, so the index is fresh for the next
+route. A batch stays queued until the coordinator has acknowledged it (a
+report that failed is resent; duplicates are ignored there). When the
+coordinator says the worker is stale or unknown, the next report carries a
+snapshot batch (the whole cached set) instead; `snapshot` serves the same
+batch to a restarting coordinator. Every batch, snapshot or not, takes the
+next seq, under one lock, so the coordinator sees one ordered stream.
+
+Requests. `generate` serves one request (local hits, pulls from the peer
+the route decision named, computes the rest, decodes); `prefill` is the
+prefill half of disaggregation: compute the prompt's pages and push them to
+the decode worker, which then serves the request from them. Requests run on
+Ray's thread pool (``max_concurrency``); the engine lets one compute at a
+time and the rest wait (their queue time), so `stats`, `ping` and
+`snapshot` never wait behind a long prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvmesh.config import ClusterConfig
+from kvmesh.errors import (
+    InvalidInput,
+    InvariantViolation,
+    KVMeshError,
+    TransportError,
+    UnknownWorker,
+)
+from kvmesh.events import encode_batch, make_batch
+from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.types import PageHash, WorkerId
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
+
+WORKER_ACTOR_PREFIX = "kvmesh-worker-"
+
+
+def worker_actor_name(worker_id: str) -> str:
+    """The Ray actor name of a worker (in the cluster's namespace)."""
+    return WORKER_ACTOR_PREFIX + worker_id
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker actor is built from: its id, role and the cluster config."""
+
+    worker_id: WorkerId
+    config: ClusterConfig = field(default_factory=ClusterConfig)
+    role: Role = "both"
+    torch_threads: int = 1
+    max_concurrent: int = 1  # requests computing at once; the others queue
+    page_delay_s: float = 0.0  # test hook: slow down every page this worker streams out
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise InvalidInput(f"worker_id must be a non-empty string, got {self.worker_id!r}")
+        if self.role not in ROLES:
+            raise InvalidInput(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.torch_threads < 1 or self.max_concurrent < 1:
+            raise InvalidInput("torch_threads and max_concurrent must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request as a worker receives it: tokens, answer length, tenant keys, route promise.
+
+    `promised_local` / `promised_pull` are what the route decision promised
+    (already clamped to what a worker can reuse: never the prompt's last
+    token); `peer_address` is the gRPC address of the worker holding the
+    pullable pages, None for no pull.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    promised_local: int = 0
+    promised_pull: int = 0
+    peer_address: str | None = None
+
+    @property
+    def extra_keys(self) -> ExtraKeys:
+        return ExtraKeys(lora_id=self.lora_id, cache_salt=self.cache_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What a prefill worker did for one request before handing it to a decode worker."""
+
+    request_id: str
+    worker_id: WorkerId
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    pages_pushed: int
+    prefill_ms: float
+    push_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker's state and counters since it started."""
+
+    worker_id: WorkerId
+    role: str
+    address: str
+    incarnation: str
+    num_pages: int
+    pages_used: int
+    pages_free: int
+    cached_pages: int
+    running: int
+    waiting: int
+    requests: int
+    errors: int
+    prompt_pages: int
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    pages_pushed: int
+    pages_received: int
+    batches_sent: int
+    snapshots_sent: int
+    last_seq: int
+    draining: bool
+
+    @property
+    def page_hit_ratio(self) -> float:
+        """Prompt pages served from this worker's own cache / all its prompt pages."""
+        return self.pages_hit_local / self.prompt_pages if self.prompt_pages else 0.0
+
+
+@dataclass(slots=True)
+class _Counters:
+    requests: int = 0
+    errors: int = 0
+    prompt_pages: int = 0
+    pages_hit_local: int = 0
+    pages_pulled: int = 0
+    pages_computed: int = 0
+    pages_pushed: int = 0
+    batches_sent: int = 0
+    snapshots_sent: int = 0
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The original exception of a Ray task error (Ray wraps remote exceptions)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+class WorkerActor:
+    """One kvmesh worker; see the module docstring. Create it through Ray (`ray.remote`).
+
+    `coordinator` is the coordinator actor's handle (None: run without one,
+    e.g. in a test); the worker registers with it before `__init__` returns.
+    """
+
+    def __init__(self, spec: WorkerSpec, coordinator: Any | None = None) -> None:
+        import torch
+
+        from kvmesh.worker.cache_manager import KVCacheManager
+        from kvmesh.worker.kv_store import KVStore
+        from kvmesh.worker.model import TinyTransformer
+        from kvmesh.worker.page_pool import PagePool
+        from kvmesh.worker.page_service import PageService
+        from kvmesh.worker.serving import ServingEngine
+        from kvmesh.worker.transfer_server import ServerThread
+
+        torch.set_num_threads(spec.torch_threads)
+        cfg = spec.config
+        page_size = cfg.hash.page_size
+        self.spec = spec
+        self.config = cfg
+        self.worker_id = spec.worker_id
+        self.role: Role = spec.role
+        self.incarnation = uuid.uuid4().hex
+        self.hasher = PageHasher.from_config(cfg.hash)
+        self._lock = threading.RLock()  # the pool's lock: engine, page service, events
+        pool = PagePool(
+            cfg.pool.num_pages,
+            enable_caching=cfg.pool.enable_caching,
+            medium=cfg.pool.medium,
+            page_size=page_size,
+        )
+        self.pool = pool
+        self.cache_manager = KVCacheManager(pool, page_size, enable_caching=cfg.pool.enable_caching)
+        self.store = KVStore.from_config(cfg.model, cfg.pool, page_size)
+        self.pages = PageService(pool, self.store, self.hasher, lock=self._lock)
+        self.model = TinyTransformer(cfg.model)
+        self.model.generate([1] * (2 * page_size + 1), 2)  # warm the kernels before timing
+        self.engine = ServingEngine(
+            self.model,
+            self.cache_manager,
+            self.store,
+            self.hasher,
+            worker_id=self.worker_id,
+            max_concurrent=spec.max_concurrent,
+            lock=self._lock,
+        )
+        self._server = ServerThread(self.pages, cfg.transfer, page_delay_s=spec.page_delay_s)
+        self._server.start()
+        self.address = self._advertised_address(self._server.server.port)
+        self._peers: dict[str, Any] = {}
+        self._peers_lock = threading.Lock()
+
+        self._coordinator = coordinator
+        self._flush_lock = threading.Lock()
+        self._next_seq = 0
+        self._unacked: list[bytes] = []
+        self._needs_snapshot = True  # the first report carries the whole (empty) cached set
+        self._counters = _Counters()
+        self._counters_lock = threading.Lock()
+        self._draining = False
+        self._stop = threading.Event()
+        self._heartbeat_s = cfg.coordinator.heartbeat_interval_s
+        self._rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
+        if coordinator is not None:
+            self._register()
+            self.flush()
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"kvmesh-heartbeat-{self.worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ---------------------------------------------------------------- serving
+
+    def generate(self, request: GenerateRequest) -> Any:
+        """Serve one request and report the pool's events before answering.
+
+        Returns the engine's `GenerationResult`. Raises the engine's
+        `KVMeshError`s (bad input, full pool); a failed pull is not an error
+        (its pages are computed, `pull_error` says why).
+        """
+        from kvmesh.worker.serving import RouteHint
+
+        hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
+        pull = self._pull if request.peer_address else None
+        try:
+            result = self.engine.serve(
+                request.request_id,
+                request.token_ids,
+                request.max_tokens,
+                extra_keys=request.extra_keys,
+                hint=hint,
+                pull_fn=pull,
+            )
+        except KVMeshError:
+            self._bump("errors")
+            raise
+        finally:
+            self._flush_quietly()
+        with self._counters_lock:
+            c = self._counters
+            c.requests += 1
+            c.pages_hit_local += result.pages_hit_local
+            c.pages_pulled += result.pages_pulled
+            c.pages_computed += result.pages_computed
+            c.prompt_pages += result.pages_hit_local + result.pages_pulled + result.pages_computed
+        return result
+
+    def prefill(self, request: GenerateRequest, push_to: str) -> PrefillResult:
+        """Disaggregation, prefill side: compute the prompt's pages, push them to `push_to`.
+
+        Pushes every full page of the prompt (the decode worker skips those it
+        already holds). A failed push raises `TransportError`; the decode worker
+        would then compute the pages itself, so the client may still go on.
+        """
+        if not push_to:
+            raise InvalidInput("prefill needs the decode worker's address to push to")
+        t0 = time.perf_counter()
+        prefill_only = GenerateRequest(
+            request.request_id,
+            request.token_ids,
+            0,
+            request.cache_salt,
+            request.lora_id,
+            request.promised_local,
+            request.promised_pull,
+            request.peer_address,
+        )
+        result = self.generate(prefill_only)
+        t1 = time.perf_counter()
+        hashes = self.hasher.hash_prompt(request.token_ids, request.extra_keys)
+        pushed = self._push(push_to, hashes) if hashes else 0
+        self._bump("pages_pushed", pushed)
+        return PrefillResult(
+            request.request_id,
+            self.worker_id,
+            result.pages_hit_local,
+            result.pages_pulled,
+            result.pages_computed,
+            pushed,
+            (t1 - t0) * 1e3,
+            (time.perf_counter() - t1) * 1e3,
+        )
+
+    def compute_from_scratch(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The reference answer: the whole prompt in one pass, no cache (for tests)."""
+        return self.engine.compute_from_scratch(token_ids, max_tokens)
+
+    # ---------------------------------------------------------------- transfer
+
+    def _peer(self, address: str) -> Any:
+        from kvmesh.worker.transfer_client import SyncPeerClient
+
+        with self._peers_lock:
+            client = self._peers.get(address)
+            if client is None:
+                client = self._peers[address] = SyncPeerClient(address, self.config.transfer)
+            return client
+
+    def _pull(self, ask: Any) -> list[tuple[PageHash, Any]]:
+        """The engine's `pull_fn`: the peer's pages for `ask`, in order, up to its first miss.
+
+        Each page was verified by the transfer client (framing, format,
+        checksum, the hash asked for); the engine checks again and inserts.
+        """
+        try:
+            fetched = self._peer(ask.peer).fetch_pages(list(ask.page_hashes))
+        except KVMeshError:
+            raise
+        except Exception as exc:  # a transport bug must not fail the request: compute instead
+            raise TransportError(f"pull from {ask.peer} failed: {exc}") from exc
+        out: list[tuple[PageHash, Any]] = []
+        got = iter(fetched.pages)
+        page = next(got, None)
+        for want in ask.page_hashes:
+            if page is None or page.page_hash != want:
+                break  # the peer lacks `want`: the prefix ends here
+            out.append((page.page_hash, page.blob))
+            page = next(got, None)
+        return out
+
+    def _push(self, address: str, hashes: Sequence[PageHash]) -> int:
+        """Push the cached prefix of `hashes` to the worker at `address`; returns pages sent."""
+        held = self.pages.prefix_length(hashes)
+        if not held:
+            return 0
+        self._peer(address).push_from(self.pages, list(hashes[:held]))
+        return held
+
+    # ---------------------------------------------------------------- events
+
+    def _load(self) -> Any:
+        from kvmesh.coordinator.policies import WorkerLoad
+
+        load = self.engine.load()
+        return WorkerLoad(
+            self.worker_id,
+            active_prefill_tokens=load.prefill_tokens,
+            active_decode_pages=max(0, load.num_pages - 1 - load.free_pages),
+            free_pages=load.free_pages,
+            total_pages=load.num_pages - 1,
+            draining=self._draining,
+            active_requests=load.running + load.waiting,
+        )
+
+    def _batch(self, snapshot: bool) -> bytes | None:
+        """Drain events into the next batch; a snapshot batch carries the whole cached set.
+
+        None (and no seq used) when there is no event and no snapshot is asked for.
+        Call with `_flush_lock` held: seqs are handed out in order under it.
+        """
+        with self._lock:
+            events = self.pool.take_events()
+            snap = self.pool.snapshot_events() if snapshot else []
+        self.pages.observe(events)
+        if not snapshot and not events:
+            return None
+        batch = make_batch(
+            snap if snapshot else events,
+            self.worker_id,
+            self.incarnation,
+            self._next_seq,
+            snapshot=snapshot,
+        )
+        self._next_seq += 1
+        return encode_batch(batch)
+
+    def snapshot(self) -> bytes:
+        """A snapshot batch of the whole cached set, taking the next seq (for a coordinator rebuild).
+
+        Queued batches are dropped: their effects are in the snapshot.
+        """
+        with self._flush_lock:
+            self._unacked.clear()
+            self._bump("snapshots_sent")
+            data = self._batch(snapshot=True)
+            if data is None:  # pragma: no cover - a snapshot batch is always built
+                raise InvariantViolation("snapshot batch was not built")
+            return data
+
+    def flush(self) -> bool:
+        """Report queued events and the load to the coordinator now; True when acknowledged.
+
+        Raises nothing when the coordinator is away: the batches stay queued and
+        go out (again) with the next report; the coordinator ignores duplicates.
+        """
+        if self._coordinator is None:
+            self.pages.take_events()
+            return False
+        import ray
+
+        with self._flush_lock:
+            if self._needs_snapshot:
+                self._unacked.clear()  # the snapshot covers them
+                data = self._batch(snapshot=True)
+                self._bump("snapshots_sent")
+                self._needs_snapshot = False
+            else:
+                data = self._batch(snapshot=False)
+            if data is not None:
+                self._unacked.append(data)
+            batches = list(self._unacked)
+            try:
+                ref = self._coordinator.report.remote(self.worker_id, batches, self._load())
+                reply = ray.get(ref, timeout=self._rpc_timeout_s)
+            except Exception as exc:
+                cause = _unwrap(exc)
+                if isinstance(cause, UnknownWorker):  # expired, or the coordinator lost us
+                    self._needs_snapshot = True
+                    try:
+                        self._register()
+                    except Exception as again:
+                        log.warning("re-registering failed (will retry): %s", _unwrap(again))
+                else:
+                    log.warning("report to the coordinator failed (will resend): %s", cause)
+                return False
+            self._unacked.clear()
+            self._bump("batches_sent", len(batches))
+            if reply.needs_snapshot:
+                self._needs_snapshot = True
+            return True
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._counters_lock:
+            setattr(self._counters, name, getattr(self._counters, name) + n)
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except Exception:  # reporting must never fail a request
+            log.exception("flushing events failed")
+
+    def _register(self) -> None:
+        import ray
+
+        if self._coordinator is None:
+            return
+        ray.get(
+            self._coordinator.register_worker.remote(
+                self.worker_id,
+                self.address,
+                self.pool.num_pages - 1,
+                self.incarnation,
+                self.role,
+                worker_actor_name(self.worker_id),
+                self.config.coordinator.namespace,
+            ),
+            timeout=self._rpc_timeout_s,
+        )
+        self._needs_snapshot = True
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            self._flush_quietly()
+
+    # ---------------------------------------------------------------- control
+
+    def ping(self) -> WorkerId:
+        """The worker's id (a liveness probe)."""
+        return self.worker_id
+
+    def info(self) -> dict[str, Any]:
+        """Id, role, gRPC address, incarnation and process id."""
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "address": self.address,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+        }
+
+    def stats(self) -> WorkerStats:
+        load = self.engine.load()
+        with self._lock:
+            cached = len(self.pool.cached_hashes())
+        with self._counters_lock:
+            c = dataclasses.replace(self._counters)
+        return WorkerStats(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=self.address,
+            incarnation=self.incarnation,
+            num_pages=load.num_pages - 1,
+            pages_used=max(0, load.num_pages - 1 - load.free_pages),
+            pages_free=load.free_pages,
+            cached_pages=cached,
+            running=load.running,
+            waiting=load.waiting,
+            requests=c.requests,
+            errors=c.errors,
+            prompt_pages=c.prompt_pages,
+            pages_hit_local=c.pages_hit_local,
+            pages_pulled=c.pages_pulled,
+            pages_computed=c.pages_computed,
+            pages_pushed=c.pages_pushed,
+            pages_received=0,
+            batches_sent=c.batches_sent,
+            snapshots_sent=c.snapshots_sent,
+            last_seq=self._next_seq - 1,
+            draining=self._draining,
+        )
+
+    def reset_cache(self) -> None:
+        """Forget every cached page (an `AllPagesCleared` event) and report it.
+
+        Raises `PagesInUse` while requests hold pages.
+        """
+        with self._lock:
+            self.cache_manager.reset_prefix_cache()
+        with self._counters_lock:
+            self._counters = _Counters(
+                batches_sent=self._counters.batches_sent,
+                snapshots_sent=self._counters.snapshots_sent,
+            )
+        self.flush()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking new requests: NOT_SERVING on gRPC health, draining at the coordinator.
+
+        Waits up to `timeout_s` for running requests; True when none is left.
+        """
+        import ray
+
+        self._draining = True
+        self._server.set_serving(False)
+        if self._coordinator is not None:
+            try:
+                ray.get(
+                    self._coordinator.drain_worker.remote(self.worker_id, True),
+                    timeout=self._rpc_timeout_s,
+                )
+            except Exception as exc:
+                log.warning("could not tell the coordinator about draining: %s", _unwrap(exc))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            load = self.engine.load()
+            if load.running + load.waiting == 0:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def shutdown(self) -> None:
+        """Stop heartbeats and the gRPC server (the actor can then be killed)."""
+        self._stop.set()
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:
+            close: Callable[[], None] | None = getattr(p, "close", None)
+            if close is not None:
+                close()
+        self._server.stop()
+
+    def check_invariants(self) -> None:
+        """The pool's invariants (raises `InvariantViolation`)."""
+        self.pages.check_invariants()
+
+    def _advertised_address(self, port: int) -> str:
+        host = self.config.transfer.host
+        if host in ("0.0.0.0", "::", ""):
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = [
+    "ROLES",
+    "GenerateRequest",
+    "PrefillResult",
+    "Role",
+    "WorkerActor",
+    "WorkerSpec",
+    "WorkerStats",
+    "worker_actor_name",
+]
