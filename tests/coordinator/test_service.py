@@ -1,0 +1,310 @@
+"""The coordinator service with real page pools on the worker side (no Ray)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.index import ApplyResult
+from kvmesh.coordinator.policies import WorkerLoad
+from kvmesh.coordinator.service import Coordinator
+from kvmesh.errors import ConfigError, EventDecodeError, InvalidInput, NoWorkers, UnknownWorker
+from kvmesh.events import encode_batch, make_batch
+from kvmesh.hashing import PageHasher
+from kvmesh.types import PageHash, WorkerId
+from kvmesh.worker.page_pool import PagePool
+
+PAGE = 4
+HASHER = PageHasher(PAGE)
+
+
+def prompt(n_pages: int, tag: int) -> list[PageHash]:
+    return HASHER.hash_prompt([tag * 1000 + i for i in range(n_pages * PAGE)])
+
+
+class PoolWorker:
+    """The worker side of the contract: a real pool, one seq counter, snapshots take the next seq."""
+
+    def __init__(self, worker_id: str, num_pages: int = 64, incarnation: str = "inc-1") -> None:
+        self.worker_id = WorkerId(worker_id)
+        self.incarnation = incarnation
+        self.pool = PagePool(num_pages, page_size=PAGE)
+        self.seq = 0
+
+    def serve(self, hashes: Sequence[PageHash]) -> int:
+        """Run one request through the pool (hit, allocate, cache, free); returns pages hit."""
+        hit = self.pool.match_prefix(hashes, len(hashes))
+        self.pool.touch(hit)
+        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
+        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
+        self.pool.free_pages(list(reversed(pages)))
+        return len(hit)
+
+    def batch(self) -> bytes:
+        data = encode_batch(
+            make_batch(self.pool.take_events(), self.worker_id, self.incarnation, self.seq)
+        )
+        self.seq += 1
+        return data
+
+    def snapshot(self) -> bytes:
+        self.pool.take_events()
+        data = encode_batch(
+            make_batch(
+                self.pool.snapshot_events(),
+                self.worker_id,
+                self.incarnation,
+                self.seq,
+                snapshot=True,
+            )
+        )
+        self.seq += 1
+        return data
+
+    def register(self, coord: Coordinator, **kw: object) -> bool:
+        reg = coord.register_worker(
+            self.worker_id,
+            f"127.0.0.1:{5000 + len(self.worker_id)}",
+            self.pool.num_pages - 1,
+            self.incarnation,
+            **kw,  # type: ignore[arg-type]
+        )
+        return reg.needs_snapshot
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def cluster(n: int = 3, **cfg: object) -> tuple[Coordinator, list[PoolWorker], Clock]:
+    clock = Clock()
+    coord = Coordinator(CoordinatorConfig(**cfg), clock=clock, rng=random.Random(0))  # type: ignore[arg-type]
+    workers = [PoolWorker(f"w{i}") for i in range(n)]
+    for w in workers:
+        assert w.register(coord)
+        coord.report(w.worker_id, [w.snapshot()])
+    return coord, workers, clock
+
+
+def index_equals_pools(coord: Coordinator, workers: Sequence[PoolWorker]) -> bool:
+    return all(
+        coord.index.worker_pages(w.worker_id) == frozenset(w.pool.cached_hashes()) for w in workers
+    )
+
+
+def test_a_request_goes_to_the_worker_whose_pool_holds_its_prefix() -> None:
+    coord, (_w0, w1, _), _ = cluster()
+    p = prompt(6, tag=1)
+    w1.serve(p)
+    coord.report(w1.worker_id, [w1.batch()])
+    d = coord.route(p, 6 * PAGE + 1, page_size=PAGE)
+    assert (d.worker_id, d.local_pages) == (w1.worker_id, 6)
+    assert w1.serve(p) == d.local_pages  # the promise holds on the real pool
+
+
+def test_the_decision_names_the_peer_when_the_chosen_worker_holds_less() -> None:
+    coord, (w0, _w1, _), _ = cluster()
+    p = prompt(8, tag=2)
+    w0.serve(p)
+    coord.report(w0.worker_id, [w0.batch()], WorkerLoad(w0.worker_id, 100 * PAGE))
+    d = coord.route(p, 8 * PAGE, page_size=PAGE, allow_pull=True)
+    assert d.worker_id != w0.worker_id  # w0's prefill queue is far longer
+    assert (d.peer_id, d.peer_pages) == (w0.worker_id, 8)
+
+
+def test_a_report_from_an_unregistered_worker_says_register_again() -> None:
+    coord, _, _ = cluster(1)
+    stranger = PoolWorker("stranger")
+    with pytest.raises(UnknownWorker):
+        coord.report(stranger.worker_id, [stranger.batch()])
+
+
+def test_one_bad_batch_rejects_the_whole_report_and_changes_nothing() -> None:
+    coord, (w0, *_), _ = cluster()
+    w0.serve(prompt(3, tag=3))
+    good = w0.batch()
+    before = coord.snapshot_index()
+    with pytest.raises(EventDecodeError):
+        coord.report(w0.worker_id, [good, b"\x93garbage"])
+    with pytest.raises(EventDecodeError, match="reported a batch of"):
+        coord.report(WorkerId("w1"), [good])
+    assert coord.snapshot_index() == before
+    assert coord.stats().batches_rejected == 3
+    assert coord.report(w0.worker_id, [good]).results == (ApplyResult.APPLIED,)
+
+
+def test_a_gap_asks_for_a_snapshot_which_brings_the_index_back_in_line() -> None:
+    coord, (w0, *_), _ = cluster()
+    w0.serve(prompt(3, tag=4))
+    w0.batch()  # lost on the way
+    w0.serve(prompt(2, tag=5))
+    reply = coord.report(w0.worker_id, [w0.batch()])
+    assert reply.needs_snapshot and reply.results == (ApplyResult.STALE,)
+    assert coord.route(prompt(3, tag=4), 12, page_size=PAGE).local_pages == 0
+    reply = coord.report(w0.worker_id, [w0.snapshot()])
+    assert not reply.needs_snapshot
+    assert index_equals_pools(coord, [w0])
+
+
+def test_batches_of_an_old_incarnation_are_ignored_after_re_registration() -> None:
+    coord, (w0, *_), _ = cluster()
+    w0.serve(prompt(3, tag=6))
+    old_batch = w0.batch()
+    reborn = PoolWorker("w0", incarnation="inc-2")
+    reborn.register(coord)
+    assert coord.report(w0.worker_id, [old_batch]).results == (ApplyResult.IGNORED,)
+    assert coord.index.worker_pages(w0.worker_id) == frozenset()
+
+
+def test_a_silent_worker_expires_with_its_pages() -> None:
+    coord, (w0, w1, w2), clock = cluster(heartbeat_timeout_s=5.0)
+    w2.serve(prompt(4, tag=7))
+    coord.report(w2.worker_id, [w2.batch()])
+    clock.t = 4.0
+    coord.heartbeat(w0.worker_id)
+    coord.heartbeat(w1.worker_id)
+    clock.t = 6.0
+    assert coord.expire() == [w2.worker_id]
+    assert coord.match(prompt(4, tag=7)).pages == {}
+    assert coord.stats().workers_expired == 1
+    with pytest.raises(UnknownWorker):
+        coord.heartbeat(w2.worker_id)
+
+
+def test_a_draining_worker_gets_requests_only_when_nothing_else_is_left() -> None:
+    coord, (w0, w1), _ = cluster(2)
+    p = prompt(4, tag=8)
+    w0.serve(p)
+    coord.report(w0.worker_id, [w0.batch()])
+    coord.drain_worker(w0.worker_id)
+    assert coord.route(p, 16, page_size=PAGE).worker_id == w1.worker_id
+    coord.remove_worker(w1.worker_id)
+    d = coord.route(p, 16, page_size=PAGE)
+    assert (d.worker_id, d.degraded) == (w0.worker_id, True)
+
+
+def test_removing_every_worker_leaves_nothing_to_route_to() -> None:
+    coord, workers, _ = cluster(2)
+    for w in workers:
+        assert coord.remove_worker(w.worker_id)
+    assert not coord.remove_worker(WorkerId("w0"))
+    with pytest.raises(NoWorkers):
+        coord.route(prompt(2, tag=9), 8, page_size=PAGE)
+
+
+def test_route_can_ask_for_another_policy_by_name() -> None:
+    coord, _, _ = cluster(3)
+    picks = [coord.route(prompt(2, 10), 8, page_size=PAGE, policy="round_robin") for _ in range(3)]
+    assert [d.worker_id for d in picks] == ["w0", "w1", "w2"]
+    assert {d.policy for d in picks} == {"round_robin"}
+    with pytest.raises(ConfigError, match="unknown routing policy"):
+        coord.route(prompt(2, 10), 8, page_size=PAGE, policy="nope")
+
+
+def test_routes_can_be_restricted_to_a_role() -> None:
+    coord = Coordinator(rng=random.Random(0))
+    PoolWorker("p").register(coord, role="prefill")
+    PoolWorker("d").register(coord, role="decode")
+    assert {coord.route([], 4, role="decode").worker_id for _ in range(5)} == {"d"}
+    assert {coord.route([], 4, role="prefill").worker_id for _ in range(5)} == {"p"}
+
+
+def test_rebuild_from_snapshots_equals_the_pools_and_isolates_a_bad_one() -> None:
+    _coord, workers, _ = cluster()
+    rng = random.Random(1)
+    for _ in range(30):
+        rng.choice(workers).serve(prompt(rng.randint(1, 6), tag=rng.randint(0, 8)))
+    fresh = Coordinator(rng=random.Random(0))
+    for w in workers:
+        w.register(fresh)
+    result = fresh.request_snapshots({w.worker_id: w for w in workers[:2]})
+    assert set(result.applied) == {"w0", "w1"} and not result.failed
+    bad = fresh.rebuild_from_snapshots({workers[2].worker_id: workers[2].batch()})
+    assert "expected a snapshot batch" in bad.failed["w2"]
+    assert fresh.rebuild_from_snapshots({workers[2].worker_id: workers[2].snapshot()}).applied
+    assert index_equals_pools(fresh, workers)
+    fresh.index.check_invariants()
+
+
+def test_predicted_and_realized_pages_are_counted_and_mismatches_show_up() -> None:
+    coord, (_w0, *_), _ = cluster(1)
+    assert not coord.record_result(4, 0, 4, 0)
+    assert coord.record_result(4, 2, 0, 0)  # e.g. router and worker hash differently
+    s = coord.stats()
+    assert (s.results_recorded, s.mismatches, s.realized_local_pages) == (2, 1, 4)
+    with pytest.raises(InvalidInput):
+        coord.record_result(-1, 0, 0, 0)
+
+
+def test_stats_count_routes_batches_and_pages() -> None:
+    coord, (w0, _w1, _w2), _ = cluster()
+    w0.serve(prompt(5, tag=11))
+    coord.report(w0.worker_id, [w0.batch()])
+    coord.route(prompt(5, tag=11), 20, page_size=PAGE)
+    s = coord.stats()
+    assert (s.workers, s.indexed_pages, s.index_entries, s.routes) == (3, 5, 5, 1)
+    assert s.routes_by_worker == {"w0": 1}
+    assert s.promised_local_pages == 5
+    assert (s.batches_replaced, s.batches_applied) == (3, 1)
+    assert s.as_dict()["routes"] == 1
+
+
+def test_restore_index_keeps_only_registered_workers() -> None:
+    coord, (_w0, w1, _w2), _ = cluster()
+    w1.serve(prompt(3, tag=12))
+    coord.report(w1.worker_id, [w1.batch()])
+    data = coord.snapshot_index()
+    other = Coordinator()
+    w1.register(other)
+    other.restore_index(data)
+    assert other.index.workers() == ["w1"]
+    assert other.match(prompt(3, tag=12)).pages == {"w1": 3}
+
+
+def test_concurrent_reports_and_routes_keep_the_index_consistent() -> None:
+    coord, workers, _ = cluster(4)
+    locks = {w.worker_id: threading.Lock() for w in workers}
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(60):
+                w = rng.choice(workers)
+                with locks[w.worker_id]:  # one worker's batches go out in seq order
+                    w.serve(prompt(rng.randint(1, 5), tag=rng.randint(0, 6)))
+                    coord.report(w.worker_id, [w.batch()])
+                coord.route(prompt(4, tag=rng.randint(0, 6)), 16, page_size=PAGE)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    coord.index.check_invariants()
+    assert index_equals_pools(coord, workers)
+    assert coord.stats().routes == 240
+
+
+def test_a_stale_worker_is_not_routed_to_for_its_prefix_until_it_resyncs() -> None:
+    coord, (w0, w1), _ = cluster(2)
+    p = prompt(6, tag=13)
+    w0.serve(p)
+    coord.report(w0.worker_id, [w0.batch()])
+    w0.batch()  # lost: the next report reveals the gap
+    coord.report(w0.worker_id, [w0.batch()])
+    d = coord.route(p, 24, page_size=PAGE)
+    assert (d.worker_id, d.local_pages, d.peer_id) == (w1.worker_id, 0, None)
+    coord.report(w0.worker_id, [w0.snapshot()])
+    assert coord.route(p, 24, page_size=PAGE).worker_id == w0.worker_id
