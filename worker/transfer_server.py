@@ -60,7 +60,7 @@ ERROR_METADATA_KEY = "kvmesh-error"
 MAX_HASHES_PER_CALL = 100_000
 HEADER_RESERVE_BYTES = 64 * 1024
 """Room left in a message for everything but the page bytes (hashes, token ids, shape)."""
-MIN_CHUNK_BYTES = 64 * 1024
+MIN_CHUNK_BYTES = 4 * 1024
 
 
 # ------------------------------------------------------------------ wire codec

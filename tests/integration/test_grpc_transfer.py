@@ -1,0 +1,615 @@
+"""Page transfer over real gRPC servers on 127.0.0.1: round trips, refusals, faults, ref counts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import pytest
+import torch
+
+from kvmesh.config import TransferConfig
+from kvmesh.errors import (
+    ChecksumMismatch,
+    DeadlineExceeded,
+    HashMismatch,
+    InvalidInput,
+    MessageTooLarge,
+    PageFormatError,
+    TransportError,
+    Unauthenticated,
+    UnknownHash,
+)
+from kvmesh.hashing import PageHasher
+from kvmesh.proto import kvmesh_pb2, kvmesh_pb2_grpc
+from kvmesh.types import PageHash
+from kvmesh.worker.kv_store import KVStore, checksum
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_service import IncomingPage, PageService
+from kvmesh.worker.transfer_client import PeerClient, SyncPeerClient, pull_into, verify_page
+from kvmesh.worker.transfer_server import (
+    PageAssembler,
+    ServerThread,
+    TransferServer,
+    decode_chunk,
+    encode_chunk,
+)
+
+PAGE = 16
+SMALL = TransferConfig(chunk_bytes=4096, deadline_s=10.0, retry_backoff_s=0.01)
+
+# A peer worker process for the kill test. Also imported by the test (same file)
+# so that both sides build the same deterministic pages.
+PEER_SCRIPT = """
+import sys, time
+import torch
+from kvmesh.config import TransferConfig
+from kvmesh.hashing import PageHasher
+from kvmesh.worker.kv_store import KVStore
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_service import PageService
+
+PAGE = 16
+
+def page_data(store, i):
+    gen = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(store.page_shape, generator=gen).to(store.dtype)
+
+def build(num_pages, n, dtype="float32"):
+    pool = PagePool(num_pages, page_size=PAGE)
+    store = KVStore(num_pages, 2, 2, 16, PAGE, dtype)
+    service = PageService(pool, store, PageHasher(PAGE, seed="it-seed"))
+    tokens = [(7 * i) % 251 for i in range(n * PAGE)]
+    hashes = service.hasher.hash_prompt(tokens)
+    pages = pool.get_new_pages(n)
+    for i, page in enumerate(pages):
+        store.write_page(page.page_id, page_data(store, i))
+    pool.cache_full_pages(pages, hashes, 0, n, tokens)
+    pool.free_pages(list(reversed(pages)))
+    service.take_events()
+    return service, hashes, tokens
+
+if __name__ == "__main__":
+    from kvmesh.worker.transfer_server import ServerThread
+    n, delay = int(sys.argv[1]), float(sys.argv[2])
+    service, _, _ = build(n + 8, n)
+    server = ServerThread(service, TransferConfig(chunk_bytes=4096), page_delay_s=delay)
+    print(server.start(), flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture(scope="module")
+def peer_module(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModuleType, Path]:
+    path = tmp_path_factory.mktemp("peer") / "peer_server.py"
+    path.write_text(PEER_SCRIPT)
+    spec = importlib.util.spec_from_file_location("kvmesh_test_peer_server", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def build(
+    peer: tuple[ModuleType, Path], num_pages: int, n: int, dtype: str = "float32"
+) -> tuple[PageService, list[PageHash], list[int]]:
+    service, hashes, tokens = peer[0].build(num_pages, n, dtype)
+    return service, hashes, tokens
+
+
+def empty(num_pages: int = 64, dtype: str = "float32") -> PageService:
+    pool = PagePool(num_pages, page_size=PAGE)
+    return PageService(
+        pool, KVStore(num_pages, 2, 2, 16, PAGE, dtype), PageHasher(PAGE, seed="it-seed")
+    )
+
+
+def page_bytes(service: PageService, page_hash: PageHash) -> bytes:
+    with service.pinned([page_hash]) as (pid,):
+        assert pid is not None
+        return bytes(service.export(pid).data)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def served(
+    peer_module: tuple[ModuleType, Path],
+) -> Iterator[tuple[PageService, list[PageHash], ServerThread]]:
+    sender, hashes, _ = build(peer_module, 64, 24)
+    with ServerThread(sender, SMALL) as server:
+        yield sender, hashes, server
+
+
+# ----------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_many_pages_round_trip_bit_exact_and_ref_counts_return(
+    peer_module: tuple[ModuleType, Path], dtype: str
+) -> None:
+    sender, hashes, _ = build(peer_module, 96, 80, dtype)
+    held = sender.pin(hashes[:3])  # some pages already in use by a "request"
+    before = sender.ref_counts()
+    receiver = empty(96, dtype)
+    with ServerThread(sender, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        assert client.pull_into(receiver, hashes) == 80
+    assert receiver.lookup(hashes) == [True] * 80
+    for h in hashes:
+        assert page_bytes(receiver, h) == page_bytes(sender, h)
+    assert sender.ref_counts() == before
+    assert all(c == 0 for c in receiver.ref_counts())
+    sender.unpin(held)
+    receiver.check_invariants()
+    sender.check_invariants()
+
+
+def test_fetched_pages_carry_provable_tokens_and_the_parent_chain(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    _, hashes, server = served
+    with SyncPeerClient(server.address, SMALL) as client:
+        result = client.fetch_pages(hashes[:4])
+    assert [p.page_hash for p in result.pages] == hashes[:4]
+    assert result.pages[0].parent_hash is None and result.pages[2].parent_hash == hashes[1]
+    assert all(len(p.token_ids) == PAGE for p in result.pages)
+    assert result.missing == ()
+
+
+def test_pages_larger_than_one_message_are_chunked_for_any_protobuf_client(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, server = served
+    nbytes = sender.store.page_nbytes  # 8 KiB float32 pages, chunks of 4 KiB
+    channel = grpc.insecure_channel(server.address)
+    stub = kvmesh_pb2_grpc.KVWorkerStub(channel)
+    chunks = list(stub.FetchPages(kvmesh_pb2.FetchRequest(page_hashes=hashes[:3]), timeout=10))
+    channel.close()
+    assert [(c.page_index, c.offset) for c in chunks] == [
+        (i, o) for i in range(3) for o in (0, 4096)
+    ]
+    assert all(len(c.data) == nbytes // 2 for c in chunks)
+    first = chunks[0].header
+    assert first.nbytes == nbytes and first.dtype == "float32" and not chunks[1].HasField("header")
+    assert checksum(chunks[0].data + chunks[1].data) == first.checksum
+    assert chunks[0].data + chunks[1].data == page_bytes(sender, hashes[0])
+
+
+def test_unknown_hashes_are_reported_missing_and_the_stream_goes_on(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, server = served
+    unknown = [PageHash(bytes([i]) * 32) for i in range(2)]
+    asked = [hashes[0], unknown[0], hashes[1], unknown[1]]
+    with SyncPeerClient(server.address, SMALL) as client:
+        result = client.fetch_pages(asked)
+        assert client.lookup(asked) == [True, False, True, False]
+    assert [p.page_hash for p in result.pages] == hashes[:2]
+    assert result.missing == tuple(unknown)
+    assert all(c == 0 for c in sender.ref_counts())
+
+
+def test_push_caches_pages_on_the_peer_and_skips_pages_it_holds(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    prefill, hashes, _ = build(peer_module, 64, 12, "bfloat16")
+    decode = empty(64, "bfloat16")
+    with ServerThread(decode, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        assert client.push_from(prefill, hashes[:8]) == [True] * 8
+        assert client.push_from(prefill, hashes[4:12]) == [False] * 4 + [True] * 4
+        with pytest.raises(UnknownHash):
+            client.push_from(prefill, [PageHash(b"\x09" * 32)])
+    assert decode.lookup(hashes) == [True] * 12
+    assert all(page_bytes(decode, h) == page_bytes(prefill, h) for h in hashes)
+    assert all(c == 0 for c in prefill.ref_counts() + decode.ref_counts())
+
+
+def test_one_shot_pull_into_fetches_over_a_fresh_connection(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    _, hashes, server = served
+    receiver = empty()
+    assert asyncio.run(pull_into(receiver, server.address, hashes[:5], config=SMALL)) == 5
+    assert receiver.prefix_length(hashes) == 5
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def _pushable(sender: PageService, hashes: list[PageHash], i: int) -> IncomingPage:
+    with sender.pinned([hashes[i]]) as (pid,):
+        assert pid is not None
+        info = sender.page_info(pid)
+        blob = sender.store.export_page(pid, copy=True)
+    return IncomingPage(info.page_hash, info.parent_hash, info.token_ids, blob, info.lora_id)
+
+
+def _state(service: PageService) -> tuple[object, ...]:
+    return (service.ref_counts(), service.pool.cached_hashes(), service.store.kv.clone())
+
+
+def _same(service: PageService, before: tuple[object, ...]) -> bool:
+    after = _state(service)
+    return after[:2] == before[:2] and torch.equal(after[2], before[2])  # type: ignore[arg-type]
+
+
+def test_pushed_pages_failing_a_check_are_refused_with_their_error_and_change_nothing(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    sender, hashes, _ = build(peer_module, 32, 3)
+    page = _pushable(sender, hashes, 1)
+    flipped = bytearray(page.blob.data)
+    flipped[100] ^= 0x04
+    corrupt = dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(flipped)))
+    wrong_tokens = dataclasses.replace(page, token_ids=(1,) * PAGE)
+    half_sender, _, _ = build(peer_module, 32, 3, "float16")
+    half = _pushable(half_sender, hashes, 1)
+    reshaped = dataclasses.replace(
+        page, blob=dataclasses.replace(page.blob, shape=(2, 2, 16, 4, 8))
+    )
+    receiver = empty()
+    before = _state(receiver)
+    cases: list[tuple[IncomingPage, type[Exception]]] = [
+        (corrupt, ChecksumMismatch),
+        (wrong_tokens, HashMismatch),
+        (half, PageFormatError),
+        (reshaped, PageFormatError),
+    ]
+    with ServerThread(receiver, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        for bad, error in cases:
+            with pytest.raises(error, match=server.address.split(":")[0]):
+                client.push_pages([bad])
+        assert _same(receiver, before)
+        # pages before the bad one stay; the bad one and later ones do not
+        with pytest.raises(ChecksumMismatch):
+            client.push_pages([_pushable(sender, hashes, 0), corrupt, _pushable(sender, hashes, 2)])
+    assert receiver.lookup(hashes) == [True, False, False]
+
+
+def _wide(num_pages: int) -> PageService:
+    """A service with 128 KiB pages (wider than the tight message limit below)."""
+    pool = PagePool(num_pages, page_size=PAGE)
+    store = KVStore(num_pages, 2, 8, 64, PAGE, "float32")
+    return PageService(pool, store, PageHasher(PAGE, seed="it-seed"))
+
+
+def test_oversized_messages_are_refused_while_other_clients_keep_working() -> None:
+    sender = _wide(8)
+    tokens = list(range(2 * PAGE))
+    hashes = sender.hasher.hash_prompt(tokens)
+    pages = sender.pool.get_new_pages(2)
+    for page in pages:
+        sender.store.write_page(page.page_id, torch.randn(sender.store.page_shape))
+    sender.pool.cache_full_pages(pages, hashes, 0, 2, tokens)
+    sender.pool.free_pages(pages)
+    big = TransferConfig(chunk_bytes=1 << 20)  # sends each 128 KiB page as one message...
+    tight = TransferConfig(max_message_bytes=64 * 1024 + 8192)  # ...the server takes 72 KiB
+    receiver = _wide(8)
+    with ServerThread(receiver, tight) as server:
+        with SyncPeerClient(server.address, big) as client, pytest.raises(MessageTooLarge):
+            client.push_pages([_pushable(sender, hashes, 0)])
+        with SyncPeerClient(server.address, tight) as client:  # 8 KiB chunks
+            assert client.push_pages([_pushable(sender, hashes, 0)]) == [True]
+            assert client.health() == "SERVING"
+        with SyncPeerClient(server.address, big) as client:  # fetches ask for small chunks
+            assert len(client.fetch_pages(hashes[:1]).pages) == 1
+    assert receiver.lookup(hashes) == [True, False]
+    assert all(c == 0 for c in receiver.ref_counts())
+
+
+def test_a_stock_client_reading_bigger_chunks_than_it_accepts_gets_resource_exhausted(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    _, hashes, server = served
+    small = grpc.insecure_channel(
+        server.address, options=[("grpc.max_receive_message_length", 1024)]
+    )
+    stub = kvmesh_pb2_grpc.KVWorkerStub(small)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FetchPages(kvmesh_pb2.FetchRequest(page_hashes=hashes[:1]), timeout=10))
+    small.close()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+
+
+def test_malformed_push_streams_are_invalid_and_insert_nothing(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    sender, hashes, _ = build(peer_module, 32, 1)
+    page = _pushable(sender, hashes, 0)
+    header = kvmesh_pb2.PageHeader(
+        page_hash=page.page_hash,
+        token_ids=page.token_ids,
+        dtype="float32",
+        shape=page.blob.shape,
+        nbytes=page.blob.nbytes,
+        checksum=page.blob.checksum,
+    )
+    data = bytes(page.blob.data)
+    receiver = empty()
+    bad_streams = {
+        "gap": [encode_chunk(0, 0, data[:4096], header=header), encode_chunk(0, 5000, data[5000:])],
+        "truncated": [encode_chunk(0, 0, data[:4096], header=header)],
+        "no header": [encode_chunk(0, 0, data)],
+        "garbage": [b"\xff\xff\xff"],
+    }
+    with ServerThread(receiver, SMALL) as server:
+        channel = grpc.insecure_channel(server.address)
+        stub = channel.stream_unary("/kvmesh.v1.KVWorker/PushPages")
+        try:
+            for name, messages in bad_streams.items():
+                with pytest.raises(grpc.RpcError) as err:
+                    stub(iter(messages), timeout=10)
+                code = err.value.code()  # type: ignore[attr-defined]
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, name
+        finally:
+            channel.close()
+    assert receiver.pool.cached_hashes() == set()
+
+
+def test_a_received_page_with_flipped_bits_fails_verification() -> None:
+    service = empty()
+    data = bytearray(service.store.page_nbytes)
+    page = IncomingPage(
+        PageHash(b"\x01" * 32),
+        None,
+        (),
+        service.store.export_page(service.store.num_pages - 1, copy=True),
+    )
+    verify_page(page, page.page_hash, "peer")
+    data[5] = 1
+    flipped = dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(data)))
+    with pytest.raises(ChecksumMismatch, match="corrupted"):
+        verify_page(flipped, page.page_hash, "peer")
+    with pytest.raises(InvalidInput, match="asked for"):
+        verify_page(page, PageHash(b"\x02" * 32), "peer")
+
+
+def test_wrong_or_missing_token_is_unauthenticated_but_health_stays_open(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, _ = served
+    secured = dataclasses.replace(SMALL, auth_token="s3cret")
+    with ServerThread(sender, secured) as server:
+        for token in (None, "wrong"):
+            cfg = dataclasses.replace(SMALL, auth_token=token)
+            with SyncPeerClient(server.address, cfg) as client:
+                with pytest.raises(Unauthenticated, match="bearer token"):
+                    client.lookup(hashes[:1])
+                with pytest.raises(Unauthenticated):
+                    client.fetch_pages(hashes[:1])
+                with pytest.raises(Unauthenticated):
+                    client.push_pages([])
+                assert client.health() == "SERVING"
+        with SyncPeerClient(server.address, secured) as client:
+            assert client.lookup(hashes[:2]) == [True, True]
+
+
+# ----------------------------------------------------------- faults and pins
+
+
+def test_deadline_exceeded_on_a_slow_peer_and_its_pins_are_released(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    sender, hashes, _ = build(peer_module, 64, 20)
+    receiver = empty()
+    with ServerThread(sender, SMALL, page_delay_s=0.05) as server:
+        with SyncPeerClient(server.address, SMALL) as client, pytest.raises(DeadlineExceeded):
+            client.pull_into(receiver, hashes, deadline_s=0.3)
+        assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
+    got = receiver.prefix_length(hashes)
+    assert 0 < got < 20
+    assert receiver.lookup(hashes)[got:] == [False] * (20 - got)
+    for h in hashes[:got]:
+        assert page_bytes(receiver, h) == page_bytes(sender, h)
+
+
+def test_a_cancelled_fetch_releases_its_pins_on_the_server(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, _ = served
+    with ServerThread(sender, SMALL, page_delay_s=0.05) as server:
+
+        async def cancel_midway() -> int:
+            got: list[int] = []
+            async with PeerClient(server.address, SMALL) as client:
+                task = asyncio.ensure_future(
+                    client.fetch_pages(hashes, on_page=lambda i, _p: got.append(i))
+                )
+                while len(got) < 3:
+                    await asyncio.sleep(0.01)
+                assert any(c > 0 for c in sender.ref_counts())
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            return len(got)
+
+        assert asyncio.run(cancel_midway()) >= 3
+        assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
+
+
+def test_a_failing_consumer_ends_the_stream_and_pins_are_released(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, server = served
+
+    def explode(index: int, _page: IncomingPage) -> None:
+        if index == 2:
+            raise PageFormatError("consumer refused page 2")
+
+    with SyncPeerClient(server.address, SMALL) as client, pytest.raises(PageFormatError):
+        client.fetch_pages(hashes, on_page=explode)
+    assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
+
+
+def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    n = 40
+    proc = subprocess.Popen(
+        [sys.executable, str(peer_module[1]), str(n), "0.05"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "peer process did not start"
+        expected, hashes, _ = build(peer_module, n + 8, n)
+        receiver = empty(n + 8)
+        received: list[int] = []
+
+        def insert_then_kill(index: int, page: IncomingPage) -> None:
+            receiver.insert_many([page])
+            received.append(index)
+            if len(received) == 5:
+                proc.kill()
+
+        with (
+            SyncPeerClient(address, SMALL) as client,
+            pytest.raises(TransportError, match=re.escape(address)) as err,
+        ):
+            client.fetch_pages(hashes, on_page=insert_then_kill, deadline_s=20)
+        assert not isinstance(err.value, DeadlineExceeded)  # it failed fast, not at the deadline
+        assert received == list(range(len(received))) and 5 <= len(received) < n
+        held = receiver.lookup(hashes)
+        assert held == [True] * len(received) + [False] * (n - len(received))
+        for h in hashes[: len(received)]:
+            assert page_bytes(receiver, h) == page_bytes(expected, h)
+        assert all(c == 0 for c in receiver.ref_counts())
+        receiver.check_invariants()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_unavailable_is_retried_for_fetches_but_never_for_pushes() -> None:
+    sleeps: list[float] = []
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    cfg = dataclasses.replace(SMALL, retries=3)
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+
+    async def scenario() -> None:
+        client = PeerClient(dead, cfg, sleep=record)
+        with pytest.raises(TransportError, match=re.escape(dead)):
+            await client.fetch_pages([PageHash(b"\x01" * 32)], deadline_s=5)
+        assert len(sleeps) == 3
+        sleeps.clear()
+        with pytest.raises(TransportError):
+            await client.lookup([PageHash(b"\x01" * 32)], deadline_s=5)
+        assert len(sleeps) == 3
+        sleeps.clear()
+        service = empty()
+        page = IncomingPage(
+            PageHash(b"\x01" * 32), None, (), service.export(service.store.num_pages - 1)
+        )
+        with pytest.raises(TransportError):
+            await client.push_pages([page], deadline_s=5)
+        assert sleeps == []
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_backoff_is_jittered_and_grows() -> None:
+    import random
+
+    sleeps: list[float] = []
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    cfg = dataclasses.replace(SMALL, retries=4, retry_backoff_s=0.1)
+
+    async def scenario() -> None:
+        async with PeerClient("127.0.0.1:1", cfg, rng=random.Random(3), sleep=record) as client:
+            with pytest.raises(TransportError):
+                await client.health(deadline_s=5)
+
+    asyncio.run(scenario())
+    assert len(sleeps) == 4
+    for i, s in enumerate(sleeps):
+        assert 0.1 * 2**i * 0.5 <= s <= 0.1 * 2**i * 1.5
+
+
+def test_a_draining_server_reports_not_serving(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    _, _, server = served
+    with SyncPeerClient(server.address, SMALL) as client:
+        assert client.health() == "SERVING"
+        server.set_serving(False)
+        assert client.health() == "NOT_SERVING"
+        server.set_serving(True)
+        assert client.health() == "SERVING"
+
+
+def test_the_server_runs_inside_an_existing_event_loop(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, _ = served
+
+    async def scenario() -> list[bool]:
+        server = TransferServer(sender, SMALL)
+        address = await server.start()
+        try:
+            async with PeerClient(address, SMALL) as client:
+                return await client.lookup(hashes[:2])
+        finally:
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == [True, True]
+
+
+# ----------------------------------------------------------------- wire codec
+
+
+def test_hand_encoded_chunks_are_byte_identical_to_protobuf() -> None:
+    header = kvmesh_pb2.PageHeader(page_hash=b"h" * 32, token_ids=[1, 2, 300], nbytes=9, checksum=7)
+    data = bytes(range(200))
+    ours = encode_chunk(3, 4096, memoryview(data), header=header)
+    theirs = kvmesh_pb2.PageChunk(page_index=3, offset=4096, header=header, data=data)
+    assert ours == theirs.SerializeToString()
+    decoded = decode_chunk(theirs.SerializeToString())
+    assert bytes(decoded.data) == data and decoded.meta.header == header
+    assert decoded.meta.page_index == 3 and decoded.meta.offset == 4096
+
+
+def test_decoding_accepts_fields_in_any_order() -> None:
+    head = kvmesh_pb2.PageChunk(page_index=1, offset=8).SerializeToString()
+    body = kvmesh_pb2.PageChunk(data=b"xyz").SerializeToString()
+    decoded = decode_chunk(body + head)
+    assert (
+        bytes(decoded.data) == b"xyz" and decoded.meta.page_index == 1 and decoded.meta.offset == 8
+    )
+
+
+@pytest.mark.parametrize("raw", [b"\x7a\x05ab", b"\x08", b"\x0f", b"\x12\x02\xff\xff"])
+def test_malformed_chunks_are_invalid_input(raw: bytes) -> None:
+    with pytest.raises(InvalidInput, match="malformed"):
+        decode_chunk(raw)
+
+
+def test_the_assembler_refuses_a_page_of_the_wrong_size_before_buffering() -> None:
+    header = kvmesh_pb2.PageHeader(
+        page_hash=b"h" * 32, dtype="float32", shape=[1 << 30], nbytes=1 << 32
+    )
+    assembler = PageAssembler(expect_nbytes=8192)
+    with pytest.raises(PageFormatError, match="same model"):
+        assembler.add(decode_chunk(encode_chunk(0, 0, b"x" * 10, header=header)))
