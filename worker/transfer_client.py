@@ -157,8 +157,14 @@ class FetchResult:
     received: int
 
 
-def verify_page(page: IncomingPage, expected: PageHash, address: str) -> None:
-    """Check a received page on its own: the hash asked for, a consistent format, its checksum."""
+def verify_page(
+    page: IncomingPage, expected: PageHash, address: str, *, with_checksum: bool = True
+) -> None:
+    """Check a received page on its own: the hash asked for, a consistent format, its checksum.
+
+    `with_checksum=False` leaves the checksum to a consumer that checks it anyway
+    (`PageService.insert_many`), so the bytes are hashed once.
+    """
     if page.page_hash != expected:
         raise InvalidInput(
             f"peer {address} sent page {page.page_hash.hex()[:16]} where "
@@ -171,6 +177,8 @@ def verify_page(page: IncomingPage, expected: PageHash, address: str) -> None:
             f"peer {address} sent page {expected.hex()[:16]} with {blob.nbytes} bytes, "
             f"which is not {blob.dtype} {list(blob.shape)}"
         )
+    if not with_checksum:
+        return
     actual = checksum(blob.data)
     if actual != blob.checksum:
         raise ChecksumMismatch(
@@ -340,13 +348,15 @@ class PeerClient:
         deadline_s: float | None = None,
         on_page: OnPage | None = None,
         streams: int | None = None,
+        with_checksum: bool = True,
     ) -> FetchResult:
         """Fetch the pages for `hashes`; each is verified before it is handed over.
 
         With `on_page`, pages go to it in request order as they arrive (and are
         not kept); otherwise they are returned. On failure this raises; pages
         already handed to `on_page` are valid and complete, later ones are not
-        handed over.
+        handed over. `with_checksum=False` is for an `on_page` that verifies
+        checksums itself.
         """
         hashes = [check_hash(h) for h in hashes]
         kept: list[IncomingPage] = []
@@ -360,7 +370,9 @@ class PeerClient:
             shards = [todo[s::k] for s in range(k)]
             shards = [s for s in shards if s]
             tasks = [
-                asyncio.ensure_future(self._fetch_stream(i, shard, hashes, order, end))
+                asyncio.ensure_future(
+                    self._fetch_stream(i, shard, hashes, order, end, with_checksum)
+                )
                 for i, shard in enumerate(shards)
             ]
             try:
@@ -393,12 +405,13 @@ class PeerClient:
         hashes: list[PageHash],
         order: _Reorder,
         end: float,
+        with_checksum: bool,
     ) -> None:
         timeout = self._remaining(end, "FetchPages")
         call = self._channel(stream).unary_stream(
             _METHOD + "FetchPages",
             request_serializer=pb.FetchRequest.SerializeToString,
-            response_deserializer=decode_chunk,
+            response_deserializer=None,  # raw bytes: decode_chunk's errors stay kvmesh errors
         )
         request = pb.FetchRequest(
             page_hashes=[hashes[i] for i in indices], max_chunk_bytes=self._chunk_bytes
@@ -406,13 +419,13 @@ class PeerClient:
         responses = call(request, timeout=timeout, metadata=self._metadata)
         assembler = PageAssembler(allow_missing=True)
         try:
-            async for chunk in responses:
-                got = assembler.add(chunk)
+            async for raw in responses:
+                got = assembler.add(decode_chunk(raw))
                 if got is None:
                     continue
                 index = indices[assembler.next_index - 1]
                 if isinstance(got, IncomingPage):
-                    verify_page(got, hashes[index], self.address)
+                    verify_page(got, hashes[index], self.address, with_checksum=with_checksum)
                     order.put(index, got, got.page_hash)
                 else:
                     if got != hashes[index]:
@@ -512,9 +525,12 @@ class PeerClient:
 
         def insert(_index: int, page: IncomingPage) -> None:
             nonlocal inserted
-            inserted += service.insert_many([page])[0]
+            try:
+                inserted += service.insert_many([page])[0]
+            except ChecksumMismatch as exc:
+                raise ChecksumMismatch(f"page from peer {self.address}: {exc}") from None
 
-        await self.fetch_pages(hashes, deadline_s=deadline_s, on_page=insert)
+        await self.fetch_pages(hashes, deadline_s=deadline_s, on_page=insert, with_checksum=False)
         return inserted
 
 
