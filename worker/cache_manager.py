@@ -405,9 +405,10 @@ class KVCacheManager:
         first_new: list[KVPage] = []
         caching = self.enable_caching and not delay_caching
         num_to_cache = min(num_computed + num_new_tokens, len(request.hashes.token_ids))
-        for gi, g in enumerate(groups):
-            if prior:
+        if prior:  # free what slid out of every window before allocating anything
+            for g in groups:
                 g.remove_skipped(rid, prior)
+        for gi, g in enumerate(groups):
             pages = g.req_pages.get(rid)
             if pages is None:
                 pages = g.req_pages[rid] = []
