@@ -21,7 +21,11 @@ Event batches are applied per worker in sequence order:
 
 - the first batch of an incarnation not seen before replaces everything the
   index held for the worker's old incarnation (old incarnations are then
-  ignored forever, so a late batch from before a restart changes nothing);
+  ignored forever, so a late batch from before a restart changes nothing).
+  Incarnation ids have no order, so a batch of an unseen incarnation whose
+  timestamp is older than the newest batch accepted from the current one is
+  taken for a late batch of an earlier life and ignored; behind a registry
+  (the coordinator service) the registered incarnation decides instead;
 - a batch whose seq is at most the last one applied is a duplicate: ignored;
 - a batch past a gap is held back (at most `reorder_window` of them) and the
   worker is marked stale: it is not routed to by cache affinity. If the
@@ -135,6 +139,7 @@ class _Worker:
     __slots__ = (
         "incarnation",
         "last_seq",
+        "last_ts",
         "needs_snapshot",
         "pages",
         "pending",
@@ -150,6 +155,7 @@ class _Worker:
         self.shift = shift
         self.incarnation: str | None = None
         self.last_seq = -1
+        self.last_ts = 0.0  # newest batch timestamp accepted from this incarnation
         self.stale = False
         # True once held-back batches were dropped: only a snapshot can help now.
         self.needs_snapshot = False
@@ -331,7 +337,7 @@ class GlobalIndex:
             w = self._new_worker(wid, False)
         replaced = False
         if batch.incarnation != w.incarnation:
-            if batch.incarnation in w.retired:
+            if batch.incarnation in w.retired or batch.ts < w.last_ts:
                 return ApplyResult.IGNORED
             self._start_incarnation(w, batch.incarnation)
             replaced = True
@@ -339,6 +345,8 @@ class GlobalIndex:
         if batch.snapshot:
             if seq < w.last_seq:
                 return ApplyResult.IGNORED
+            if batch.ts > w.last_ts:
+                w.last_ts = batch.ts
             self._drop_all(w)
             self._apply_events(w, batch.events)
             w.last_seq = seq
@@ -349,6 +357,8 @@ class GlobalIndex:
             return ApplyResult.STALE if w.stale else ApplyResult.REPLACED
         if seq <= w.last_seq or seq in w.pending:
             return ApplyResult.IGNORED
+        if batch.ts > w.last_ts:
+            w.last_ts = batch.ts
         if w.needs_snapshot:
             return ApplyResult.STALE
         if seq != w.last_seq + 1:
@@ -382,6 +392,7 @@ class GlobalIndex:
         self._drop_all(w)
         w.incarnation = incarnation
         w.last_seq = -1
+        w.last_ts = 0.0
         w.stale = False
         w.needs_snapshot = False
         w.pending.clear()
@@ -527,6 +538,7 @@ class GlobalIndex:
                 wid,
                 w.incarnation,
                 w.last_seq,
+                w.last_ts,
                 w.stale,
                 w.needs_snapshot or bool(w.pending),
                 w.registered,
@@ -587,19 +599,22 @@ class GlobalIndex:
             )
         ws: list[_Worker] = []
         for item in raw["workers"]:
-            wid, inc, last, stale, needs, registered, retired = item
+            wid, inc, last, last_ts, stale, needs, registered, retired = item
             if not isinstance(wid, str) or not wid or wid in self._workers:
                 raise InvalidInput(f"index snapshot: bad or repeated worker id {wid!r}")
             if inc is not None and not isinstance(inc, str):
                 raise InvalidInput(f"index snapshot: bad incarnation for {wid!r}")
             if type(last) is not int or last < -1:
                 raise InvalidInput(f"index snapshot: bad last seq for {wid!r}")
+            if not isinstance(last_ts, float | int) or isinstance(last_ts, bool):
+                raise InvalidInput(f"index snapshot: bad last timestamp for {wid!r}")
             if not all(isinstance(x, bool) for x in (stale, needs, registered)):
                 raise InvalidInput(f"index snapshot: bad flags for {wid!r}")
             if not isinstance(retired, list) or not all(isinstance(r, str) for r in retired):
                 raise InvalidInput(f"index snapshot: bad retired incarnations for {wid!r}")
             w = self._new_worker(WorkerId(wid), registered)
             w.incarnation, w.last_seq, w.stale, w.needs_snapshot = inc, last, stale, needs
+            w.last_ts = float(last_ts)
             w.retired.extend(retired)
             ws.append(w)
         for item in raw["pages"]:

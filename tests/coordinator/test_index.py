@@ -273,3 +273,15 @@ def test_check_invariants_reports_a_corrupted_index() -> None:
     ix._holders[P[0]] = 0
     with pytest.raises(InvariantViolation, match="holder"):
         ix.check_invariants()
+
+
+def test_a_late_batch_of_an_unseen_earlier_incarnation_is_ignored_by_its_timestamp() -> None:
+    ix = GlobalIndex()
+    early = EventBatch((stored(P[:4]),), A, "first-life", 0, ts=10.0)
+    ix.apply(EventBatch((stored(P[:2]),), A, "second-life", 0, ts=20.0))
+    assert ix.apply(early) is ApplyResult.IGNORED
+    assert ix.worker_state(A).incarnation == "second-life"
+    assert ix.apply(EventBatch((stored(P[:3]),), A, "third-life", 0, ts=30.0)) is (
+        ApplyResult.REPLACED
+    )
+    assert ix.worker_pages(A) == frozenset(P[:3])
