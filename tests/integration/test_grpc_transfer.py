@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import re
@@ -16,6 +17,8 @@ from types import ModuleType
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import (
@@ -613,3 +616,30 @@ def test_the_assembler_refuses_a_page_of_the_wrong_size_before_buffering() -> No
     assembler = PageAssembler(expect_nbytes=8192)
     with pytest.raises(PageFormatError, match="same model"):
         assembler.add(decode_chunk(encode_chunk(0, 0, b"x" * 10, header=header)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_decode_to_a_chunk_or_invalid_input_never_a_crash(raw: bytes) -> None:
+    try:
+        chunk = decode_chunk(raw)
+    except InvalidInput:
+        return
+    assert chunk.data.nbytes <= len(raw)
+    with contextlib.suppress(InvalidInput, PageFormatError):
+        PageAssembler(expect_nbytes=8192, allow_missing=True).add(chunk)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**40), st.binary(max_size=64), st.booleans())
+def test_encode_then_decode_returns_the_same_chunk(
+    index: int, offset: int, data: bytes, missing: bool
+) -> None:
+    header = kvmesh_pb2.PageHeader(page_hash=b"k" * 16, nbytes=len(data))
+    decoded = decode_chunk(encode_chunk(index, offset, data, header=header, missing=missing))
+    assert (decoded.meta.page_index, decoded.meta.offset, decoded.meta.missing) == (
+        index,
+        offset,
+        missing,
+    )
+    assert bytes(decoded.data) == data and decoded.meta.header == header
