@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
 
+from kvmesh.config import PoolConfig
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.events import KVEvent
 from kvmesh.hashing import RequestHashes
@@ -160,6 +161,14 @@ class _Group:
         """Leading pages no longer needed once `num_computed_tokens` are computed."""
         return 0
 
+    def num_common_prefix(self, pages: list[KVPage], num_requests: int) -> int:
+        count = 0
+        for page in pages:
+            if page.ref_cnt != num_requests:
+                break
+            count += 1
+        return count
+
     def num_freed_by_skipping(self, request_id: str, num_computed_tokens: int) -> int:
         """How many pages `remove_skipped` would return to the free queue."""
         return 0
@@ -197,6 +206,9 @@ class _SlidingWindowGroup(_Group):
                 return [self.pool.null_page] * i + run
         run.reverse()  # no full window: the hit pages from the very start still count
         return run
+
+    def num_common_prefix(self, pages: list[KVPage], num_requests: int) -> int:
+        return 0  # leading pages become null as the window slides: nothing stays common
 
     def num_skipped_pages(self, num_computed_tokens: int) -> int:
         skipped = num_computed_tokens - self.window + 1
@@ -266,9 +278,28 @@ class KVCacheManager:
         self._requests = 0
         self._queries = 0
         self._hits = 0
+        # Per-request (queries, hits) of requests holding pages; the last
+        # lookup waits in `_last_lookup` until its request gets pages, so
+        # lookups of requests that never run cannot grow the dict.
         self._req_stats: dict[str, tuple[int, int]] = {}
+        self._last_lookup: tuple[str, int, int] | None = None
         # One plain full-attention group (the common case) takes the fast paths.
         self._single = len(groups) == 1 and type(self.groups[0]) is _Group
+
+    @classmethod
+    def from_config(
+        cls,
+        pool: PagePool,
+        cfg: PoolConfig,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+    ) -> KVCacheManager:
+        return cls(
+            pool,
+            pool.page_size,
+            enable_caching=cfg.enable_caching,
+            groups=groups,
+            use_eagle=cfg.use_eagle,
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -293,7 +324,7 @@ class KVCacheManager:
         self._requests += 1
         self._queries += num_tokens
         self._hits += n_tokens
-        self._req_stats[request.request_id] = (num_tokens, n_tokens)
+        self._last_lookup = (request.request_id, num_tokens, n_tokens)
         return pages, n_tokens
 
     def get_computed_pages_by_group(self, request: Request) -> tuple[tuple[list[KVPage], ...], int]:
@@ -316,7 +347,7 @@ class KVCacheManager:
         self._requests += 1
         self._queries += num_tokens
         self._hits += n_tokens
-        self._req_stats[request.request_id] = (num_tokens, n_tokens)
+        self._last_lookup = (request.request_id, num_tokens, n_tokens)
         return tuple(found), n_tokens
 
     def _converge(self, hashes: list[PageHash], max_pages: int, eagle: bool) -> list[list[KVPage]]:
@@ -405,6 +436,10 @@ class KVCacheManager:
         first_new: list[KVPage] = []
         caching = self.enable_caching and not delay_caching
         num_to_cache = min(num_computed + num_new_tokens, len(request.hashes.token_ids))
+        last = self._last_lookup
+        if last is not None and last[0] == rid:
+            self._req_stats[rid] = (last[1], last[2])
+            self._last_lookup = None
         if prior:  # free what slid out of every window before allocating anything
             for g in groups:
                 g.remove_skipped(rid, prior)
@@ -476,6 +511,10 @@ class KVCacheManager:
             g.num_cached[rid] = n_comp
         fresh = pool.get_new_pages(new) if new > 0 else []
         pages.extend(fresh)
+        last = self._last_lookup
+        if last is not None and last[0] == rid:
+            self._req_stats[rid] = (last[1], last[2])
+            self._last_lookup = None
         if self.enable_caching and not delay_caching:
             rh = request.hashes
             num_full = min(num_computed + num_new_tokens, len(rh.token_ids)) // ps
@@ -544,6 +583,8 @@ class KVCacheManager:
         rid = request if isinstance(request, str) else request.request_id
         pool = self.pool
         self._req_stats.pop(rid, None)
+        if self._last_lookup is not None and self._last_lookup[0] == rid:
+            self._last_lookup = None
         if self._single:
             g = self.groups[0]
             pages = g.req_pages.pop(rid, None)
@@ -633,15 +674,7 @@ class KVCacheManager:
         requests (default: the requests holding pages here).
         """
         n = len(self.groups[0].req_pages) if num_running_requests is None else num_running_requests
-        out: list[int] = []
-        for g in self.groups:
-            count = 0
-            for page in g.req_pages.get(request_id, ()):
-                if page.ref_cnt != n:
-                    break
-                count += 1
-            out.append(count)
-        return out
+        return [g.num_common_prefix(g.req_pages.get(request_id, []), n) for g in self.groups]
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -649,9 +682,15 @@ class KVCacheManager:
         return PrefixCacheStats(self._requests, self._queries, self._hits)
 
     def request_stats(self, request_id: str) -> PrefixCacheStats | None:
-        """The last lookup of a request that has not been freed yet, or None."""
+        """The last lookup of a request until it is freed (or another request is looked up
+        before it got pages), or None."""
         entry = self._req_stats.get(request_id)
-        return None if entry is None else PrefixCacheStats(1, entry[0], entry[1])
+        if entry is None:
+            last = self._last_lookup
+            if last is None or last[0] != request_id:
+                return None
+            entry = last[1:]
+        return PrefixCacheStats(1, entry[0], entry[1])
 
     @property
     def usage(self) -> float:

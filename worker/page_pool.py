@@ -205,7 +205,7 @@ class PagePool:
         if len(copies) == 1:
             self._cached[key] = next(iter(copies.values()))
 
-    def touch(self, pages: Sequence[KVPage]) -> None:
+    def touch(self, pages: Iterable[KVPage]) -> None:
         """Take hit pages: ref count +1, out of the free queue if it was 0."""
         remove = self.free_queue.remove  # raises if a ref_cnt-0 page is not queued
         for p in pages:

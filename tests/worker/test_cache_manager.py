@@ -461,3 +461,28 @@ def test_several_groups_need_the_per_group_computed_pages() -> None:
 def run_prompt_groups(mgr: KVCacheManager, r: Request) -> None:
     by_group, n = mgr.get_computed_pages_by_group(r)
     assert mgr.allocate_slots(r, r.num_tokens - n, n, by_group) is not None
+
+
+def test_lookups_of_requests_that_never_get_pages_are_not_kept() -> None:
+    _, mgr = make()
+    for i in range(5):
+        mgr.get_computed_pages(req(f"probe{i}", PROMPT))
+    assert mgr.request_stats("probe4") == PrefixCacheStats(1, 10, 0)
+    assert mgr.request_stats("probe0") is None
+    assert mgr.stats.requests == 5
+    assert mgr._req_stats == {}
+
+
+def test_a_sliding_window_group_has_no_common_prefix() -> None:
+    _, mgr = make(groups=[KVCacheGroupSpec(), SLIDING])
+    run_prompt_groups(mgr, req("a", PROMPT))
+    assert mgr.num_common_prefix_pages("a") == [3, 0]
+
+
+def test_a_manager_is_built_from_the_pool_config() -> None:
+    from kvmesh.config import PoolConfig
+
+    cfg = PoolConfig(num_pages=8, use_eagle=True)
+    pool = PagePool.from_config(cfg, page_size=PS)
+    mgr = KVCacheManager.from_config(pool, cfg)
+    assert mgr.use_eagle and mgr.enable_caching and mgr.page_size == PS
