@@ -122,9 +122,11 @@ class SimSettings:
 
     def __post_init__(self) -> None:
         if self.workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+            raise ConfigError(f"workers (--workers) must be at least 1, got {self.workers}")
         if self.capacity_pages < 1:
-            raise ConfigError(f"--capacity-pages must be at least 1, got {self.capacity_pages}")
+            raise ConfigError(
+                f"capacity_pages (--capacity-pages) must be at least 1, got {self.capacity_pages}"
+            )
 
 
 # --------------------------------------------------------------------- the trace
@@ -297,7 +299,10 @@ class SimWorker:
     def __init__(self, worker_id: WorkerId, capacity_pages: int, page_size: int) -> None:
         self.worker_id = worker_id
         self.incarnation = f"{worker_id}-sim"
-        self.pool = PagePool(capacity_pages + 1, page_size=page_size, medium="gpu")
+        # Only the index reads the events here, and it keys on hashes alone.
+        self.pool = PagePool(
+            capacity_pages + 1, page_size=page_size, medium="gpu", event_token_ids=False
+        )
         self.manager = KVCacheManager(self.pool, page_size)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
@@ -386,12 +391,16 @@ class Simulation:
         self._now = 0.0
         self._timings: list[RequestTiming] = []
         self._route_s = 0.0
+        self._ran = False
         self._pull = settings.pull and settings.time.pull_pays(settings.page_size)
 
     # ------------------------------------------------------------------ driver
 
     def run(self) -> SimResult:
         """Replay every request in arrival order; returns the timings and busy times."""
+        if self._ran:
+            raise InvalidInput("a Simulation replays once; build a new one for another run")
+        self._ran = True
         heap = self._heap
         for req in sorted(self.trace.requests, key=lambda r: r.arrival_ms):
             while heap and heap[0][0] <= req.arrival_ms:
@@ -714,6 +723,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="routing RNG seed (default: CoordinatorConfig)")
     parser.add_argument("--overlap-weight", type=float, help="kv_aware weight of pages to prefill")
     parser.add_argument("--decode-weight", type=float, help="kv_aware weight of decode pages")
+    parser.add_argument(
+        "--queue-weight", type=float, help="kv_aware weight of queued prefill pages"
+    )
+    parser.add_argument(
+        "--temperature", type=float, help="kv_aware softmax sampling temperature (0: argmin)"
+    )
     parser.add_argument("--max-load-ratio", type=float, help="kv_aware bounded load (0: off)")
     g = parser.add_argument_group("time model")
     g.add_argument("--prefill-base-ms", type=float, default=tm.prefill_base_ms)
@@ -733,6 +748,8 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SimSettings, Coordinat
         seed=args.seed,
         overlap_weight=args.overlap_weight,
         decode_weight=args.decode_weight,
+        queue_weight=args.queue_weight,
+        temperature=args.temperature,
         max_load_ratio=args.max_load_ratio,
     )
     return settings, config
@@ -771,7 +788,10 @@ def _print_table(reports: Sequence[PolicyReport], heading: str) -> None:
             f"{r.ttft_p99_ms:.1f}",
             f"{r.route_ms_mean:.3f}",
         )
-    Console().print(table)
+    console = Console()
+    if console.width < 150:  # a pipe or a narrow terminal would truncate the columns
+        console = Console(width=150)
+    console.print(table)
 
 
 def run(args: argparse.Namespace) -> int:
