@@ -51,10 +51,10 @@ from kvmesh.worker.transfer_server import (
     ERROR_METADATA_KEY,
     SERVICE_NAME,
     PageAssembler,
-    _read,
     chunk_size,
     decode_chunk,
     iter_page_chunks,
+    read_pem,
 )
 
 T = TypeVar("T")
@@ -105,8 +105,7 @@ def translate(err: grpc.aio.AioRpcError | grpc.RpcError, what: str, address: str
     cls = ERRORS_BY_NAME.get(name or "")
     if cls is None or cls.grpc_code != code.name:
         cls = ERRORS_BY_CODE.get(code, TransportError)
-    hint = next((h for c, h in _HINTS.items() if issubclass(cls, c) and c is cls), "")
-    hint = hint or next((h for c, h in _HINTS.items() if issubclass(cls, c)), "")
+    hint = next((_HINTS[c] for c in cls.__mro__ if c in _HINTS), "")
     message = f"{what} to peer {address} failed ({code.name}): {details}"
     return cls(f"{message}; {hint}" if hint else message)
 
@@ -117,15 +116,15 @@ def channel_credentials(config: TransferConfig) -> grpc.ChannelCredentials | Non
     TLS is on when any of tls_root_ca, tls_ca or tls_cert is set; the client
     presents tls_cert/tls_key (mutual TLS) when both are set.
     """
-    root = _read(config.tls_root_ca or config.tls_ca, "TLS root CA")
+    root = read_pem(config.tls_root_ca or config.tls_ca, "TLS root CA")
     if root is None and config.tls_cert is None:
         return None
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("a client certificate needs both tls_cert and tls_key")
     return grpc.ssl_channel_credentials(
         root_certificates=root,
-        private_key=_read(config.tls_key, "TLS key"),
-        certificate_chain=_read(config.tls_cert, "TLS certificate"),
+        private_key=read_pem(config.tls_key, "TLS key"),
+        certificate_chain=read_pem(config.tls_cert, "TLS certificate"),
     )
 
 

@@ -288,7 +288,8 @@ def _incoming(header: pb.PageHeader, data: memoryview) -> IncomingPage:
 # ------------------------------------------------------------------ security
 
 
-def _read(path: str | None, what: str) -> bytes | None:
+def read_pem(path: str | None, what: str) -> bytes | None:
+    """The bytes of a certificate / key file named in config (None: not set)."""
     if path is None:
         return None
     try:
@@ -305,9 +306,9 @@ def server_credentials(config: TransferConfig) -> grpc.ServerCredentials | None:
         return None
     if config.tls_cert is None or config.tls_key is None:
         raise ConfigError("TLS needs both tls_cert and tls_key")
-    cert = _read(config.tls_cert, "TLS certificate")
-    key = _read(config.tls_key, "TLS key")
-    ca = _read(config.tls_ca, "TLS client CA")
+    cert = read_pem(config.tls_cert, "TLS certificate")
+    key = read_pem(config.tls_key, "TLS key")
+    ca = read_pem(config.tls_ca, "TLS client CA")
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
