@@ -1,0 +1,451 @@
+"""`kvmesh bench transfer`: page transfer GB/s between two worker processes on loopback.
+
+Two processes on 127.0.0.1: a *peer* (spawned) holding ``--pages`` cached
+pages of ``--page-bytes`` each, and this process, the *puller*, with an empty
+pool of its own (a real `PagePool` + `KVStore` + `PageService`). Each
+transport moves all the pages from the peer into the puller's pool:
+
+- ``tcp``: the baseline. A plain socket: the peer ``sendall``\\s the same
+  bytes straight from its KV tensor, the puller ``recv_into``\\s its own KV
+  tensor. No framing, no checks, no pool: the ceiling of the machine.
+- ``grpc``: `SyncPeerClient.pull_into` against the peer's `TransferServer`
+  (chunked FetchPages streams, each page checked and inserted).
+- ``dist``: `DistPageTransport.pull` over a gloo process group of the two
+  (batched tensors, each page checked and inserted).
+
+Timed: from the pull's start until every page is in the puller's pool (for
+tcp: until the last byte is in its KV tensor). The pool is emptied between
+rounds; each transport runs ``--rounds`` times after one warm-up, and the
+best round counts (the machine is shared; the best is the least disturbed).
+``ratio_vs_tcp`` = a transport's GB/s / the tcp GB/s of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_PAGES = 256
+DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
+PAGE_SIZE = 16
+SEED = "bench-transfer"
+TRANSPORT_CHOICES = ("grpc", "dist", "both")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pages", type=int, default=DEFAULT_PAGES, help="pages to move")
+    parser.add_argument(
+        "--page-bytes",
+        type=int,
+        default=DEFAULT_PAGE_BYTES,
+        help="bytes per page (float16; a multiple of 64)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORT_CHOICES,
+        default="both",
+        help="transports to measure next to the raw TCP baseline",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per transport")
+    parser.add_argument(
+        "--batch-bytes",
+        type=int,
+        default=None,
+        help="dist: largest payload tensor per send (default: the transport's)",
+    )
+    parser.add_argument(
+        "--gather",
+        action="store_true",
+        help="dist: gather every batch into a buffer even where pages are consecutive",
+    )
+    parser.add_argument("--grpc-streams", type=int, default=None, help="grpc: concurrent streams")
+    parser.add_argument(
+        "--grpc-chunk-bytes", type=int, default=None, help="grpc: page bytes per message"
+    )
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for any one step")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per transport (tcp first)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What both processes agree on (sent to the peer as JSON)."""
+
+    pages: int
+    page_bytes: int
+    rounds: int
+    timeout_s: float
+    dist_port: int
+    use_dist: bool
+    use_grpc: bool
+    grpc_streams: int | None
+    grpc_chunk_bytes: int | None
+    batch_bytes: int | None
+    gather: bool
+
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of a float16 page of `page_bytes` and PAGE_SIZE tokens."""
+        per_token_pair = 2 * PAGE_SIZE * 2  # K and V, PAGE_SIZE tokens, 2 bytes
+        if self.page_bytes % (per_token_pair * 8 * 128) == 0:
+            return self.page_bytes // (per_token_pair * 8 * 128), 8, 128
+        return 1, 1, self.page_bytes // per_token_pair
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One transport's best round."""
+
+    transport: str
+    gb_per_s: float
+    pages_per_s: float
+    ratio_vs_tcp: float
+    seconds: float
+    median_gb_per_s: float
+    pages: int
+    page_bytes: int
+    bytes: int
+    rounds: int
+    detail: str
+
+
+# --------------------------------------------------------------------------- both sides
+
+
+def _make_service(spec: Spec) -> Any:
+    from kvmesh.hashing import PageHasher
+    from kvmesh.worker.kv_store import KVStore
+    from kvmesh.worker.page_pool import PagePool
+    from kvmesh.worker.page_service import PageService
+
+    layers, heads, dim = spec.shape()
+    num_pages = spec.pages + 1  # page 0 is the null page
+    store = KVStore(num_pages, layers, heads, dim, PAGE_SIZE, "float16")
+    store.kv.zero_()  # fault the memory in now, not inside a timed round
+    pool = PagePool(num_pages, page_size=PAGE_SIZE)
+    return PageService(pool, store, PageHasher(PAGE_SIZE, seed=SEED))
+
+
+def _page_rows(store: Any) -> Any:
+    """The store's bytes as a numpy array [num_pages, page_nbytes] (a view, CPU only)."""
+    import torch
+
+    return store.kv.view(store.num_pages, -1).view(torch.uint8).numpy()
+
+
+def _tokens(spec: Spec) -> list[int]:
+    return [(i * 7 + 3) % 32000 for i in range(spec.pages * PAGE_SIZE)]
+
+
+def _transfer_config(spec: Spec) -> Any:
+    from kvmesh.config import TransferConfig
+
+    extra: dict[str, Any] = {}
+    if spec.grpc_streams is not None:
+        extra["fetch_streams"] = spec.grpc_streams
+    if spec.grpc_chunk_bytes is not None:
+        extra["chunk_bytes"] = spec.grpc_chunk_bytes
+        extra["max_message_bytes"] = max(
+            TransferConfig().max_message_bytes, spec.grpc_chunk_bytes + (1 << 20)
+        )
+    return TransferConfig(host="127.0.0.1", port=0, deadline_s=spec.timeout_s, **extra)
+
+
+def _dist_transport(group: Any, service: Any, spec: Spec) -> Any:
+    from kvmesh.worker.dist_transfer import DistPageTransport
+
+    kwargs: dict[str, Any] = {"timeout_s": spec.timeout_s}
+    if spec.batch_bytes is not None:
+        kwargs["batch_bytes"] = spec.batch_bytes
+        kwargs["max_batch_bytes"] = max(spec.batch_bytes, 1 << 30)
+    if spec.gather:
+        kwargs["min_in_place_bytes"] = 1 << 62
+    return DistPageTransport(group, service, **kwargs)
+
+
+# --------------------------------------------------------------------------- the peer
+
+
+def _peer_main(conn: Any, spec_json: str) -> None:
+    """The spawned peer: holds the pages and serves them over tcp, grpc and dist."""
+    import numpy as np
+
+    from kvmesh.worker.dist_transfer import DistGroup
+    from kvmesh.worker.transfer_server import ServerThread
+
+    spec = Spec(**json.loads(spec_json))
+    service = _make_service(spec)
+    store, pool = service.store, service.pool
+    # Distinct bytes per page: one random page, each copy stamped with its index.
+    rng = np.random.default_rng(7)
+    rows = _page_rows(store)
+    rows[1:] = rng.integers(0, 256, store.page_nbytes, dtype=np.uint8)
+    rows[1:, :8] = np.arange(1, spec.pages + 1, dtype="<u8").view(np.uint8).reshape(-1, 8)
+    tokens = _tokens(spec)
+    hashes = service.hasher.hash_prompt(tokens)
+    with service.lock:
+        pages = pool.get_new_pages(spec.pages)
+        pool.cache_full_pages(pages, hashes, 0, spec.pages, tokens)
+        pool.free_pages(list(reversed(pages)))
+    service.take_events()  # learns the token ids, so pages travel with provable chains
+
+    server = None
+    if spec.use_grpc:
+        server = ServerThread(service, _transfer_config(spec))
+        server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    flat = memoryview(rows[1:].reshape(-1))
+    stop = threading.Event()
+
+    def serve_tcp() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not stop.is_set():
+                head = sock.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                (nbytes,) = struct.unpack("<Q", head)
+                sock.sendall(flat[:nbytes])
+
+    threading.Thread(target=serve_tcp, daemon=True).start()
+    conn.send_bytes(
+        json.dumps(
+            {"tcp": listener.getsockname()[1], "grpc": server.address if server else None}
+        ).encode()
+    )
+    group = None
+    errors: list[str] = []
+    if spec.use_dist:
+        group = DistGroup.init(1, 2, "127.0.0.1", spec.dist_port, timeout_s=spec.timeout_s)
+        transport = _dist_transport(group, service, spec)
+
+        def serve_dist() -> None:
+            try:
+                transport.serve_forever(0, idle_timeout_s=spec.timeout_s * 4)
+            except Exception as exc:  # reported to the puller through the pipe
+                errors.append(f"dist serving: {exc}")
+
+        threading.Thread(target=serve_dist, daemon=True).start()
+    if conn.poll(spec.timeout_s * (4 + 3 * spec.rounds)):
+        conn.recv_bytes()
+    stop.set()
+    conn.send_bytes(json.dumps({"errors": errors}).encode())
+    listener.close()
+    if server is not None:
+        server.stop()
+    if group is not None:
+        group.close()
+
+
+# --------------------------------------------------------------------------- the puller
+
+
+def _empty(service: Any) -> None:
+    with service.lock:
+        service.pool.reset_prefix_cache()
+    service.take_events()
+
+
+def _wait_for(conn: Any, peer: Any, timeout_s: float, what: str) -> bytes:
+    """The peer's next message; `TransportError` if it exits or stays silent for `timeout_s`."""
+    from kvmesh.errors import TransportError
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if conn.poll(0.1):
+            return bytes(conn.recv_bytes())
+        if not peer.is_alive():
+            raise TransportError(f"the peer process exited (code {peer.exitcode}) before {what}")
+    raise TransportError(f"the peer process did not {what} within {timeout_s:g}s")
+
+
+def _recv_tcp(sock: socket.socket, target: memoryview, nbytes: int) -> None:
+    sock.sendall(struct.pack("<Q", nbytes))
+    got = 0
+    while got < nbytes:
+        n = sock.recv_into(target[got:nbytes])
+        if n == 0:
+            raise ConnectionError(f"peer closed the baseline socket after {got} of {nbytes} bytes")
+        got += n
+
+
+def measure(spec: Spec) -> list[Figure]:
+    """Start the peer, run every transport `spec.rounds` times, return the figures (tcp first)."""
+    import multiprocessing
+
+    from kvmesh.errors import TransportError
+    from kvmesh.worker.dist_transfer import DistGroup
+
+    service = _make_service(spec)
+    hashes = service.hasher.hash_prompt(_tokens(spec))
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    peer = ctx.Process(target=_peer_main, args=(child, json.dumps(asdict(spec))), daemon=True)
+    peer.start()
+    cleanup: list[Callable[[], None]] = []
+    try:
+        where = json.loads(_wait_for(parent, peer, spec.timeout_s, "start"))
+        pulls: dict[str, Callable[[list[Any]], int]] = {}
+        details: dict[str, str] = {}
+
+        sock = socket.create_connection(("127.0.0.1", where["tcp"]), timeout=spec.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cleanup.append(sock.close)
+        flat = memoryview(_page_rows(service.store)[1:].reshape(-1))
+
+        def pull_tcp(some: list[Any]) -> int:
+            _recv_tcp(sock, flat, len(some) * service.store.page_nbytes)
+            return len(some)
+
+        pulls["tcp"] = pull_tcp
+        details["tcp"] = "socket sendall / recv_into, no framing or checks"
+
+        if spec.use_grpc:
+            from kvmesh.worker.transfer_client import SyncPeerClient
+
+            config = _transfer_config(spec)
+            client = SyncPeerClient(where["grpc"], config)
+            cleanup.append(client.close)
+            pulls["grpc"] = lambda some: client.pull_into(service, some)
+            details["grpc"] = (
+                f"fetch_streams={config.fetch_streams} chunk_bytes={config.chunk_bytes}"
+            )
+
+        if spec.use_dist:
+            group = DistGroup.init(0, 2, "127.0.0.1", spec.dist_port, timeout_s=spec.timeout_s)
+            cleanup.append(group.close)
+            transport = _dist_transport(group, service, spec)
+            cleanup.append(lambda: transport.hang_up(1))
+
+            def pull_dist(some: list[Any]) -> int:
+                result = transport.pull(1, some)
+                if result.rejected:
+                    raise TransportError(f"dist rejected pages: {result.rejected[0][1]}")
+                return len(result.inserted)
+
+            pulls["dist"] = pull_dist
+            details["dist"] = (
+                f"gloo batch_bytes={transport.batch_bytes} "
+                f"{'gathered' if spec.gather else 'in place where consecutive'}"
+            )
+
+        times: dict[str, list[float]] = {name: [] for name in pulls}
+        warm = hashes[: max(1, min(len(hashes), 32))]
+        for pull in pulls.values():
+            _empty(service)
+            pull(list(warm))
+        for _ in range(spec.rounds):
+            for name, pull in pulls.items():
+                _empty(service)
+                t0 = time.perf_counter()
+                moved = pull(list(hashes))
+                times[name].append(time.perf_counter() - t0)
+                if moved != spec.pages:
+                    raise TransportError(f"{name} moved {moved} of {spec.pages} pages")
+        _empty(service)
+    finally:
+        for step in reversed(cleanup):
+            try:
+                step()
+            except Exception as exc:
+                print(f"bench transfer: cleanup: {exc}", file=sys.stderr)
+        try:
+            parent.send_bytes(b"stop")
+            if parent.poll(spec.timeout_s):
+                report = json.loads(parent.recv_bytes())
+                for err in report.get("errors", []):
+                    print(f"bench transfer: peer: {err}", file=sys.stderr)
+        except (OSError, EOFError):
+            pass
+        peer.join(spec.timeout_s)
+        if peer.is_alive():
+            peer.kill()
+            peer.join(5)
+    return _figures(spec, times, details)
+
+
+def _figures(spec: Spec, times: dict[str, list[float]], details: dict[str, str]) -> list[Figure]:
+    nbytes = spec.pages * spec.page_bytes
+    best = {name: min(ts) for name, ts in times.items()}
+    tcp_rate = nbytes / best["tcp"]
+    out = []
+    for name, ts in times.items():
+        ordered = sorted(ts)
+        median = ordered[len(ordered) // 2]
+        rate = nbytes / best[name]
+        out.append(
+            Figure(
+                transport=name,
+                gb_per_s=round(rate / 1e9, 3),
+                pages_per_s=round(spec.pages / best[name], 1),
+                ratio_vs_tcp=round(rate / tcp_rate, 3),
+                seconds=round(best[name], 4),
+                median_gb_per_s=round(nbytes / median / 1e9, 3),
+                pages=spec.pages,
+                page_bytes=spec.page_bytes,
+                bytes=nbytes,
+                rounds=len(ts),
+                detail=details[name],
+            )
+        )
+    return out
+
+
+def spec_from_args(args: argparse.Namespace) -> Spec:
+    from kvmesh.errors import ConfigError
+    from kvmesh.worker.dist_transfer import free_port
+
+    if args.pages <= 0 or args.rounds <= 0 or args.timeout <= 0:
+        raise ConfigError("--pages, --rounds and --timeout must be positive")
+    if args.page_bytes <= 0 or args.page_bytes % 64:
+        raise ConfigError(f"--page-bytes must be a positive multiple of 64, got {args.page_bytes}")
+    if args.batch_bytes is not None and args.batch_bytes < args.page_bytes:
+        raise ConfigError("--batch-bytes must hold at least one page (>= --page-bytes)")
+    return Spec(
+        pages=args.pages,
+        page_bytes=args.page_bytes,
+        rounds=args.rounds,
+        timeout_s=args.timeout,
+        dist_port=free_port(),
+        use_dist=args.transport in ("dist", "both"),
+        use_grpc=args.transport in ("grpc", "both"),
+        grpc_streams=args.grpc_streams,
+        grpc_chunk_bytes=args.grpc_chunk_bytes,
+        batch_bytes=args.batch_bytes,
+        gather=args.gather,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    figures = measure(spec)
+    if args.json:
+        for fig in figures:
+            print(json.dumps(asdict(fig)))
+        return 0
+    total = spec.pages * spec.page_bytes
+    print(
+        f"kvmesh bench transfer: {spec.pages} pages x {spec.page_bytes / 2**20:.2f} MiB = "
+        f"{total / 2**30:.2f} GiB over loopback, best of {spec.rounds} rounds "
+        f"(pid {os.getpid()} pulls from a spawned peer)"
+    )
+    print(f"{'transport':<10}{'GB/s':>8}{'pages/s':>10}{'vs tcp':>8}{'median GB/s':>13}  detail")
+    for fig in figures:
+        print(
+            f"{fig.transport:<10}{fig.gb_per_s:>8.2f}{fig.pages_per_s:>10.0f}"
+            f"{fig.ratio_vs_tcp:>8.0%}{fig.median_gb_per_s:>13.2f}  {fig.detail}"
+        )
+    if not math.isfinite(figures[0].gb_per_s):  # pragma: no cover - a zero-time round
+        return 1
+    return 0

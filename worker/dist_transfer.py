@@ -1,0 +1,963 @@
+"""Page transfer over torch.distributed: batched send/recv of page tensors.
+
+Workers of one process group (address and ranks from the coordinator's
+`DistRendezvous`) move pages as raw tensors with point-to-point send/recv:
+NCCL when the KV store is on CUDA, gloo on CPU, the same code. One transfer
+of ``n`` pages between two ranks::
+
+    preamble  int64[16]      magic, version, kind, count, dtype code, ndim,
+                             shape[6], meta bytes, largest batch (pages), 0, 0
+    meta      uint8[...]     msgpack [[hash, parent, tokens, lora, tier] per page,
+                             [missing hashes], [pages per batch]]
+    for each batch of k pages (at most `batch_bytes`):
+      checksums int64[k]     xxh3-64 of each page's bytes
+      payload   uint8[k * page bytes]   the pages as one contiguous tensor
+
+A batch is either a run of consecutive page ids, sent in place from the KV
+tensor (no copy), or scattered pages gathered into a reused buffer with one
+`index_select` (`plan_batches`). Every size the receiver posts follows from
+the meta, so it receives batch ``i + 1`` (in the background, into a second
+buffer) while it checks and inserts batch ``i``; the sender checksums and
+gathers batch ``i + 1`` while batch ``i`` is on the wire. The receiver checks every page with `PageService.insert`
+(dtype, shape, size, checksum and, with token ids, the hash chain: the same
+checks as the gRPC path) before the page enters its pool; a page that fails
+is dropped and reported, the others are inserted.
+
+Pull and push share that framing. A pull sends a REQUEST (the hashes, in
+the meta) to the peer's serving loop (`serve_forever`) on `SERVE_TAG`; the
+answer comes back on `REPLY_TAG`. A push sends the pages straight to the
+peer's serving loop. A client serialises its own calls per peer, so a tag
+never carries two transfers between the same two ranks at once (gloo matches
+messages by source and tag, in order; NCCL has no tags, so on NCCL a pair of
+ranks must not pull from each other at the same moment).
+
+Failures: every wait has a timeout. Any error of the group (rendezvous
+timeout, peer gone, send/recv error or timeout, a garbled preamble) raises
+`TransportError` and marks the group broken (gloo closes the connection on a
+timeout, so a broken group is never reused); callers then fall back to gRPC
+(`fetch_with_fallback`). Pages a failed pull had already checked and inserted
+stay (they are valid); the rest are not inserted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, TransportError, UnknownWorker
+from kvmesh.types import PageHash, PageId, WorkerId
+from kvmesh.worker.kv_store import DTYPES, PageBlob
+from kvmesh.worker.page_service import MAX_HASH_BYTES, PageService, check_hash
+
+log = logging.getLogger(__name__)
+
+BACKENDS: dict[str, str] = {"cuda": "nccl", "cpu": "gloo"}
+"""Registry: the KV store's device type -> the torch.distributed backend that moves its tensors."""
+
+DTYPE_CODES: dict[str, int] = {
+    "float32": 1,
+    "float16": 2,
+    "bfloat16": 3,
+    "float64": 4,
+    "float8_e4m3fn": 5,
+    "float8_e5m2": 6,
+    "int8": 7,
+    "uint8": 8,
+}
+"""Wire codes of the KV dtypes (`kvmesh.worker.kv_store.DTYPES` names); never renumber."""
+
+_DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+
+MAGIC = 0x6B766D657368  # "kvmesh"
+VERSION = 1
+PREAMBLE_WORDS = 16
+MAX_NDIM = 6
+SERVE_TAG = 1
+"""Tag of messages to a rank's serving loop: requests, pushed pages, hang-ups."""
+REPLY_TAG = 2
+"""Tag of the pages that answer a pull."""
+
+MAX_META_BYTES = 64 * 1024 * 1024
+MAX_PAGES_PER_TRANSFER = 1 << 20
+DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
+MIN_IN_PLACE_BYTES = 1024 * 1024
+"""A run of consecutive pages at least this big is sent in place instead of gathered."""
+DEFAULT_MAX_BATCH_BYTES = 1 << 30
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class Kind:
+    """What a transfer's preamble announces."""
+
+    PAGES = 1
+    REQUEST = 2
+    BYE = 3
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+def assign_ranks(worker_ids: Iterable[WorkerId]) -> dict[WorkerId, int]:
+    """Ranks 0..n-1 for the workers in sorted id order (the same set always gets the same ranks).
+
+    Rank 0 hosts the rendezvous store. Raises `InvalidInput` on an empty set
+    or a duplicate id.
+    """
+    ids = list(worker_ids)
+    if not ids:
+        raise InvalidInput("assign_ranks needs at least one worker id")
+    dupes = sorted({w for w in ids if ids.count(w) > 1})
+    if dupes:
+        raise InvalidInput(f"worker ids must be unique, got duplicates {dupes}")
+    return {w: rank for rank, w in enumerate(sorted(ids))}
+
+
+@dataclass(frozen=True, slots=True)
+class DistRendezvous:
+    """Where a process group meets and who is which rank: what the coordinator hands out.
+
+    Rank 0 listens on ``master_addr:master_port`` (a TCP store); every other
+    rank connects there.
+    """
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    ranks: Mapping[WorkerId, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.master_port < 65536:
+            raise InvalidInput(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.world_size < 1:
+            raise InvalidInput(f"world_size must be at least 1, got {self.world_size}")
+        if self.ranks and sorted(self.ranks.values()) != list(range(self.world_size)):
+            raise InvalidInput(
+                f"ranks must be exactly 0..{self.world_size - 1}, one per worker, "
+                f"got {dict(self.ranks)}"
+            )
+
+    @classmethod
+    def for_workers(
+        cls, worker_ids: Iterable[WorkerId], master_addr: str, master_port: int
+    ) -> DistRendezvous:
+        """A rendezvous for these workers with ranks from `assign_ranks`."""
+        ranks = assign_ranks(worker_ids)
+        return cls(master_addr, master_port, len(ranks), ranks)
+
+    def rank_of(self, worker_id: WorkerId) -> int:
+        try:
+            return self.ranks[worker_id]
+        except KeyError:
+            raise UnknownWorker(
+                f"worker {worker_id!r} has no rank in this process group "
+                f"(members: {sorted(self.ranks)})"
+            ) from None
+
+    def worker_of(self, rank: int) -> WorkerId:
+        for worker, r in self.ranks.items():
+            if r == rank:
+                return worker
+        raise UnknownWorker(f"no worker has rank {rank} in this process group")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (for the rendezvous store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- process group
+
+
+class DistGroup:
+    """This process's torch.distributed group, with timeouts on every send and recv.
+
+    The group is the process's default group (torch allows one); `close` it
+    before joining another. After any failure it is `broken` (the reason is
+    kept) and every later call raises `TransportError` at once.
+    """
+
+    __slots__ = (
+        "_abandoned",
+        "_closed",
+        "backend",
+        "broken",
+        "device",
+        "rank",
+        "timeout_s",
+        "world_size",
+    )
+
+    def __init__(
+        self, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self.broken: str | None = None
+        self._closed = False
+        # Works of failed operations: their tensors must outlive the backend's use of them.
+        self._abandoned: list[Any] = []
+
+    @classmethod
+    def init(
+        cls,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        device: str | torch.device = "cpu",
+    ) -> DistGroup:
+        """Join the group: rank 0 hosts a TCP store at ``master_addr:master_port``.
+
+        `backend` None picks from `BACKENDS` by the device type ("nccl" for
+        cuda, "gloo" for cpu). Raises `TransportError` when the rendezvous
+        does not complete within about `timeout_s` (a rank missing, the
+        address unreachable), `ConfigError` for impossible arguments.
+        """
+        dev = torch.device(device)
+        if backend is None:
+            try:
+                backend = BACKENDS[dev.type]
+            except KeyError:
+                raise ConfigError(
+                    f"no torch.distributed backend for device {dev}; choose one of {sorted(BACKENDS)}"
+                ) from None
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if not dist.is_available():
+            raise TransportError("torch.distributed is not available in this torch build")
+        if dist.is_initialized():
+            raise TransportError(
+                "this process already belongs to a torch.distributed group; close it first"
+            )
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                is_master=rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise TransportError(
+                f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "
+                f"{rank}/{world_size} ({backend}) within {timeout_s:g}s: {_first_line(exc)}"
+            ) from exc
+        return cls(rank, world_size, backend, dev, timeout_s)
+
+    @classmethod
+    def join(
+        cls,
+        rendezvous: DistRendezvous,
+        worker_id: WorkerId,
+        *,
+        device: str | torch.device = "cpu",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> DistGroup:
+        """`init` with this worker's rank from a coordinator's rendezvous."""
+        return cls.init(
+            rendezvous.rank_of(worker_id),
+            rendezvous.world_size,
+            rendezvous.master_addr,
+            rendezvous.master_port,
+            timeout_s=timeout_s,
+            device=device,
+        )
+
+    # -- point to point ----------------------------------------------------
+
+    def _check_usable(self, peer: int) -> None:
+        if self._closed:
+            raise TransportError("the torch.distributed group is closed")
+        if self.broken is not None:
+            raise TransportError(f"the torch.distributed group is broken: {self.broken}")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise InvalidInput(
+                f"peer rank must be another rank in 0..{self.world_size - 1}, got {peer} "
+                f"(this is rank {self.rank})"
+            )
+
+    def isend(self, tensor: Tensor, dst: int, tag: int) -> Any:
+        """Start sending `tensor` to `dst`; `wait` on the returned work."""
+        self._check_usable(dst)
+        try:
+            return dist.isend(tensor, dst, tag=tag)
+        except RuntimeError as exc:
+            raise self.fail(f"send to rank {dst} failed", exc) from exc
+
+    def irecv(self, tensor: Tensor, src: int | None, tag: int) -> Any:
+        """Start receiving into `tensor` from `src` (None: any rank, gloo only)."""
+        if src is None:
+            if self.backend == "nccl":
+                raise ConfigError("receiving from any rank needs gloo; NCCL needs a source rank")
+            self._check_usable((self.rank + 1) % max(self.world_size, 2))
+        else:
+            self._check_usable(src)
+        try:
+            return dist.irecv(tensor, src, tag=tag)
+        except RuntimeError as exc:
+            raise self.fail(f"recv from rank {src} failed", exc) from exc
+
+    def wait(self, work: Any, what: str, timeout_s: float | None = None) -> None:
+        """Wait for one work; a timeout or error breaks the group and raises `TransportError`."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            work.wait(timeout=timedelta(seconds=limit))
+        except RuntimeError as exc:
+            self._abandoned.append(work)
+            raise self.fail(f"{what} failed (limit {limit:g}s)", exc) from exc
+
+    def send(self, tensor: Tensor, dst: int, tag: int, timeout_s: float | None = None) -> None:
+        self.wait(self.isend(tensor, dst, tag), f"send to rank {dst}", timeout_s)
+
+    def recv(
+        self, tensor: Tensor, src: int | None, tag: int, timeout_s: float | None = None
+    ) -> int:
+        """Receive into `tensor`; returns the sending rank."""
+        work = self.irecv(tensor, src, tag)
+        self.wait(work, f"recv from rank {'any' if src is None else src}", timeout_s)
+        return int(work._source_rank()) if src is None else src
+
+    def fail(self, what: str, exc: BaseException) -> TransportError:
+        """Mark the group broken by `exc` and return the `TransportError` to raise."""
+        self.mark_broken(f"{what}: {_first_line(exc)}")
+        return TransportError(f"torch.distributed {what}: {_first_line(exc)}")
+
+    def mark_broken(self, reason: str) -> None:
+        """No later call may use the group (the first reason is kept)."""
+        if self.broken is None:
+            self.broken = reason
+
+    def close(self) -> None:
+        """Leave the group (idempotent). Safe on a broken group."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as exc:  # a broken group may fail to tear down cleanly
+                log.warning("torch.distributed group teardown: %s", _first_line(exc))
+        self._abandoned.clear()
+
+    def __enter__(self) -> DistGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- wire format
+
+
+@dataclass(frozen=True, slots=True)
+class Preamble:
+    """The fixed-size head of every transfer (one int64[16] tensor)."""
+
+    kind: int
+    count: int = 0
+    dtype_code: int = 0
+    shape: tuple[int, ...] = ()
+    meta_nbytes: int = 0
+    batch_pages: int = 0
+
+    def encode(self) -> Tensor:
+        if len(self.shape) > MAX_NDIM:
+            raise InvalidInput(f"page shape has {len(self.shape)} dims, at most {MAX_NDIM}")
+        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
+        words = [MAGIC, VERSION, self.kind, self.count, self.dtype_code, len(self.shape)]
+        words += [*shape, self.meta_nbytes, self.batch_pages, 0, 0]
+        return torch.tensor(words, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, t: Tensor, *, max_batch_bytes: int) -> Preamble:
+        """Parse and bound a received preamble; `TransportError` on anything off.
+
+        A bad preamble means the stream is out of step or garbled: nothing
+        after it can be trusted, so it is a transport failure, not a page one.
+        """
+        w = [int(x) for x in t.cpu().tolist()]
+        if len(w) != PREAMBLE_WORDS or w[0] != MAGIC or w[1] != VERSION:
+            raise TransportError(
+                f"not a kvmesh v{VERSION} transfer preamble (magic/version {w[:2]}); "
+                "the peer runs another version or the stream is out of step"
+            )
+        kind, count, code, ndim = w[2], w[3], w[4], w[5]
+        shape = tuple(w[6 : 6 + ndim]) if 0 <= ndim <= MAX_NDIM else ()
+        meta_nbytes, batch_pages = w[12], w[13]
+        pre = cls(kind, count, code, shape, meta_nbytes, batch_pages)
+        problems: list[str] = []
+        if kind not in (Kind.PAGES, Kind.REQUEST, Kind.BYE):
+            problems.append(f"unknown kind {kind}")
+        if not 0 <= count <= MAX_PAGES_PER_TRANSFER:
+            problems.append(f"count {count} outside 0..{MAX_PAGES_PER_TRANSFER}")
+        if not 0 <= meta_nbytes <= MAX_META_BYTES:
+            problems.append(f"meta size {meta_nbytes} outside 0..{MAX_META_BYTES}")
+        if kind == Kind.PAGES and count:
+            if code not in _DTYPE_NAMES:
+                problems.append(f"unknown dtype code {code}")
+            if not 0 < ndim <= MAX_NDIM or any(d <= 0 for d in shape):
+                problems.append(f"bad page shape (ndim {ndim}, {list(shape)})")
+            elif batch_pages <= 0 or (
+                code in _DTYPE_NAMES and batch_pages * pre.page_nbytes > max_batch_bytes
+            ):
+                problems.append(
+                    f"batch of {batch_pages} pages exceeds this receiver's {max_batch_bytes} bytes"
+                )
+        if problems:
+            raise TransportError("refused transfer preamble: " + "; ".join(problems))
+        return pre
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPE_NAMES[self.dtype_code]
+
+    @property
+    def page_nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype_name].itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class WirePage:
+    """What the meta says about one page (everything but its bytes and checksum)."""
+
+    page_hash: PageHash
+    parent_hash: PageHash | None
+    token_ids: tuple[int, ...]
+    lora_id: int | None
+    tier: str
+
+
+def encode_page_meta(
+    pages: Sequence[WirePage], missing: Sequence[PageHash], batch_counts: Sequence[int]
+) -> bytes:
+    rows = [
+        [
+            p.page_hash,
+            p.parent_hash,
+            np.asarray(p.token_ids, dtype="<u4").tobytes(),
+            p.lora_id,
+            p.tier,
+        ]
+        for p in pages
+    ]
+    return bytes(msgpack.packb([rows, list(missing), list(batch_counts)], use_bin_type=True))
+
+
+def decode_page_meta(
+    raw: bytes, count: int, max_batch_pages: int
+) -> tuple[list[WirePage], list[PageHash], list[int]]:
+    """Pages, missing hashes and pages per batch from a PAGES meta; `InvalidInput` if malformed."""
+    try:
+        rows, missing, counts = msgpack.unpackb(raw, raw=False, use_list=True)
+        pages = []
+        for page_hash, parent, tokens, lora, tier in rows:
+            if lora is not None and not isinstance(lora, int):
+                raise TypeError(f"lora id {lora!r}")
+            if not isinstance(tier, str) or not isinstance(tokens, bytes) or len(tokens) % 4:
+                raise TypeError("tier or token ids")
+            pages.append(
+                WirePage(
+                    check_hash(page_hash),
+                    None if parent is None else check_hash(parent, "parent hash"),
+                    tuple(np.frombuffer(tokens, dtype="<u4").tolist()),
+                    lora,
+                    tier,
+                )
+            )
+        gone = [check_hash(h) for h in missing]
+        if not all(isinstance(c, int) and 0 < c <= max_batch_pages for c in counts):
+            raise ValueError(f"batch sizes must be 1..{max_batch_pages} pages")
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise InvalidInput(f"malformed page meta in a transfer: {exc}") from exc
+    if len(pages) != count or sum(counts) != count:
+        raise InvalidInput(
+            f"transfer meta lists {len(pages)} pages in batches of {sum(counts)}, "
+            f"its preamble {count}"
+        )
+    return pages, gone, counts
+
+
+def plan_batches(
+    page_ids: Sequence[int], batch_pages: int, min_run_pages: int
+) -> list[tuple[int, int, bool]]:
+    """Split pages (in send order) into batches: (first position, count, in place).
+
+    A run of at least `min_run_pages` consecutive page ids goes in place (a
+    slice of the KV tensor, no copy), cut every `batch_pages`; shorter runs
+    are packed together into gathered batches of up to `batch_pages`. Order
+    is kept. O(len(page_ids)).
+    """
+    if batch_pages <= 0 or min_run_pages <= 0:
+        raise InvalidInput(
+            f"batch_pages and min_run_pages must be positive, got {batch_pages}, {min_run_pages}"
+        )
+    out: list[tuple[int, int, bool]] = []
+    gather_first, gather_count = 0, 0
+
+    def flush() -> None:
+        nonlocal gather_count
+        if gather_count:
+            out.append((gather_first, gather_count, False))
+            gather_count = 0
+
+    n, start = len(page_ids), 0
+    while start < n:
+        end = start + 1
+        while end < n and page_ids[end] == page_ids[end - 1] + 1:
+            end += 1
+        if end - start >= min_run_pages:
+            flush()
+            for first in range(start, end, batch_pages):
+                out.append((first, min(batch_pages, end - first), True))
+        else:
+            for pos in range(start, end):
+                if gather_count == 0:
+                    gather_first = pos
+                gather_count += 1
+                if gather_count == batch_pages:
+                    flush()
+        start = end
+    flush()
+    return out
+
+
+def encode_request(hashes: Sequence[PageHash]) -> bytes:
+    return bytes(msgpack.packb(list(hashes), use_bin_type=True))
+
+
+def decode_request(raw: bytes, count: int) -> list[PageHash]:
+    try:
+        hashes = [check_hash(h) for h in msgpack.unpackb(raw, raw=False)]
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise InvalidInput(f"malformed page request: {exc}") from exc
+    if len(hashes) != count:
+        raise InvalidInput(f"request lists {len(hashes)} hashes, its preamble {count}")
+    return hashes
+
+
+def _u64_to_i64(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.uint64).view(np.int64)
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What a sender moved: pages sent in order, and the hashes it did not hold."""
+
+    sent: tuple[PageHash, ...]
+    missing: tuple[PageHash, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveResult:
+    """What a receiver made of a transfer.
+
+    `inserted`: new pages now cached; `present`: received but already held
+    (skipped, never overwritten); `missing`: the sender did not hold them;
+    `rejected`: failed a check (hash, reason), nothing of them entered the pool.
+    """
+
+    inserted: tuple[PageHash, ...] = ()
+    present: tuple[PageHash, ...] = ()
+    missing: tuple[PageHash, ...] = ()
+    rejected: tuple[tuple[PageHash, str], ...] = ()
+    nbytes: int = 0
+
+    @property
+    def cached(self) -> tuple[PageHash, ...]:
+        """Received pages the receiver now holds (new or already there)."""
+        return self.inserted + self.present
+
+
+class _Buffers:
+    """Two reusable byte buffers: the batch being received/sent and the next one.
+
+    Reusing them keeps a transfer off fresh memory (first-touch page faults
+    cost as much as the copy itself).
+    """
+
+    __slots__ = ("_bufs", "device")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.uint8, device=device)] * 2
+
+    def get(self, slot: int, nbytes: int) -> Tensor:
+        buf = self._bufs[slot]
+        if buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._bufs[slot] = buf
+        return buf[:nbytes]
+
+
+class DistPageTransport:
+    """Pull, push and serve pages over a `DistGroup`, checked by a `PageService`.
+
+    `batch_bytes` bounds one payload tensor (the sender picks it, the
+    receiver refuses batches over `max_batch_bytes`); two of each are kept
+    per direction for overlap. Runs of consecutive pages of at least
+    `min_in_place_bytes` are sent straight from the KV tensor (a huge value
+    gathers every batch). `timeout_s` bounds every wait of a transfer.
+    """
+
+    def __init__(
+        self,
+        group: DistGroup,
+        service: PageService,
+        *,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        min_in_place_bytes: int = MIN_IN_PLACE_BYTES,
+        timeout_s: float | None = None,
+    ) -> None:
+        store = service.store
+        if store.device.type != group.device.type:
+            raise ConfigError(
+                f"KV store is on {store.device} but the process group ({group.backend}) moves "
+                f"{group.device} tensors; join the group with device={store.device.type!r}"
+            )
+        if batch_bytes <= 0 or max_batch_bytes < batch_bytes:
+            raise ConfigError(
+                f"need 0 < batch_bytes <= max_batch_bytes, got {batch_bytes}, {max_batch_bytes}"
+            )
+        self.group = group
+        self.service = service
+        self.batch_bytes = batch_bytes
+        self.max_batch_bytes = max_batch_bytes
+        self.min_in_place_bytes = min_in_place_bytes
+        self.timeout_s = group.timeout_s if timeout_s is None else timeout_s
+        self._peer_locks: dict[int, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._send_bufs = _Buffers(store.device)
+        self._recv_bufs = _Buffers(store.device)
+        self._send_guard = threading.Lock()
+        self._recv_guard = threading.Lock()
+
+    # -- public calls ------------------------------------------------------
+
+    def pull(self, src: int, hashes: Sequence[PageHash]) -> ReceiveResult:
+        """Fetch `hashes` from rank `src`'s serving loop and insert them here (checked).
+
+        Raises `TransportError` when the group fails; pages checked and
+        inserted before the failure stay.
+        """
+        request = encode_request([check_hash(h) for h in hashes])
+        with self._peer_lock(src):
+            self._send_small(src, SERVE_TAG, Preamble(Kind.REQUEST, len(hashes)), request)
+            return self._receive_pages(src, REPLY_TAG, None)
+
+    def push(self, dst: int, hashes: Sequence[PageHash]) -> SendResult:
+        """Send the pages for `hashes` (those held here) to rank `dst`'s serving loop."""
+        with self._peer_lock(dst):
+            return self._send_pages(dst, SERVE_TAG, [check_hash(h) for h in hashes])
+
+    def hang_up(self, dst: int) -> None:
+        """Tell rank `dst`'s serving loop to return."""
+        with self._peer_lock(dst):
+            self._send_small(dst, SERVE_TAG, Preamble(Kind.BYE), b"")
+
+    def receive_push(self, src: int) -> ReceiveResult:
+        """Receive one push from rank `src` (outside a serving loop)."""
+        pre, _ = self._recv_preamble(src, SERVE_TAG, self.timeout_s)
+        if pre.kind != Kind.PAGES:
+            raise self._protocol_error(
+                f"expected pushed pages from rank {src}, got kind {pre.kind}"
+            )
+        return self._receive_pages(src, SERVE_TAG, pre)
+
+    def serve_forever(
+        self,
+        src: int | None = None,
+        *,
+        idle_timeout_s: float = 3600.0,
+        on_push: Callable[[int, ReceiveResult], None] | None = None,
+    ) -> int:
+        """Answer pulls and take pushes from `src` (None: any rank, gloo only) until a hang-up.
+
+        Returns the number of requests and pushes handled. Raises
+        `TransportError` when the group fails or nothing arrives for
+        `idle_timeout_s` (gloo cannot cancel a posted receive, so an idle
+        timeout also breaks the group). A bad request is logged and skipped.
+        """
+        handled = 0
+        while True:
+            pre, peer = self._recv_preamble(src, SERVE_TAG, idle_timeout_s)
+            if pre.kind == Kind.BYE:
+                return handled
+            if pre.kind == Kind.REQUEST:
+                raw = self._recv_meta(peer, SERVE_TAG, pre.meta_nbytes)
+                try:
+                    hashes = decode_request(raw, pre.count)
+                except InvalidInput as exc:
+                    log.warning("rank %d sent a bad page request: %s", peer, exc)
+                    hashes = []
+                self._send_pages(peer, REPLY_TAG, hashes)
+            else:
+                result = self._receive_pages(peer, SERVE_TAG, pre)
+                if on_push is not None:
+                    on_push(peer, result)
+            handled += 1
+
+    # -- sending -----------------------------------------------------------
+
+    def _send_small(self, dst: int, tag: int, pre: Preamble, meta: bytes) -> None:
+        pre = Preamble(pre.kind, pre.count, pre.dtype_code, pre.shape, len(meta), pre.batch_pages)
+        self.group.send(self._dev(pre.encode()), dst, tag, self.timeout_s)
+        if meta:
+            payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+            self.group.send(self._dev(payload), dst, tag, self.timeout_s)
+
+    def _send_pages(self, dst: int, tag: int, hashes: Sequence[PageHash]) -> SendResult:
+        service, store = self.service, self.service.store
+        with service.pinned(hashes) as ids:
+            held = [(h, pid) for h, pid in zip(hashes, ids, strict=True) if pid is not None]
+            missing = tuple(h for h, pid in zip(hashes, ids, strict=True) if pid is None)
+            infos = [service.page_info(pid) for _, pid in held]
+            wire = [
+                WirePage(i.page_hash, i.parent_hash, i.token_ids, i.lora_id, i.tier) for i in infos
+            ]
+            page_ids: list[PageId] = [pid for _, pid in held]
+            plan = plan_batches(
+                page_ids,
+                max(1, self.batch_bytes // store.page_nbytes),
+                max(1, -(-self.min_in_place_bytes // store.page_nbytes)),
+            )
+            counts = [count for _, count, _ in plan]
+            pre = Preamble(
+                Kind.PAGES,
+                len(held),
+                DTYPE_CODES[store.dtype_name],
+                store.page_shape,
+                batch_pages=max(counts, default=0),
+            )
+            self._send_small(dst, tag, pre, encode_page_meta(wire, missing, counts))
+            with self._send_guard:
+                nbytes = self._send_batches(dst, tag, plan, page_ids)
+            # The pins end only when the peer has every byte: sends are waited on above.
+        return SendResult(tuple(h for h, _ in held), missing, nbytes)
+
+    def _send_batches(
+        self, dst: int, tag: int, plan: list[tuple[int, int, bool]], page_ids: list[PageId]
+    ) -> int:
+        group = self.group
+        pending: list[list[Any]] = [[], []]
+        nbytes = 0
+        try:
+            for n, (first, count, in_place) in enumerate(plan):
+                slot = n % 2
+                for work in pending[slot]:  # this buffer's previous batch must be out
+                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+                sums, buf = self._stage_batch(slot, page_ids[first : first + count], in_place)
+                pending[slot] = [group.isend(sums, dst, tag), group.isend(buf, dst, tag)]
+                nbytes += buf.numel()
+            for works in pending:
+                for work in works:
+                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+        except TransportError:
+            raise
+        except RuntimeError as exc:
+            raise group.fail(f"page batch to rank {dst} failed", exc) from exc
+        return nbytes
+
+    def _stage_batch(
+        self, slot: int, page_ids: Sequence[PageId], in_place: bool
+    ) -> tuple[Tensor, Tensor]:
+        """The checksums (int64[n]) and bytes of pinned pages, ready to send.
+
+        In place: a slice of the KV tensor (the ids are consecutive). Else one
+        `index_select` into the reused send buffer `slot`. The checksums come
+        from `PageService.export`, the same blobs the gRPC path sends.
+        """
+        store = self.service.store
+        n = len(page_ids)
+        if in_place:
+            buf = store.kv[page_ids[0] : page_ids[0] + n].reshape(-1).view(torch.uint8)
+        else:
+            buf = self._send_bufs.get(slot, n * store.page_nbytes)
+            rows = store.kv.view(store.num_pages, -1)
+            index = torch.as_tensor(page_ids, dtype=torch.long, device=store.kv.device)
+            torch.index_select(rows, 0, index, out=buf.view(store.dtype).view(n, -1))
+        export = self.service.export
+        sums = torch.from_numpy(_u64_to_i64([export(pid).checksum for pid in page_ids]))
+        return self._dev(sums), buf
+
+    # -- receiving ---------------------------------------------------------
+
+    def _recv_preamble(self, src: int | None, tag: int, timeout_s: float) -> tuple[Preamble, int]:
+        """The next preamble on `tag` and the rank that sent it."""
+        t = torch.empty(PREAMBLE_WORDS, dtype=torch.int64, device=self.group.device)
+        sender = self.group.recv(t, src, tag, timeout_s)
+        try:
+            return Preamble.decode(t, max_batch_bytes=self.max_batch_bytes), sender
+        except TransportError as exc:
+            self.group.mark_broken(str(exc))
+            raise
+
+    def _recv_meta(self, src: int, tag: int, nbytes: int) -> bytes:
+        if nbytes == 0:
+            return b""
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        self.group.recv(t, src, tag, self.timeout_s)
+        return t.cpu().numpy().tobytes()
+
+    def _receive_pages(self, src: int, tag: int, pre: Preamble | None) -> ReceiveResult:
+        if pre is None:
+            pre, _ = self._recv_preamble(src, tag, self.timeout_s)
+        if pre.kind != Kind.PAGES:
+            raise self._protocol_error(f"expected pages from rank {src}, got kind {pre.kind}")
+        raw = self._recv_meta(src, tag, pre.meta_nbytes)
+        try:
+            pages, missing, counts = decode_page_meta(raw, pre.count, pre.batch_pages)
+        except InvalidInput as exc:
+            # The payload that follows cannot be matched to hashes: the stream is lost.
+            raise self._protocol_error(str(exc)) from exc
+        with self._recv_guard:
+            return self._receive_batches(src, tag, pre, pages, tuple(missing), counts)
+
+    def _receive_batches(
+        self,
+        src: int,
+        tag: int,
+        pre: Preamble,
+        pages: list[WirePage],
+        missing: tuple[PageHash, ...],
+        counts: list[int],
+    ) -> ReceiveResult:
+        group = self.group
+        firsts = np.cumsum([0, *counts]).tolist()
+        batches = list(zip(firsts, counts, strict=False))
+        outcome = _Outcome()
+        posted: list[tuple[Any, Any, Tensor, Tensor]] = []
+
+        def post(n: int) -> None:
+            count = batches[n][1]
+            sums = torch.empty(count, dtype=torch.int64, device=group.device)
+            buf = self._recv_bufs.get(n % 2, count * pre.page_nbytes)
+            posted.append((group.irecv(sums, src, tag), group.irecv(buf, src, tag), sums, buf))
+
+        if batches:
+            post(0)
+        for n, (first, count) in enumerate(batches):
+            sums_work, buf_work, sums, buf = posted[n]
+            try:
+                group.wait(sums_work, f"page checksums from rank {src}", self.timeout_s)
+                group.wait(buf_work, f"page batch from rank {src}", self.timeout_s)
+            except TransportError as exc:
+                done = len(outcome.inserted) + len(outcome.present)
+                raise TransportError(
+                    f"{exc}; {done} of {pre.count} pages had been received, checked and cached "
+                    "(they are valid), the rest were not inserted"
+                ) from exc
+            if n + 1 < len(batches):
+                post(n + 1)  # the next batch lands in the other buffer while this one is checked
+            self._insert_batch(pre, pages[first : first + count], sums, buf, outcome)
+        return ReceiveResult(
+            tuple(outcome.inserted),
+            tuple(outcome.present),
+            missing,
+            tuple(outcome.rejected),
+            pre.count * pre.page_nbytes,
+        )
+
+    def _insert_batch(
+        self,
+        pre: Preamble,
+        pages: Sequence[WirePage],
+        sums: Tensor,
+        buf: Tensor,
+        outcome: _Outcome,
+    ) -> None:
+        """Check and insert each page of a received batch; a bad page is rejected alone."""
+        host = buf.cpu().numpy().reshape(len(pages), pre.page_nbytes)
+        checks = sums.cpu().numpy().view(np.uint64).tolist()
+        dtype, shape, insert = pre.dtype_name, pre.shape, self.service.insert
+        before = len(outcome.rejected)
+        for i, page in enumerate(pages):
+            blob = PageBlob(memoryview(host[i]), dtype, shape, checks[i])
+            try:
+                new = insert(page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id)
+            except KVMeshError as exc:
+                outcome.rejected.append((page.page_hash, f"{type(exc).__name__}: {exc}"))
+                continue
+            (outcome.inserted if new else outcome.present).append(page.page_hash)
+        if len(outcome.rejected) > before:  # one line per batch, not per page
+            log.warning(
+                "rejected %d received page(s) of a batch; first: %s",
+                len(outcome.rejected) - before,
+                outcome.rejected[before][1],
+            )
+
+    # -- helpers -----------------------------------------------------------
+
+    def _dev(self, t: Tensor) -> Tensor:
+        return t if t.device == self.group.device else t.to(self.group.device)
+
+    def _peer_lock(self, peer: int) -> threading.Lock:
+        with self._locks_guard:
+            lock = self._peer_locks.get(peer)
+            if lock is None:
+                lock = self._peer_locks[peer] = threading.Lock()
+            return lock
+
+    def _protocol_error(self, what: str) -> TransportError:
+        self.group.mark_broken(f"protocol error: {what}")
+        return TransportError(f"torch.distributed transfer out of step: {what}")
+
+
+@dataclass(slots=True)
+class _Outcome:
+    inserted: list[PageHash] = field(default_factory=list)
+    present: list[PageHash] = field(default_factory=list)
+    rejected: list[tuple[PageHash, str]] = field(default_factory=list)
+
+
+__all__ = [
+    "BACKENDS",
+    "DTYPE_CODES",
+    "MAX_HASH_BYTES",
+    "DistGroup",
+    "DistPageTransport",
+    "DistRendezvous",
+    "Preamble",
+    "ReceiveResult",
+    "SendResult",
+    "WirePage",
+    "assign_ranks",
+    "free_port",
+    "plan_batches",
+]
