@@ -8,10 +8,16 @@ caches its full pages and emits the KV events), `free` (tail first), and
 (`kvmesh.trace.block_tokens`), so equal blocks give equal chained hashes.
 
 Timed: exactly those calls. Not timed: building the tokens and the page
-hashes (hashing is measured on its own, below). The requests are prepared and
-replayed in chunks so that the whole trace's tokens never sit in memory at
-once. The same chunks go through the naive baseline (`naive_pool.py`), which
-keeps the same policy, so both reach the same hit ratio.
+hashes (hashing is measured on its own, below). Requests are prepared and
+replayed `CHUNK` at a time, so a request's tokens were just hashed when the
+pool sees them (as in an engine) and the trace's tokens never all sit in
+memory. The same chunks go through the naive baseline (`naive_pool.py`),
+which keeps the same policy, so both reach the same hit ratio.
+
+Two modes, each with its own pool and baseline: events that carry the stored
+pages' token ids (the pool's default; ``page_ops_per_s``) and hash-only
+events (``*_hash_only_events``). Copying 512 token ids per stored page costs
+more than the rest of that page's bookkeeping, so both are reported.
 
 ``page_ops_per_s`` = (page lookups + page allocations + page frees) / replay
 seconds, where a lookup is one probe of the hash map (every hit, plus the
