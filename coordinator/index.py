@@ -405,16 +405,16 @@ class GlobalIndex:
         for ev in events:
             if isinstance(ev, PagesStored):
                 bit = 1 << (shift + tier_of(ev.medium, self._default_bit))
-                parent = ev.parent_hash
-                for h in ev.page_hashes:
-                    m = holders.get(h)
-                    if m is None:
-                        holders[h] = bit
-                        parents[h] = parent
-                    else:
-                        holders[h] = m | bit
-                    pages.add(h)
-                    parent = h
+                hs = ev.page_hashes
+                if not hs:
+                    continue
+                # C-level bulk updates; a chained hash has one parent, so
+                # rewriting it for an already indexed page changes nothing.
+                pages.update(hs)
+                parents.update(zip(hs, (ev.parent_hash, *hs[:-1]), strict=True))
+                get = holders.get
+                for h in hs:
+                    holders[h] = get(h, 0) | bit
             elif isinstance(ev, PagesRemoved):
                 if ev.medium is None:
                     clear = _WORKER_BITS << shift

@@ -1,0 +1,326 @@
+"""`kvmesh bench router`: route decision latency, event ingestion rate, index memory.
+
+Workload (synthetic, deterministic): ``--workers`` workers hold at least
+``--pages`` distinct pages (32-byte hashes, as SHA-256 page hashes are).
+Pages form 32-page conversations; every 32 conversations share a 4-page
+system prompt; a conversation lives on one worker and, one time in four, on a
+second one too, so the first pages of a prompt are held by many workers and
+each walk has workers dropping out at different depths.
+
+Measured in one run:
+
+- ingestion: every worker's `PagesStored` batches (msgpack, 16 conversations a
+  batch) go through `Coordinator.report` (decode, checks, lock, apply) —
+  ``ingest_page_events_per_s`` = page hashes in those events / wall seconds
+  (``..._per_cpu_s``: / process CPU seconds); then
+  removal batches for a quarter of the conversations
+  (``remove_page_events_per_s``). The baseline decodes the same batches and
+  updates one Python set per worker.
+- routing: `Coordinator.route` (index walk + kv_aware policy + stats, under
+  the lock) for 32-page prompts that hit fully, hit their first half, or only
+  their system prompt; p50/p99 of single calls. The baseline ("naive") keeps
+  one set of hashes per worker and, for each worker, probes the prompt's
+  pages until the first miss (cost: workers x prefix), then runs the same
+  policy. Both must give the same overlaps (checked).
+- the machine: ``load_avg_1m`` and ``cpus``, because on a shared machine the
+  wall-clock p99 measures the scheduler as much as the code;
+  ``route_cpu_p99_ms`` is the same percentile of the calls' thread CPU time.
+- memory: a fresh `GlobalIndex` is built from the same batches under
+  `tracemalloc`; ``bytes_per_page`` = bytes still allocated / distinct
+  pages indexed (hash objects included; per-worker sets included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
+from kvmesh.coordinator.service import Coordinator
+from kvmesh.events import PagesRemoved, PagesStored, decode_batch, encode_batch, make_batch
+from kvmesh.types import PageHash, WorkerId
+
+CONV_PAGES = 32
+SYSTEM_PAGES = 4
+GROUP = 32
+BATCH_CONVS = 16
+PAGE_SIZE = 16
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=64, help="workers in the index")
+    parser.add_argument("--pages", type=int, default=1_000_000, help="distinct pages, at least")
+    parser.add_argument("--routes", type=int, default=10_000, help="route calls timed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc build")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _h(i: int) -> PageHash:
+    return PageHash(hashlib.sha256(i.to_bytes(8, "little")).digest())
+
+
+class _Workload:
+    """Conversations (page hash chains), their holders, and the encoded batches."""
+
+    def __init__(self, workers: int, pages: int, seed: int) -> None:
+        rng = random.Random(seed)
+        per_group = SYSTEM_PAGES + GROUP * (CONV_PAGES - SYSTEM_PAGES)
+        groups = -(-pages // per_group)
+        self.worker_ids = [WorkerId(f"worker-{i:03d}") for i in range(workers)]
+        self.convs: list[list[PageHash]] = []
+        counter = 0
+        for _ in range(groups):
+            system = [_h(counter + k) for k in range(SYSTEM_PAGES)]
+            counter += SYSTEM_PAGES
+            for _ in range(GROUP):
+                own = [_h(counter + k) for k in range(CONV_PAGES - SYSTEM_PAGES)]
+                counter += CONV_PAGES - SYSTEM_PAGES
+                self.convs.append(system + own)
+        self.distinct_pages = counter
+        self.fresh_counter = counter
+        self.holders: list[list[int]] = []
+        by_worker: list[list[int]] = [[] for _ in range(workers)]
+        for c in range(len(self.convs)):
+            hs = [rng.randrange(workers)]
+            if rng.random() < 0.25:
+                hs.append((hs[0] + 1 + rng.randrange(workers - 1)) % workers)
+            self.holders.append(hs)
+            for w in hs:
+                by_worker[w].append(c)
+        self.by_worker = by_worker
+        self.seq = [0] * workers
+        self.stored_events = 0
+        per_worker: list[list[tuple[WorkerId, bytes]]] = []
+        for w, convs in enumerate(by_worker):
+            mine = []
+            for i in range(0, len(convs), BATCH_CONVS):
+                evs = [
+                    PagesStored(tuple(self.convs[c]), None, (), PAGE_SIZE, None, "gpu")
+                    for c in convs[i : i + BATCH_CONVS]
+                ]
+                self.stored_events += sum(len(e.page_hashes) for e in evs)
+                mine.append((self.worker_ids[w], self._encode(w, evs)))
+            per_worker.append(mine)
+        # Interleave workers, as their reports would arrive.
+        self.stored_batches = [
+            b
+            for k in range(max(map(len, per_worker)))
+            for b in (m[k] for m in per_worker if k < len(m))
+        ]
+        self.removed_batches: list[tuple[WorkerId, bytes]] = []
+        self.removed_events = 0
+        for w, convs in enumerate(by_worker):
+            gone = convs[: len(convs) // 4]
+            for i in range(0, len(gone), BATCH_CONVS):
+                evs = [
+                    PagesRemoved(tuple(self.convs[c][SYSTEM_PAGES:]), "gpu")
+                    for c in gone[i : i + BATCH_CONVS]
+                ]
+                self.removed_events += sum(len(e.page_hashes) for e in evs)
+                self.removed_batches.append((self.worker_ids[w], self._encode(w, evs)))
+
+    def _encode(self, w: int, events: Sequence[Any]) -> bytes:
+        data = encode_batch(make_batch(events, self.worker_ids[w], "inc-0", self.seq[w]))
+        self.seq[w] += 1
+        return data
+
+    def fresh(self, n: int) -> list[PageHash]:
+        out = [_h(self.fresh_counter + k) for k in range(n)]
+        self.fresh_counter += n
+        return out
+
+    def prompts(self, n: int, rng: random.Random) -> list[list[PageHash]]:
+        """32-page prompts: a third hit fully, a third half, a third only the system prompt."""
+        out = []
+        kept = [c for c in range(len(self.convs)) if c % 4 != 0]  # mostly not removed
+        for i in range(n):
+            conv = self.convs[rng.choice(kept)]
+            keep = (CONV_PAGES, CONV_PAGES // 2, SYSTEM_PAGES)[i % 3]
+            out.append(conv[:keep] + self.fresh(CONV_PAGES - keep))
+        return out
+
+
+class _NaiveIndex:
+    """Baseline: one set of hashes per worker; a lookup probes every worker's set per page."""
+
+    def __init__(self) -> None:
+        self.sets: dict[WorkerId, set[PageHash]] = {}
+
+    def apply_encoded(self, data: bytes) -> None:
+        batch = decode_batch(data)
+        s = self.sets.setdefault(batch.worker_id, set())
+        for ev in batch.events:
+            if isinstance(ev, PagesStored):
+                s.update(ev.page_hashes)
+            elif isinstance(ev, PagesRemoved):
+                s.difference_update(ev.page_hashes)
+            else:
+                s.clear()
+
+    def match(self, hashes: Sequence[PageHash]) -> dict[WorkerId, int]:
+        out: dict[WorkerId, int] = {}
+        for w, s in self.sets.items():
+            n = 0
+            for h in hashes:
+                if h not in s:
+                    break
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    t_build = time.perf_counter()
+    wl = _Workload(args.workers, args.pages, args.seed)
+    build_s = time.perf_counter() - t_build
+
+    coord = Coordinator(CoordinatorConfig(policy="kv_aware"), rng=random.Random(args.seed))
+    for w in wl.worker_ids:
+        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for wid, data in wl.stored_batches:
+        coord.report(wid, [data])
+    ingest_s, ingest_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0 = time.perf_counter()
+    for wid, data in wl.removed_batches:
+        coord.report(wid, [data])
+    remove_s = time.perf_counter() - t0
+
+    naive = _NaiveIndex()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _, data in wl.stored_batches:
+        naive.apply_encoded(data)
+    naive_ingest_s, naive_cpu = time.perf_counter() - t0, time.process_time() - c0
+    for _, data in wl.removed_batches:
+        naive.apply_encoded(data)
+
+    rng = random.Random(args.seed + 1)
+    prompts = wl.prompts(args.routes, rng)
+    loads = [
+        WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
+        for w in wl.worker_ids
+    ]
+    for w, load in zip(wl.worker_ids, loads, strict=True):
+        coord.heartbeat(w, load)
+    for p in prompts[:200]:  # same overlaps from both indexes
+        if coord.match(p).pages != naive.match(p):
+            raise SystemExit("bench router: index and naive baseline disagree on a prefix")
+
+    ours: list[float] = []
+    ours_cpu: list[float] = []
+    for p in prompts:
+        c = time.thread_time_ns()
+        t = time.perf_counter_ns()
+        coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
+        ours.append((time.perf_counter_ns() - t) / 1e6)
+        ours_cpu.append((time.thread_time_ns() - c) / 1e6)
+    policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(args.seed))
+    n_naive = max(200, args.routes // 10)
+    theirs: list[float] = []
+    for p in prompts[:n_naive]:
+        t = time.perf_counter_ns()
+        req = RouteRequest(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)
+        policy.choose(req, naive.match(p), loads)
+        theirs.append((time.perf_counter_ns() - t) / 1e6)
+    match_us = []
+    for p in prompts[: min(2000, len(prompts))]:
+        t = time.perf_counter_ns()
+        coord.index.match(p)
+        match_us.append((time.perf_counter_ns() - t) / 1e3)
+
+    stats = coord.stats()
+    result: dict[str, Any] = {
+        "workers": args.workers,
+        "indexed_pages": wl.distinct_pages,
+        "route_p50_ms": round(_pct(ours, 0.50), 4),
+        "route_p99_ms": round(_pct(ours, 0.99), 4),
+        "route_mean_ms": round(statistics.fmean(ours), 4),
+        "route_cpu_p99_ms": round(_pct(ours_cpu, 0.99), 4),
+        "match_p50_us": round(_pct(match_us, 0.50), 1),
+        "naive_route_p50_ms": round(_pct(theirs, 0.50), 4),
+        "naive_route_p99_ms": round(_pct(theirs, 0.99), 4),
+        "route_p99_speedup_vs_naive": round(_pct(theirs, 0.99) / _pct(ours, 0.99), 2),
+        "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
+        "remove_page_events_per_s": round(wl.removed_events / remove_s),
+        "naive_ingest_page_events_per_s": round(wl.stored_events / naive_ingest_s),
+        "ingest_ratio_vs_naive": round(naive_ingest_s / ingest_s, 2),
+        "ingest_page_events_per_cpu_s": round(wl.stored_events / ingest_cpu),
+        "naive_ingest_page_events_per_cpu_s": round(wl.stored_events / naive_cpu),
+        "page_events_ingested": wl.stored_events,
+        "index_pages_after_removals": stats.indexed_pages,
+        "index_entries_after_removals": stats.index_entries,
+        "workload_build_s": round(build_s, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+    }
+    del coord, naive
+    gc.collect()
+    if not args.no_memory:
+        result.update(_memory(wl))
+    return result
+
+
+def _memory(wl: _Workload) -> dict[str, Any]:
+    """Bytes the index keeps per distinct page, hash objects and worker sets included."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = GlobalIndex()
+    for _, data in wl.stored_batches:
+        index.apply_encoded(data)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    pages, entries = len(index), index.num_entries()
+    del index
+    gc.collect()
+    base = tracemalloc.get_traced_memory()[0]
+    naive = _NaiveIndex()
+    for _, data in wl.stored_batches:
+        naive.apply_encoded(data)
+    gc.collect()
+    naive_used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return {
+        "bytes_per_page": round(used / pages, 1),
+        "bytes_per_entry": round(used / entries, 1),
+        "memory_pages": pages,
+        "memory_entries": entries,
+        "index_mib": round(used / 2**20, 1),
+        "naive_bytes_per_page": round(naive_used / pages, 1),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvmesh bench router ({args.workers} workers)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in result.items():
+        table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    Console().print(table)
+    return 0
