@@ -126,6 +126,16 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Deployment profile and tenant binding; `kvmesh.security` checks and applies them."""
+
+    profile: str = "dev"  # "production": Ray token auth, gRPC TLS (mTLS) and a bearer token
+    allow_remote: bool = False  # dev: bind beyond loopback (e.g. 0.0.0.0) only when set
+    require_mtls: bool = True  # production: peers must present a certificate from tls_ca
+    api_keys_file: str | None = None  # JSON/YAML {api_key: cache_salt}: salts bound to keys
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """What `KVMesh.connect()` starts: the whole embedded cluster."""
 
@@ -137,6 +147,7 @@ class ClusterConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def _coerce(name: str, raw: str, target: Any) -> Any:
