@@ -8,7 +8,7 @@ dies (`max_restarts`; -1 = forever).
 Surviving a restart. The index itself is not persisted: it is rebuilt from
 the workers, who are the truth. What must survive is the list of workers, and
 it is kept in Ray's GCS key-value store (`ray.experimental.internal_kv`,
-namespace ``kvmesh:<namespace>``), which lives as long as the Ray cluster and
+namespace ``kvmesh-<namespace>``), which lives as long as the Ray cluster and
 outside any actor: one msgpack record per worker, written on registration and
 deleted on removal or expiry. On (re)start the actor reads those records,
 re-registers the workers (their heartbeat clock starts now), asks every
@@ -56,7 +56,8 @@ SNAPSHOT_TIMEOUT_S = 30.0
 
 
 def _kv_namespace(config: CoordinatorConfig) -> str:
-    return f"kvmesh:{config.namespace}"
+    # No ':' here: Ray's internal KV lists keys of such a namespace mangled.
+    return f"kvmesh-{config.namespace}"
 
 
 def _kv_prefix(config: CoordinatorConfig) -> str:
