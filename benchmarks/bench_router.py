@@ -124,12 +124,12 @@ class _Workload:
         for w, convs in enumerate(by_worker):
             gone = convs[: len(convs) // 4]
             for i in range(0, len(gone), BATCH_CONVS):
-                evs = [
+                gone_evs = [
                     PagesRemoved(tuple(self.convs[c][SYSTEM_PAGES:]), "gpu")
                     for c in gone[i : i + BATCH_CONVS]
                 ]
-                self.removed_events += sum(len(e.page_hashes) for e in evs)
-                self.removed_batches.append((self.worker_ids[w], self._encode(w, evs)))
+                self.removed_events += sum(len(e.page_hashes) for e in gone_evs)
+                self.removed_batches.append((self.worker_ids[w], self._encode(w, gone_evs)))
 
     def _encode(self, w: int, events: Sequence[Any]) -> bytes:
         data = encode_batch(make_batch(events, self.worker_ids[w], "inc-0", self.seq[w]))
