@@ -399,18 +399,22 @@ class KVMesh:
 
     # ---------------------------------------------------------------- control
 
+    def set_policy(self, policy: str) -> None:
+        """Route this client's next requests with `policy` (a name in the coordinator's registry)."""
+        from kvmesh.coordinator.policies import REGISTRY
+
+        if policy not in REGISTRY:
+            raise ConfigError(
+                f"unknown routing policy {policy!r}; choose one of {sorted(REGISTRY)}"
+            )
+        self.policy = policy
+
     def reset(self, policy: str | None = None) -> None:
         """Empty every worker's cache (their events clear the index); optionally switch policy."""
         import ray
 
         if policy is not None:
-            from kvmesh.coordinator.policies import REGISTRY
-
-            if policy not in REGISTRY:
-                raise ConfigError(
-                    f"unknown routing policy {policy!r}; choose one of {sorted(REGISTRY)}"
-                )
-            self.policy = policy
+            self.set_policy(policy)
         ray.get([w.actor.reset_cache.remote() for w in self._workers.values()], timeout=60)
 
     def workers(self) -> list[dict[str, str]]:

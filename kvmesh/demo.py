@@ -191,7 +191,7 @@ async def _replay(
 ) -> PolicyReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    before = mesh.stats().mismatches
+    before = (await mesh.astats()).mismatches
     sem = asyncio.Semaphore(spec.concurrency)
     results: list[Any] = []
     latencies: list[float] = []
@@ -237,7 +237,7 @@ async def _replay(
 
             await asyncio.gather(*(sender() for _ in range(spec.concurrency)))
     wall = time.perf_counter() - start
-    pages = sum(r.prompt_pages for r in results)
+    pages = sum(r.pages_hit_local + r.pages_pulled + r.pages_computed for r in results)
     hits = sum(r.pages_hit_local for r in results)
     pulled = sum(r.pages_pulled for r in results)
     ttfts = [r.timings.ttft_ms for r in results]
@@ -255,38 +255,38 @@ async def _replay(
         latency_mean_ms=sum(latencies) / len(latencies) if latencies else 0.0,
         requests_per_s=len(results) / wall if wall > 0 else 0.0,
         wall_s=wall,
-        mismatches=mesh.stats().mismatches - before,
+        mismatches=(await mesh.astats()).mismatches - before,
     )
 
 
-_COLUMNS: tuple[tuple[str, str, str], ...] = (
+_ROWS: tuple[tuple[str, str, str], ...] = (
     ("requests", "requests", "{}"),
     ("errors", "errors", "{}"),
     ("page hit ratio", "page_hit_ratio", "{:.3f}"),
     ("pulled pages", "pulled_pages", "{}"),
-    ("reuse ratio", "reuse_ratio", "{:.3f}"),
-    ("TTFT mean ms", "ttft_mean_ms", "{:.1f}"),
-    ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"),
-    ("TTFT p99 ms", "ttft_p99_ms", "{:.1f}"),
-    ("latency mean ms", "latency_mean_ms", "{:.1f}"),
-    ("requests/s", "requests_per_s", "{:.2f}"),
-    ("mismatches", "mismatches", "{}"),
+    ("reuse ratio (hit + pulled)", "reuse_ratio", "{:.3f}"),
+    ("TTFT mean (ms)", "ttft_mean_ms", "{:.1f}"),
+    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
+    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
+    ("latency mean (ms, client)", "latency_mean_ms", "{:.1f}"),
+    ("requests / s", "requests_per_s", "{:.2f}"),
+    ("predicted/realized mismatches", "mismatches", "{}"),
 )
 
 
 def print_reports(reports: Sequence[PolicyReport], console: Any | None = None) -> None:
-    """One rich table row per policy."""
+    """One rich table: a row per metric, a column per policy."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     table = Table(title="kvmesh: measured per routing policy")
-    table.add_column("policy")
-    for title, _, _ in _COLUMNS:
-        table.add_column(title, justify="right")
+    table.add_column("metric")
     for r in reports:
-        d = r.to_dict()
-        table.add_row(r.policy, *(fmt.format(d[key]) for _, key, fmt in _COLUMNS))
+        table.add_column(r.policy, justify="right")
+    dicts = [r.to_dict() for r in reports]
+    for title, key, fmt in _ROWS:
+        table.add_row(title, *(fmt.format(d[key]) for d in dicts))
     console.print(table)
 
 
@@ -343,23 +343,34 @@ def plot_reports(reports: Sequence[PolicyReport], path: Path, title: str) -> Pat
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="worker actors (default 4)")
     parser.add_argument(
-        "--requests", type=int, default=160, help="requests of the trace slice per policy"
+        "--requests", type=int, default=200, help="requests of the trace slice per policy"
     )
     parser.add_argument(
         "--min-turns",
         type=int,
-        default=8,
+        default=10,
         help="slice: conversations with at least this many turns",
     )
     parser.add_argument("--pages-per-block", type=int, default=1, help="pages per trace block")
     parser.add_argument("--max-tokens", type=int, default=4, help="cap on tokens per answer")
-    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="requests in flight (default 1: TTFT is then the prefill work a policy leaves, "
+        "not CPU contention on a small machine)",
+    )
+    parser.add_argument(
+        "--pull",
+        action="store_true",
+        help="let workers pull prefix pages a peer holds (every policy) instead of computing them",
+    )
     parser.add_argument(
         "--policies",
         default=",".join(DEMO_POLICIES),
         help="comma-separated routing policies to compare (default: kv_aware,round_robin)",
     )
-    parser.add_argument("--num-pages", type=int, default=1024, help="pages per worker pool")
+    parser.add_argument("--num-pages", type=int, default=4096, help="pages per worker pool")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
     parser.add_argument(
         "--plot",
@@ -407,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     reports: list[PolicyReport] = []
-    with KVMesh.connect(num_workers=args.workers, config=cfg) as mesh:
+    with KVMesh.connect(num_workers=args.workers, config=cfg, pull=args.pull) as mesh:
         console.print(
             f"embedded cluster up in {time.perf_counter() - t0:.1f}s: {args.workers} workers",
             highlight=False,

@@ -217,7 +217,9 @@ class WorkerActor:
         self.store = KVStore.from_config(cfg.model, cfg.pool, page_size)
         self.pages = PageService(pool, self.store, self.hasher, lock=self._lock)
         self.model = TinyTransformer(cfg.model)
-        self.model.generate([1] * (2 * page_size + 1), 2)  # warm the kernels before timing
+        # Warm the kernels (and the allocator, at a full chunk) before anything is timed.
+        warm = min(cfg.model.prefill_chunk_tokens, cfg.model.max_positions - 2)
+        self.model.generate([1] * max(warm, 2), 2)
         self.engine = ServingEngine(
             self.model,
             self.cache_manager,
@@ -265,6 +267,7 @@ class WorkerActor:
 
         hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
         pull = self._pull if request.peer_address else None
+        self._announce(request)
         try:
             result = self.engine.serve(
                 request.request_id,
@@ -371,19 +374,34 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- events
 
-    def _load(self) -> Any:
+    def _load(self, extra_prefill_tokens: int = 0) -> Any:
         from kvmesh.coordinator.policies import WorkerLoad
 
         load = self.engine.load()
         return WorkerLoad(
             self.worker_id,
-            active_prefill_tokens=load.prefill_tokens,
+            active_prefill_tokens=load.prefill_tokens + extra_prefill_tokens,
             active_decode_pages=max(0, load.num_pages - 1 - load.free_pages),
             free_pages=load.free_pages,
             total_pages=load.num_pages - 1,
             draining=self._draining,
-            active_requests=load.running + load.waiting,
+            active_requests=load.running + load.waiting + (extra_prefill_tokens > 0),
         )
+
+    def _announce(self, request: GenerateRequest) -> None:
+        """Tell the coordinator, without waiting, the load this request adds.
+
+        Routing weighs queued prefill work; without this the coordinator would
+        learn of a long prefill only at the next heartbeat, after it ended.
+        """
+        if self._coordinator is None:
+            return
+        reuse = (request.promised_local + request.promised_pull) * self.hasher.page_size
+        try:
+            load = self._load(max(0, len(request.token_ids) - reuse))
+            self._coordinator.heartbeat.remote(self.worker_id, load)
+        except Exception as exc:  # an announcement is best effort
+            log.warning("load announcement failed: %s", _unwrap(exc))
 
     def _batch(self, snapshot: bool) -> bytes | None:
         """Drain events into the next batch; a snapshot batch carries the whole cached set.
