@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -946,6 +946,121 @@ class _Outcome:
     rejected: list[tuple[PageHash, str]] = field(default_factory=list)
 
 
+# --------------------------------------------------------------------------- fallback
+
+
+class GrpcPuller(Protocol):
+    """What the fallback needs of a gRPC client (`SyncPeerClient` to the peer has it)."""
+
+    def pull_into(
+        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+    ) -> int: ...
+
+
+DistSource = DistPageTransport | Callable[[], DistPageTransport] | None
+"""A ready transport, a factory that joins the group on first use, or none configured."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchOutcome:
+    """How a pull went: the transport that delivered, pages newly cached, why dist was skipped.
+
+    `fallback_reason` is None when the transport asked for delivered; `dist`
+    holds the per-page detail when torch.distributed delivered.
+    """
+
+    transport: str
+    inserted: int
+    fallback_reason: str | None = None
+    dist: ReceiveResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _FetchArgs:
+    service: PageService
+    hashes: tuple[PageHash, ...]
+    dist: DistSource
+    peer_rank: int | None
+    grpc: GrpcPuller | None
+    deadline_s: float | None
+
+
+def _fetch_dist(a: _FetchArgs) -> FetchOutcome:
+    if a.dist is None:
+        raise TransportError("no torch.distributed group is configured for this worker")
+    if a.peer_rank is None:
+        raise TransportError("the peer has no rank in this worker's torch.distributed group")
+    transport = a.dist if isinstance(a.dist, DistPageTransport) else a.dist()
+    if transport.service is not a.service:
+        raise InvalidInput("the dist transport serves another PageService than the one to fill")
+    result = transport.pull(a.peer_rank, a.hashes)
+    return FetchOutcome("dist", len(result.inserted), None, result)
+
+
+def _fetch_grpc(a: _FetchArgs) -> FetchOutcome:
+    if a.grpc is None:
+        raise TransportError("no gRPC client for the peer")
+    return FetchOutcome("grpc", a.grpc.pull_into(a.service, a.hashes, deadline_s=a.deadline_s))
+
+
+FETCHERS: dict[str, Callable[[_FetchArgs], FetchOutcome]] = {
+    "dist": _fetch_dist,
+    "grpc": _fetch_grpc,
+}
+"""Registry of pull transports by `TransferConfig.transport` name."""
+
+FALLBACK: dict[str, str] = {"dist": "grpc"}
+"""Where a failed transport falls back to (gRPC is the one every worker serves)."""
+
+
+def fetch_with_fallback(
+    service: PageService,
+    hashes: Sequence[PageHash],
+    *,
+    transport: str = "dist",
+    dist: DistSource = None,
+    peer_rank: int | None = None,
+    grpc: GrpcPuller | None = None,
+    deadline_s: float | None = None,
+) -> FetchOutcome:
+    """Pull `hashes` from a peer into `service` over `transport`, falling back to gRPC.
+
+    With ``transport="dist"``, any `TransportError` of torch.distributed (no
+    group, the factory's rendezvous failing, the peer gone mid-transfer) is
+    logged with its reason and the pull is redone over `grpc` (pages the
+    failed pull had already inserted are skipped there). Raises the gRPC
+    error when the fallback fails too, `ConfigError` for an unknown transport.
+    """
+    try:
+        fetch = FETCHERS[transport]
+    except KeyError:
+        raise ConfigError(
+            f"unknown transport {transport!r}; choose one of {sorted(FETCHERS)}"
+        ) from None
+    args = _FetchArgs(service, tuple(hashes), dist, peer_rank, grpc, deadline_s)
+    try:
+        return fetch(args)
+    except TransportError as exc:
+        backup = FALLBACK.get(transport)
+        if backup is None:
+            raise
+        reason = f"{type(exc).__name__}: {exc}"
+        if grpc is None:
+            raise TransportError(
+                f"{transport} pull failed ({reason}) and no gRPC peer is given"
+            ) from exc
+        log.warning(
+            "%s pull of %d pages from rank %s failed, falling back to %s: %s",
+            transport,
+            len(args.hashes),
+            peer_rank,
+            backup,
+            reason,
+        )
+        outcome = FETCHERS[backup](args)
+        return FetchOutcome(outcome.transport, outcome.inserted, reason, outcome.dist)
+
+
 __all__ = [
     "BACKENDS",
     "DTYPE_CODES",
@@ -953,11 +1068,14 @@ __all__ = [
     "DistGroup",
     "DistPageTransport",
     "DistRendezvous",
+    "FetchOutcome",
+    "GrpcPuller",
     "Preamble",
     "ReceiveResult",
     "SendResult",
     "WirePage",
     "assign_ranks",
+    "fetch_with_fallback",
     "free_port",
     "plan_batches",
 ]

@@ -1,0 +1,634 @@
+"""torch.distributed page transfer over real gloo process groups on 127.0.0.1.
+
+Two-rank scenarios run in spawned processes (rank 0 pulls, rank 1 serves);
+each rank writes what it saw to a JSON file that the tests read. One process
+pair runs all the scenarios that leave the group usable (round trips,
+rejections, push); a peer that dies and a peer that hangs get a pair each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvmesh.config import TransferConfig
+from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWorker
+from kvmesh.hashing import PageHasher
+from kvmesh.types import PageHash, PageId, WorkerId
+from kvmesh.worker.dist_transfer import (
+    DTYPE_CODES,
+    DistGroup,
+    DistPageTransport,
+    DistRendezvous,
+    Kind,
+    Preamble,
+    WirePage,
+    assign_ranks,
+    decode_page_meta,
+    encode_page_meta,
+    fetch_with_fallback,
+    free_port,
+    plan_batches,
+)
+from kvmesh.worker.kv_store import KVStore
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_service import PageService
+
+PAGE = 4
+SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+DTYPES = ("float16", "bfloat16", "float32")
+N_PAGES = 40
+SEED = "dist-test"
+UNKNOWN = PageHash(b"\x01" * 32)
+CORRUPT_AT = 5
+PAIR_TIMEOUT_S = 90.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_service(dtype: str = "float32", num_pages: int = 64) -> PageService:
+    pool = PagePool(num_pages, page_size=PAGE)
+    store = KVStore(num_pages, page_size=PAGE, dtype=dtype, **SHAPE)
+    return PageService(pool, store, PageHasher(PAGE, seed=SEED))
+
+
+def tokens_for(n: int, start: int) -> list[int]:
+    return [(start + 3 * i) % 251 for i in range(n * PAGE)]
+
+
+def page_data(store: KVStore, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *store.page_shape), generator=gen).to(store.dtype)
+
+
+def fill(service: PageService, n: int, seed: int) -> list[PageHash]:
+    """Cache `n` pages of seeded random KV under a real hash chain (as a worker would)."""
+    tokens = tokens_for(n, seed)
+    hashes = service.hasher.hash_prompt(tokens)
+    pool, store = service.pool, service.store
+    pages = pool.get_new_pages(n)
+    store.write_pages([p.page_id for p in pages], page_data(store, n, seed))
+    pool.cache_full_pages(pages, hashes, 0, n, tokens)
+    pool.free_pages(list(reversed(pages)))
+    service.take_events()
+    return hashes
+
+
+def hashes_for(n: int, seed: int) -> list[PageHash]:
+    return PageHasher(PAGE, seed=SEED).hash_prompt(tokens_for(n, seed))
+
+
+def mixed_order(hashes: list[PageHash]) -> list[PageHash]:
+    """The first half in order (consecutive pages: sent in place), the rest reversed (gathered)."""
+    half = len(hashes) // 2
+    return hashes[:half] + hashes[half:][::-1]
+
+
+def bytes_match(service: PageService, hashes: list[PageHash], expected: torch.Tensor) -> list[bool]:
+    """For each hash: cached here with exactly the expected page's bytes."""
+    out = []
+    with service.pinned(hashes) as ids:
+        for i, pid in enumerate(ids):
+            if pid is None:
+                out.append(False)
+                continue
+            got = service.store.read_page(pid).view(-1).view(torch.uint8)
+            want = expected[i].reshape(-1).view(torch.uint8)
+            out.append(bool(torch.equal(got, want)))
+    return out
+
+
+class CorruptingTransport(DistPageTransport):
+    """Flips one byte of the page at send position `CORRUPT_AT` after its checksum is taken."""
+
+    sent = 0
+
+    def _stage_batch(
+        self, slot: int, page_ids: Any, in_place: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sums, buf = super()._stage_batch(slot, page_ids, False)  # a private copy to damage
+        n = len(page_ids)
+        if self.sent <= CORRUPT_AT < self.sent + n:
+            rows = buf.view(n, -1)
+            rows[CORRUPT_AT - self.sent, 3] ^= 0xFF
+        self.sent += n
+        return sums, buf
+
+
+class DyingTransport(DistPageTransport):
+    """Exits the process when it stages its third batch (the first two are on the wire)."""
+
+    staged = 0
+
+    def _stage_batch(
+        self, slot: int, page_ids: Any, in_place: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.staged += 1
+        if self.staged == 3:
+            time.sleep(0.5)  # let the kernel deliver what is already sent
+            os._exit(3)
+        return super()._stage_batch(slot, page_ids, in_place)
+
+
+def page_bytes(dtype: str) -> int:
+    return make_service(dtype, 2).store.page_nbytes
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def exchange_server(ctx: PairContext) -> dict[str, Any]:
+    with ctx.join(0) as group:
+        return _exchange_server(group)
+
+
+def exchange_client(ctx: PairContext) -> dict[str, Any]:
+    with ctx.join(0) as group:
+        return _exchange_client(group)
+
+
+def _exchange_server(group: DistGroup) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for seed, dtype in enumerate(DTYPES):
+        service = make_service(dtype)
+        fill(service, N_PAGES, seed)
+        before = service.ref_counts()
+        nbytes = page_bytes(dtype)
+        transport = DistPageTransport(
+            group, service, batch_bytes=3 * nbytes, min_in_place_bytes=4 * nbytes, timeout_s=20
+        )
+        out[f"served_{dtype}"] = transport.serve_forever(0, idle_timeout_s=30)
+        out[f"refs_restored_{dtype}"] = service.ref_counts() == before
+    # push: eight float32 pages to rank 0
+    service = make_service("float32")
+    hashes = fill(service, N_PAGES, 10)
+    transport = DistPageTransport(group, service, batch_bytes=3 * page_bytes("float32"))
+    pushed = transport.push(0, [*hashes[:8], UNKNOWN])
+    out["pushed"] = len(pushed.sent)
+    out["push_missing"] = [h.hex() for h in pushed.missing]
+    # a page corrupted on the way
+    service = make_service("float32")
+    fill(service, N_PAGES, 11)
+    corrupting = CorruptingTransport(group, service, batch_bytes=3 * page_bytes("float32"))
+    out["served_corrupt"] = corrupting.serve_forever(0, idle_timeout_s=30)
+    # pages of another dtype than the receiver's store
+    service = make_service("float16")
+    fill(service, 6, 12)
+    DistPageTransport(group, service).serve_forever(0, idle_timeout_s=30)
+    return out
+
+
+def _exchange_client(group: DistGroup) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for seed, dtype in enumerate(DTYPES):
+        service = make_service(dtype)
+        transport = DistPageTransport(group, service, timeout_s=20)
+        hashes = mixed_order(hashes_for(N_PAGES, seed))
+        if dtype == "float32":  # also through the fallback helper: dist works, no fallback
+            outcome = fetch_with_fallback(
+                service, [*hashes, UNKNOWN], dist=transport, peer_rank=1, grpc=None
+            )
+            out["fallback_transport"] = outcome.transport
+            out["fallback_reason"] = outcome.fallback_reason
+            assert outcome.dist is not None
+            result = outcome.dist
+        else:
+            result = transport.pull(1, [*hashes, UNKNOWN])
+        transport.hang_up(1)
+        order = {h: i for i, h in enumerate(hashes_for(N_PAGES, seed))}
+        expected = page_data(service.store, N_PAGES, seed)[[order[h] for h in hashes]]
+        out[dtype] = {
+            "inserted": [h.hex() for h in result.inserted],
+            "wanted": [h.hex() for h in hashes],
+            "missing": [h.hex() for h in result.missing],
+            "rejected": len(result.rejected),
+            "bit_exact": all(bytes_match(service, hashes, expected)),
+            "refs": sorted(set(service.ref_counts())),
+        }
+        service.check_invariants()
+    # push
+    service = make_service("float32")
+    result = DistPageTransport(group, service).receive_push(1)
+    hashes = hashes_for(N_PAGES, 10)[:8]
+    out["push"] = {
+        "inserted": len(result.inserted),
+        "bit_exact": all(bytes_match(service, hashes, page_data(service.store, N_PAGES, 10)[:8])),
+    }
+    # corrupted page
+    service = make_service("float32")
+    transport = DistPageTransport(group, service)
+    hashes = hashes_for(N_PAGES, 11)
+    result = transport.pull(1, hashes)
+    transport.hang_up(1)
+    expected = page_data(service.store, N_PAGES, 11)
+    cached = service.pool.cached_hashes()
+    good = [h for i, h in enumerate(hashes) if i != CORRUPT_AT]
+    out["corrupt"] = {
+        "rejected": [(h.hex(), why) for h, why in result.rejected],
+        "bad_hash": hashes[CORRUPT_AT].hex(),
+        "bad_cached": hashes[CORRUPT_AT] in cached,
+        "others_cached": all(h in cached for h in good),
+        "others_exact": all(
+            bytes_match(service, good, expected[[i for i in range(N_PAGES) if i != CORRUPT_AT]])
+        ),
+        "cached_count": len(cached),
+    }
+    service.check_invariants()
+    # wrong dtype
+    service = make_service("float32")
+    transport = DistPageTransport(group, service)
+    result = transport.pull(1, hashes_for(6, 12))
+    transport.hang_up(1)
+    out["wrong_dtype"] = {
+        "rejected": [why for _, why in result.rejected],
+        "cached": len(service.pool.cached_hashes()),
+    }
+    return out
+
+
+def faults_server(ctx: PairContext) -> dict[str, Any]:
+    with ctx.join(0):  # first group: joined, but never serves until rank 0 timed out
+        ctx.wait_flag("timed-out")
+    group = ctx.join(1)
+    service = make_service("float32")
+    fill(service, N_PAGES, 20)
+    transport = DyingTransport(group, service, batch_bytes=4 * page_bytes("float32"))
+    transport.serve_forever(0, idle_timeout_s=30)  # exits the process mid-transfer
+    return {"unexpected": "the dying server returned"}
+
+
+def faults_client(ctx: PairContext) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with ctx.join(0) as group:
+        service = make_service("float32")
+        transport = DistPageTransport(group, service, timeout_s=1.5)
+        try:
+            transport.pull(1, hashes_for(4, 30))
+            error = None
+        except TransportError as exc:
+            error = str(exc)
+        out["hang"] = {"error": error, "cached": len(service.pool.cached_hashes())}
+        ctx.set_flag("timed-out")
+    group = ctx.join(1)
+    service = make_service("float32")
+    transport = DistPageTransport(group, service, timeout_s=20)
+    hashes = hashes_for(N_PAGES, 20)
+    t0 = time.monotonic()
+    try:
+        transport.pull(1, hashes)
+        error = None
+    except TransportError as exc:
+        error = str(exc)
+    elapsed = time.monotonic() - t0
+    cached = [h for h in hashes if h in service.pool.cached_hashes()]
+    expected = page_data(service.store, N_PAGES, 20)[: len(cached)]
+    try:
+        transport.pull(1, hashes)
+        again = None
+    except TransportError as exc:
+        again = str(exc)
+    service.check_invariants()
+    out["die"] = {
+        "error": error,
+        "elapsed": elapsed,
+        "timeout": transport.timeout_s,
+        "cached_prefix": cached == hashes[: len(cached)],
+        "cached": len(cached),
+        "cached_exact": all(bytes_match(service, cached, expected)),
+        "again": again,
+        "refs": sorted(set(service.ref_counts())),
+    }
+    return out
+
+
+class PairContext:
+    """What a rank of a spawned pair knows: its rank, the groups' ports, a folder to talk through."""
+
+    def __init__(self, rank: int, ports: list[int], out_dir: Path) -> None:
+        self.rank, self.ports, self.out_dir = rank, ports, out_dir
+
+    def join(self, i: int) -> DistGroup:
+        return DistGroup.init(self.rank, 2, "127.0.0.1", self.ports[i], timeout_s=30)
+
+    def set_flag(self, name: str) -> None:
+        (self.out_dir / name).touch()
+
+    def wait_flag(self, name: str, timeout_s: float = 60.0) -> None:
+        end = time.monotonic() + timeout_s
+        while not (self.out_dir / name).exists():
+            if time.monotonic() > end:
+                raise TimeoutError(f"flag {name} never came")
+            time.sleep(0.05)
+
+
+SCENARIOS: dict[str, tuple[Callable[[PairContext], dict[str, Any]], ...]] = {
+    "exchange": (exchange_client, exchange_server),
+    "faults": (faults_client, faults_server),
+}
+
+
+def _rank_main(rank: int, scenario: str, ports: list[int], out_dir: str) -> None:
+    out = Path(out_dir) / f"{scenario}-{rank}.json"
+    try:
+        result = SCENARIOS[scenario][rank](PairContext(rank, ports, Path(out_dir)))
+        out.write_text(json.dumps(result))
+    except BaseException:
+        out.write_text(json.dumps({"crash": traceback.format_exc()}))
+    os._exit(0)  # skip interpreter teardown: a broken gloo group may block it
+
+
+def run_pair(
+    scenario: str, out_dir: Path, *, only_rank0: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run a scenario on two spawned ranks; returns what each wrote (missing: {}).
+
+    `only_rank0`: rank 1 is killed as soon as rank 0 is done (it dies or hangs anyway).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    ports = [free_port(), free_port()]
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, scenario, ports, str(out_dir)), daemon=True)
+        for rank in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + PAIR_TIMEOUT_S
+    for p in procs[:1] if only_rank0 else procs:
+        p.join(max(0.1, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = []
+    for rank in (0, 1):
+        path = out_dir / f"{scenario}-{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+    for rank, res in enumerate(results):
+        assert "crash" not in res, f"rank {rank} crashed:\n{res['crash']}"
+    return results[0], results[1]
+
+
+@pytest.fixture(scope="module")
+def exchange(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    return run_pair("exchange", tmp_path_factory.mktemp("exchange"))
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pulled_pages_are_bit_exact_in_every_dtype(exchange: Any, dtype: str) -> None:
+    client, server = exchange
+    got = client[dtype]
+    assert got["inserted"] == got["wanted"]
+    assert got["rejected"] == 0
+    assert got["bit_exact"] is True
+    assert server[f"served_{dtype}"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_hash_the_peer_lacks_is_reported_missing_not_an_error(exchange: Any, dtype: str) -> None:
+    assert exchange[0][dtype]["missing"] == [UNKNOWN.hex()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pins_are_released_on_both_sides_after_a_transfer(exchange: Any, dtype: str) -> None:
+    client, server = exchange
+    assert client[dtype]["refs"] == [0]
+    assert server[f"refs_restored_{dtype}"] is True
+
+
+def test_fetch_with_fallback_uses_dist_when_it_works(exchange: Any) -> None:
+    client, _ = exchange
+    assert client["fallback_transport"] == "dist"
+    assert client["fallback_reason"] is None
+
+
+def test_pushed_pages_are_inserted_bit_exact(exchange: Any) -> None:
+    client, server = exchange
+    assert server["pushed"] == 8
+    assert server["push_missing"] == [UNKNOWN.hex()]
+    assert client["push"] == {"inserted": 8, "bit_exact": True}
+
+
+def test_a_corrupted_page_is_rejected_and_the_rest_are_inserted(exchange: Any) -> None:
+    got = exchange[0]["corrupt"]
+    assert [h for h, _ in got["rejected"]] == [got["bad_hash"]]
+    assert "ChecksumMismatch" in got["rejected"][0][1]
+    assert got["bad_cached"] is False
+    assert got["others_cached"] is True
+    assert got["others_exact"] is True
+    assert got["cached_count"] == N_PAGES - 1
+
+
+def test_pages_of_another_dtype_are_rejected_with_a_format_error(exchange: Any) -> None:
+    got = exchange[0]["wrong_dtype"]
+    assert len(got["rejected"]) == 6
+    assert all("PageFormatError" in why for why in got["rejected"])
+    assert got["cached"] == 0
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    client, _ = run_pair("faults", tmp_path_factory.mktemp("faults"), only_rank0=True)
+    return client
+
+
+def test_a_peer_that_dies_mid_transfer_raises_transport_error_keeping_valid_pages(
+    faults: dict[str, Any],
+) -> None:
+    got = faults["die"]
+    assert got["error"] is not None
+    assert "rank 1" in got["error"]
+    assert got["elapsed"] < got["timeout"]  # the closed connection, not the timeout
+    assert 0 < got["cached"] < N_PAGES
+    assert got["cached"] % 4 == 0  # whole batches only
+    assert got["cached_prefix"] is True
+    assert got["cached_exact"] is True
+    assert got["again"] is not None and "broken" in got["again"]
+    assert got["refs"] == [0]
+
+
+def test_a_peer_that_never_answers_raises_transport_error_after_the_timeout(
+    faults: dict[str, Any],
+) -> None:
+    got = faults["hang"]
+    assert got["error"] is not None
+    assert "Timed out" in got["error"]
+    assert "limit 1.5s" in got["error"]
+    assert got["cached"] == 0
+
+
+# --------------------------------------------------------------------------- fallback
+
+
+@pytest.fixture
+def grpc_peer() -> Iterator[tuple[str, list[PageHash]]]:
+    from kvmesh.worker.transfer_server import ServerThread
+
+    service = make_service("float32")
+    hashes = fill(service, 12, 40)
+    with ServerThread(service, TransferConfig(host="127.0.0.1", port=0)) as server:
+        yield server.address, hashes
+
+
+def test_fetch_falls_back_to_grpc_and_logs_why_when_dist_init_fails(
+    grpc_peer: tuple[str, list[PageHash]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvmesh.worker.transfer_client import SyncPeerClient
+
+    address, hashes = grpc_peer
+    service = make_service("float32")
+
+    def join() -> DistPageTransport:  # rank 0 of 2: the other rank never comes
+        group = DistGroup.init(0, 2, "127.0.0.1", free_port(), timeout_s=1.0)
+        return DistPageTransport(group, service)
+
+    with (
+        SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
+        caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
+    ):
+        outcome = fetch_with_fallback(service, hashes, dist=join, peer_rank=1, grpc=client)
+    assert outcome.transport == "grpc"
+    assert outcome.inserted == len(hashes)
+    assert outcome.fallback_reason is not None and "rendezvous" in outcome.fallback_reason
+    assert any(
+        "falling back to grpc" in r.getMessage() and "rendezvous" in r.getMessage()
+        for r in caplog.records
+    )
+    expected = page_data(service.store, 12, 40)
+    assert all(bytes_match(service, hashes, expected))
+
+
+def test_fetch_falls_back_when_no_group_is_configured(
+    grpc_peer: tuple[str, list[PageHash]], caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvmesh.worker.transfer_client import SyncPeerClient
+
+    address, hashes = grpc_peer
+    service = make_service("float32")
+    with (
+        SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
+        caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
+    ):
+        outcome = fetch_with_fallback(service, hashes, dist=None, grpc=client)
+    assert outcome.transport == "grpc"
+    assert outcome.inserted == len(hashes)
+    assert "no torch.distributed group" in (outcome.fallback_reason or "")
+    assert any("no torch.distributed group" in r.getMessage() for r in caplog.records)
+
+
+def test_fetch_raises_when_dist_fails_and_there_is_no_grpc_peer() -> None:
+    with pytest.raises(TransportError, match="no gRPC peer"):
+        fetch_with_fallback(make_service(), hashes_for(2, 0), dist=None, grpc=None)
+
+
+def test_fetch_refuses_an_unknown_transport() -> None:
+    with pytest.raises(ConfigError, match="choose one of"):
+        fetch_with_fallback(make_service(), hashes_for(2, 0), transport="carrier-pigeon")
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_ranks_follow_sorted_worker_ids() -> None:
+    ids = [WorkerId("w-2"), WorkerId("w-0"), WorkerId("w-1")]
+    assert assign_ranks(ids) == {"w-0": 0, "w-1": 1, "w-2": 2}
+    assert assign_ranks(reversed(ids)) == assign_ranks(ids)
+
+
+def test_duplicate_or_no_worker_ids_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="duplicates"):
+        assign_ranks([WorkerId("a"), WorkerId("a")])
+    with pytest.raises(InvalidInput, match="at least one"):
+        assign_ranks([])
+
+
+def test_rendezvous_names_ranks_and_refuses_gaps() -> None:
+    rdv = DistRendezvous.for_workers([WorkerId("b"), WorkerId("a")], "127.0.0.1", 29500)
+    assert (rdv.world_size, rdv.rank_of(WorkerId("b")), rdv.worker_of(0)) == (2, 1, "a")
+    with pytest.raises(UnknownWorker):
+        rdv.rank_of(WorkerId("zzz"))
+    with pytest.raises(InvalidInput, match="ranks must be exactly"):
+        DistRendezvous("127.0.0.1", 29500, 2, {WorkerId("a"): 0, WorkerId("b"): 2})
+    with pytest.raises(InvalidInput, match="master_port"):
+        DistRendezvous("127.0.0.1", 0, 1)
+
+
+def test_group_init_refuses_impossible_arguments() -> None:
+    with pytest.raises(ConfigError, match="rank"):
+        DistGroup.init(2, 2, "127.0.0.1", free_port())
+    with pytest.raises(ConfigError, match=r"no torch\.distributed backend"):
+        DistGroup.init(0, 1, "127.0.0.1", free_port(), device="meta")
+
+
+def test_preamble_round_trips() -> None:
+    pre = Preamble(Kind.PAGES, 7, DTYPE_CODES["bfloat16"], (2, 2, 4, 2, 8), 123, 3)
+    assert Preamble.decode(pre.encode(), max_batch_bytes=1 << 20) == pre
+    assert pre.page_nbytes == 2 * 2 * 4 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize(
+    ("words", "why"),
+    [
+        ({0: 42}, "magic"),
+        ({2: 9}, "unknown kind"),
+        ({4: 99}, "unknown dtype"),
+        ({13: 1 << 20}, "exceeds"),
+        ({3: -1}, "count"),
+    ],
+)
+def test_a_garbled_preamble_is_a_transport_error(words: dict[int, int], why: str) -> None:
+    t = Preamble(Kind.PAGES, 4, DTYPE_CODES["float32"], (2, 2, 4, 2, 8), 10, 2).encode()
+    for index, value in words.items():
+        t[index] = value
+    with pytest.raises(TransportError, match=why):
+        Preamble.decode(t, max_batch_bytes=1 << 20)
+
+
+def test_page_meta_round_trips_and_refuses_garbage() -> None:
+    page = WirePage(PageHash(b"h" * 32), None, (1, 2, 3, 4), 7, "cpu")
+    raw = encode_page_meta([page], [PageHash(b"m" * 32)], [1])
+    assert decode_page_meta(raw, 1, 1) == ([page], [PageHash(b"m" * 32)], [1])
+    with pytest.raises(InvalidInput, match="preamble"):
+        decode_page_meta(raw, 2, 1)
+    with pytest.raises(InvalidInput, match="malformed"):
+        decode_page_meta(b"\xc1garbage", 1, 1)
+    with pytest.raises(InvalidInput, match="batch sizes"):
+        decode_page_meta(encode_page_meta([page], [], [5]), 1, 1)
+
+
+def test_batches_send_long_runs_in_place_and_gather_the_rest() -> None:
+    ids = [PageId(i) for i in (10, 11, 12, 13, 14, 3, 7, 8, 20, 21, 22)]
+    assert plan_batches(ids, 4, 3) == [
+        (0, 4, True),  # 10..13
+        (4, 1, True),  # 14, the rest of the run
+        (5, 3, False),  # 3, 7, 8 gathered (runs shorter than 3)
+        (8, 3, True),  # 20..22
+    ]
+    assert plan_batches(ids, 2, 100) == [
+        (0, 2, False),
+        (2, 2, False),
+        (4, 2, False),
+        (6, 2, False),
+        (8, 2, False),
+        (10, 1, False),
+    ]
+    assert plan_batches([], 4, 1) == []
+
+
+def test_transport_refuses_a_store_on_another_device_than_the_group() -> None:
+    group = DistGroup(0, 2, "nccl", torch.device("cuda"), 1.0)  # never joined: only checked
+    with pytest.raises(ConfigError, match="device"):
+        DistPageTransport(group, make_service())
