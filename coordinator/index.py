@@ -412,9 +412,12 @@ class GlobalIndex:
                 # rewriting it for an already indexed page changes nothing.
                 pages.update(hs)
                 parents.update(zip(hs, (ev.parent_hash, *hs[:-1]), strict=True))
-                get = holders.get
-                for h in hs:
-                    holders[h] = get(h, 0) | bit
+                if holders.keys().isdisjoint(hs):  # all new: no Python-level loop
+                    holders.update(dict.fromkeys(hs, bit))
+                else:
+                    get = holders.get
+                    for h in hs:
+                        holders[h] = get(h, 0) | bit
             elif isinstance(ev, PagesRemoved):
                 if ev.medium is None:
                     clear = _WORKER_BITS << shift
