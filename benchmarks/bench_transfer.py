@@ -387,11 +387,11 @@ def _figures(spec: Spec, times: dict[str, list[float]], details: dict[str, str])
         out.append(
             Figure(
                 transport=name,
-                gb_per_s=round(rate / 1e9, 3),
-                pages_per_s=round(spec.pages / best[name], 1),
-                ratio_vs_tcp=round(rate / tcp_rate, 3),
-                seconds=round(best[name], 4),
-                median_gb_per_s=round(nbytes / median / 1e9, 3),
+                gb_per_s=rate / 1e9,
+                pages_per_s=spec.pages / best[name],
+                ratio_vs_tcp=rate / tcp_rate,
+                seconds=best[name],
+                median_gb_per_s=nbytes / median / 1e9,
                 pages=spec.pages,
                 page_bytes=spec.page_bytes,
                 bytes=nbytes,
