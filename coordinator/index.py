@@ -465,7 +465,8 @@ class GlobalIndex:
             m = holders.get(h)
             if m is None:
                 break
-            still = (m | m >> 1 | m >> 2 | m >> 3) & alive
+            x = m | m >> 2  # fold each worker's four tier bits onto its lowest bit
+            still = (x | x >> 1) & alive
             if still != alive:
                 if n:
                     dropped.append((alive & ~still, n))

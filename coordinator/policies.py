@@ -123,71 +123,78 @@ class RoutingPolicy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Candidates:
-    """The workers a policy may choose from, with the overlap it may count for each."""
+    """The workers a policy may choose from, with the overlap it may count for each.
+
+    `holders`: every non-stale worker (any rank) holding part of the prefix,
+    with its overlap: where a peer to pull from is looked for.
+    """
 
     loads: list[WorkerLoad]
     overlaps: list[int]
     degraded: bool
+    holders: list[tuple[int, WorkerLoad]]
 
 
 def candidates(
     request: RouteRequest, overlaps: Mapping[WorkerId, int], loads: Sequence[WorkerLoad]
 ) -> Candidates:
-    """The best non-empty rank of healthy < stale < full < draining workers."""
+    """The best non-empty rank of healthy < stale < full < draining workers. One pass."""
     if not loads:
         raise NoWorkers("no worker is registered: start workers before routing requests")
     need = request.num_pages
+    get = overlaps.get
     best_rank = 4
     picked: list[WorkerLoad] = []
     picked_ov: list[int] = []
+    holders: list[tuple[int, WorkerLoad]] = []
     for load in loads:
-        ov = 0 if load.stale else overlaps.get(load.worker_id, 0)
+        if load.stale:
+            ov = 0
+        else:
+            ov = get(load.worker_id, 0)
+            if ov > 0:
+                holders.append((ov, load))
         if load.draining:
             rank = 3
-        elif not load.fits(need - ov):
+        elif load.total_pages > 0 and load.free_pages < need - ov:
             rank = 2
         elif load.stale:
             rank = 1
         else:
             rank = 0
-        if rank < best_rank:
-            best_rank = rank
-            picked, picked_ov = [load], [ov]
-        elif rank == best_rank:
+        if rank == best_rank:
             picked.append(load)
             picked_ov.append(ov)
-    return Candidates(picked, picked_ov, best_rank > 0)
+        elif rank < best_rank:
+            best_rank = rank
+            picked, picked_ov = [load], [ov]
+    return Candidates(picked, picked_ov, best_rank > 0, holders)
 
 
 def best_peer(
-    overlaps: Mapping[WorkerId, int],
-    loads: Sequence[WorkerLoad],
-    page_size: int,
-    exclude: WorkerId | None = None,
+    cands: Candidates, page_size: int, exclude: WorkerId | None = None
 ) -> tuple[WorkerId | None, int]:
     """The non-stale worker with the longest prefix (least loaded, then smallest id, on ties)."""
     best: WorkerLoad | None = None
     best_n = 0
-    for load in loads:
-        if load.stale or load.worker_id == exclude:
-            continue
-        n = overlaps.get(load.worker_id, 0)
-        if n <= 0 or n < best_n:
+    best_key: tuple[float, str] | None = None
+    for n, load in cands.holders:
+        if n < best_n or load.worker_id == exclude:
             continue
         if n > best_n or best is None:
-            best, best_n = load, n
+            best, best_n, best_key = load, n, None
             continue
+        if best_key is None:
+            best_key = (best.load_pages(page_size), best.worker_id)
         key = (load.load_pages(page_size), load.worker_id)
-        if key < (best.load_pages(page_size), best.worker_id):
-            best = load
+        if key < best_key:
+            best, best_key = load, key
     return (None, 0) if best is None else (best.worker_id, best_n)
 
 
 def decide(
     name: str,
     request: RouteRequest,
-    overlaps: Mapping[WorkerId, int],
-    loads: Sequence[WorkerLoad],
     cands: Candidates,
     i: int,
     cost: float = 0.0,
@@ -195,7 +202,7 @@ def decide(
     """The decision for candidate `i`, naming the peer that holds more, if any."""
     chosen = cands.loads[i]
     local = cands.overlaps[i]
-    peer, peer_n = best_peer(overlaps, loads, request.page_size, exclude=chosen.worker_id)
+    peer, peer_n = best_peer(cands, request.page_size, exclude=chosen.worker_id)
     if peer is None or peer_n <= local:
         peer, extra = None, 0
     else:
@@ -260,13 +267,15 @@ class KVAwarePolicy:
         loads: Sequence[WorkerLoad],
     ) -> RouteDecision:
         cands = candidates(request, overlaps, loads)
-        peer_n = best_peer(overlaps, loads, request.page_size)[1] if request.allow_pull else 0
+        peer_n = best_peer(cands, request.page_size)[1] if request.allow_pull else 0
         costs = self.costs(request, cands, peer_n)
-        allowed = self._bounded(request, cands)
-        keys = [c if ok else math.inf for c, ok in zip(costs, allowed, strict=True)]
+        keys = costs
+        if self.max_load_ratio > 0:
+            allowed = self._bounded(request, cands)
+            keys = [c if ok else math.inf for c, ok in zip(costs, allowed, strict=True)]
         sample = self.temperature > 0
         i = self._sample(keys) if sample else _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, overlaps, loads, cands, i, costs[i])
+        return decide(self.name, request, cands, i, costs[i])
 
     def costs(self, request: RouteRequest, cands: Candidates, peer_n: int = 0) -> list[float]:
         """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls)."""
@@ -274,6 +283,12 @@ class KVAwarePolicy:
         total = request.num_pages
         w, dw, saved = self.overlap_weight, self.decode_weight, 1.0 - self.pull_cost
         qw = self.queue_weight / size
+        if peer_n <= 0:  # the common case, without pulls: one comprehension
+            return [
+                w * (total - local + qw * load.active_prefill_tokens)
+                + dw * load.active_decode_pages
+                for load, local in zip(cands.loads, cands.overlaps, strict=True)
+            ]
         out: list[float] = []
         for load, local in zip(cands.loads, cands.overlaps, strict=True):
             prefill = float(total - local)
@@ -332,7 +347,7 @@ class RoundRobinPolicy:
         order = sorted(range(len(cands.loads)), key=lambda j: cands.loads[j].worker_id)
         i = order[self._next % len(order)]
         self._next += 1
-        return decide(self.name, request, overlaps, loads, cands, i)
+        return decide(self.name, request, cands, i)
 
 
 class RandomPolicy:
@@ -351,7 +366,7 @@ class RandomPolicy:
     ) -> RouteDecision:
         cands = candidates(request, overlaps, loads)
         i = self.rng.randrange(len(cands.loads))
-        return decide(self.name, request, overlaps, loads, cands, i)
+        return decide(self.name, request, cands, i)
 
 
 class LeastLoadedPolicy:
@@ -371,7 +386,7 @@ class LeastLoadedPolicy:
         cands = candidates(request, overlaps, loads)
         keys = [load.load_pages(request.page_size) for load in cands.loads]
         i = _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+        return decide(self.name, request, cands, i, keys[i])
 
 
 class ConsistentHashPolicy:
@@ -443,11 +458,11 @@ class ConsistentHashPolicy:
             seen.add(wid)
             i = by_id[wid]
             if load_of[i] <= cap:
-                return decide(self.name, request, overlaps, loads, cands, i, load_of[i])
+                return decide(self.name, request, cands, i, load_of[i])
             if len(seen) == len(by_id):
                 break
         i = _pick_min(load_of, cands.loads, self.rng)
-        return decide(self.name, request, overlaps, loads, cands, i, load_of[i])
+        return decide(self.name, request, cands, i, load_of[i])
 
 
 class CacheAwarePolicy:
@@ -485,10 +500,10 @@ class CacheAwarePolicy:
             if best > 0 and total > 0 and best / total > self.cache_threshold:
                 keys = [float(-ov) for ov in cands.overlaps]
                 i = _pick_min(keys, cands.loads, self.rng)
-                return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+                return decide(self.name, request, cands, i, keys[i])
         keys = [float(q) for q in queue]
         i = _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, overlaps, loads, cands, i, keys[i])
+        return decide(self.name, request, cands, i, keys[i])
 
 
 REGISTRY: dict[str, type[RoutingPolicy]] = {
