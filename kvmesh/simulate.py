@@ -105,6 +105,15 @@ class TimeModel:
             + pulled_pages * self.pull_page_ms
         )
 
+    def work_tokens(self, computed_tokens: int, pulled_pages: int = 0) -> int:
+        """A prefill's work as a worker reports it: computed tokens, plus the
+        tokens its pull time would have computed (pulls hold the prefill slot too)."""
+        if pulled_pages <= 0 or self.prefill_token_us <= 0:
+            return computed_tokens
+        return computed_tokens + round(
+            pulled_pages * self.pull_page_ms * 1000.0 / self.prefill_token_us
+        )
+
     def pull_pays(self, page_size: int) -> bool:
         """Whether pulling a full page is cheaper than computing it."""
         return self.pull_page_ms < page_size * self.prefill_token_us / 1000.0
@@ -276,6 +285,7 @@ class _Job:
     hit_pages: int = 0
     pulled_pages: int = 0
     computed_tokens: int = 0
+    work_tokens: int = 0
     held_pages: int = 0
 
 
@@ -316,13 +326,15 @@ class SimWorker:
         """The load a heartbeat would report at `now_ms`.
 
         Active prefill tokens are the queued requests' uncached tokens plus
-        the part of the running prefill not computed yet (linear in time).
+        the part of the running prefill not computed yet (linear in time);
+        pulls count as the tokens their time would compute
+        (`TimeModel.work_tokens`).
         """
         tokens = self.prefill_tokens
         job = self.running
         if job is not None and job.end_ms > job.start_ms:
             done = (now_ms - job.start_ms) / (job.end_ms - job.start_ms)
-            tokens -= int(job.computed_tokens * min(max(done, 0.0), 1.0))
+            tokens -= int(job.work_tokens * min(max(done, 0.0), 1.0))
         return WorkerLoad(
             self.worker_id,
             tokens,
@@ -463,8 +475,12 @@ class Simulation:
         worker = self._by_id.get(decision.worker_id)
         if worker is None:
             raise InvariantViolation(f"policy chose unknown worker {decision.worker_id!r}")
-        reusable = decision.local_pages + (decision.peer_pages if self._pull else 0)
-        est = req.input_tokens - min(reusable, self._max_hit_pages(req)) * size
+        max_hit = self._max_hit_pages(req)
+        local = min(decision.local_pages, max_hit)
+        pulls = (
+            min(decision.local_pages + decision.peer_pages, max_hit) - local if self._pull else 0
+        )
+        est = self.settings.time.work_tokens(req.input_tokens - (local + pulls) * size, pulls)
         job = _Job(req, decision, est)
         worker.queue.append(job)
         worker.prefill_tokens += est
@@ -523,10 +539,11 @@ class Simulation:
         job.hit_pages = h
         job.pulled_pages = pulled
         job.computed_tokens = computed
+        job.work_tokens = self.settings.time.work_tokens(computed, pulled)
         job.held_pages = len(w.manager.get_pages(req.request_id))
         w.running = job
         w.busy_ms += duration
-        w.prefill_tokens += computed - job.est_tokens
+        w.prefill_tokens += job.work_tokens - job.est_tokens
         self._push(self._now + duration, _PREFILL_END, w, job)
         self._flush(w)
 
@@ -537,7 +554,7 @@ class Simulation:
         w.manager.cache_pages(job.cm_request, req.input_tokens)
         self._flush(w)
         w.running = None
-        w.prefill_tokens -= job.computed_tokens
+        w.prefill_tokens -= job.work_tokens
         w.decode_pages += job.held_pages
         self._timings.append(
             RequestTiming(
@@ -668,7 +685,7 @@ def write_plot(reports: Sequence[PolicyReport], path: Path, title: str) -> None:
     ax.bar([i + 0.2 for i in x], [r.reuse_ratio for r in reports], 0.4, label="hits + pulls")
     ax.axhline(reports[0].bound_hit_ratio, color="k", ls="--", lw=1, label="bound")
     ax.set_title("prompt pages reused")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     ax = axes[1]
     ax.bar([i - 0.2 for i in x], [r.ttft_mean_ms for r in reports], 0.4, label="mean")
     ax.bar([i + 0.2 for i in x], [r.ttft_p99_ms for r in reports], 0.4, label="p99")
