@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -290,6 +291,10 @@ class CoordinatorActor:
 
     async def snapshot_index(self) -> bytes:
         return self.core.snapshot_index()
+
+    async def pid(self) -> int:
+        """The actor's process id (a restarted actor has a new one)."""
+        return os.getpid()
 
 
 def get_or_create_coordinator(config: CoordinatorConfig | None = None) -> Any:

@@ -148,11 +148,21 @@ def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_clust
     assert before.match(prompt(6, 1)).pages == {"w0": 6, "w1": 4}
     assert get_or_create_coordinator(cfg)._actor_id == coord._actor_id  # get-if-exists
 
+    pid = ray.get(coord.pid.remote())
     ray.kill(coord, no_restart=False)
+    end = time.monotonic() + 90
+    while True:  # ray.kill is asynchronous: wait for the new process
+        try:
+            if ray.get(coord.pid.remote(), timeout=30) != pid:
+                break
+        except ray.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < end, "the coordinator was not restarted"
+        time.sleep(0.2)
     wait_until_ready(coord)
 
     stats = ray.get(coord.stats.remote())
-    assert stats["routes"] == 0  # a new process, not the old one
+    assert stats["routes"] == 0  # a fresh coordinator, not the old one
     assert stats["workers"] == 3  # the registry survived in Ray's GCS
     after = index_of(coord)
     for wid, worker in (("w0", named[0]), ("w1", named[1])):
