@@ -187,7 +187,7 @@ def test_a_worker_that_stops_heartbeating_is_dropped_by_the_background_loop(
     ray_cluster: None,
 ) -> None:
     ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    cfg = CoordinatorConfig(namespace=ns, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    cfg = CoordinatorConfig(namespace=ns, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
     coord = get_or_create_coordinator(cfg)
     wait_until_ready(coord)
     worker = RemoteWorker.remote("silent", coord, None, ns)
