@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 from kvmesh.cli import main
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordinator.policies import REGISTRY, make_policy
+from kvmesh.coordinator.policies import (
+    REGISTRY,
+    RouteDecision,
+    RouteRequest,
+    WorkerLoad,
+    make_policy,
+)
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.hashing import PageHasher
 from kvmesh.simulate import (
@@ -27,6 +34,7 @@ from kvmesh.simulate import (
     summarize,
 )
 from kvmesh.trace import TraceRequest, load_trace, request_tokens
+from kvmesh.types import WorkerId
 
 P = 512
 BASE_MS = 5.0
@@ -138,6 +146,44 @@ def test_freed_pages_stay_cached_until_reused() -> None:
     b = TraceRequest(1000, 3 * P, 1, (1, 2, 3))
     _, t = replay([a, b], capacity=4)
     assert t["req-1"].hit_pages == 2
+
+
+class RecordingPolicy:
+    """The real round robin policy, keeping the loads it was shown."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.inner = make_policy("round_robin")
+        self.seen: list[list[WorkerLoad]] = []
+
+    def choose(
+        self, request: RouteRequest, overlaps: Mapping[WorkerId, int], loads: Sequence[WorkerLoad]
+    ) -> RouteDecision:
+        self.seen.append(list(loads))
+        return self.inner.choose(request, overlaps, loads)
+
+
+def test_policies_see_remaining_prefill_tokens_and_held_decode_pages() -> None:
+    big = TraceRequest(0, 20 * P, 40, tuple(range(100, 120)))
+    big_prefill = prefill_ms(20 * P)
+    mid = TraceRequest(int(big_prefill / 2), P, 1, (7,))
+    later = TraceRequest(int(big_prefill) + 100, P, 1, (9,))
+    policy = RecordingPolicy()
+    Simulation(prepare_trace([big, mid, later]), policy, SimSettings(1, 64)).run()
+    at_mid = policy.seen[1][0]
+    assert at_mid.active_prefill_tokens == pytest.approx(10 * P, abs=P // 8)
+    assert at_mid.active_requests == 1
+    at_later = policy.seen[2][0]
+    assert at_later.active_prefill_tokens == 0
+    assert at_later.active_decode_pages == 20
+    assert at_later.free_pages == 64 - 20
+
+
+def test_a_simulation_replays_only_once() -> None:
+    sim, _ = replay([TraceRequest(0, P, 1, (1,))])
+    with pytest.raises(InvalidInput, match="replays once"):
+        sim.run()
 
 
 def test_time_model_constants_must_be_finite_and_non_negative() -> None:
