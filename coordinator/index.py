@@ -24,7 +24,9 @@ Event batches are applied per worker in sequence order:
   ignored forever, so a late batch from before a restart changes nothing).
   Incarnation ids have no order, so a batch of an unseen incarnation whose
   timestamp is older than the newest batch accepted from the current one is
-  taken for a late batch of an earlier life and ignored; behind a registry
+  taken for a late batch of an earlier life and ignored (non-finite
+  timestamps are treated as unknown, so a batch stamped +inf cannot lock
+  out later incarnations); behind a registry
   (the coordinator service) the registered incarnation decides instead;
 - a batch whose seq is at most the last one applied is a duplicate: ignored;
 - a batch past a gap is held back (at most `reorder_window` of them) and the
@@ -44,6 +46,7 @@ rejected with `EventDecodeError` / `UnknownWorker` before anything changes.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -170,6 +173,11 @@ def tier_of(medium: str | None, default: int) -> int:
     if medium is None:
         return default
     return _MEDIUM_ALIASES.get(medium.lower(), 3)
+
+
+def _finite(ts: float) -> float:
+    """A batch timestamp usable for ordering; non-finite ones (inf, nan) count as unknown (0)."""
+    return ts if math.isfinite(ts) else 0.0
 
 
 def _check_hash(value: object, where: str) -> None:
@@ -337,7 +345,7 @@ class GlobalIndex:
             w = self._new_worker(wid, False)
         replaced = False
         if batch.incarnation != w.incarnation:
-            if batch.incarnation in w.retired or batch.ts < w.last_ts:
+            if batch.incarnation in w.retired or _finite(batch.ts) < w.last_ts:
                 return ApplyResult.IGNORED
             self._start_incarnation(w, batch.incarnation)
             replaced = True
@@ -345,7 +353,7 @@ class GlobalIndex:
         if batch.snapshot:
             if seq < w.last_seq:
                 return ApplyResult.IGNORED
-            if batch.ts > w.last_ts:
+            if _finite(batch.ts) > w.last_ts:
                 w.last_ts = batch.ts
             self._drop_all(w)
             self._apply_events(w, batch.events)
@@ -357,7 +365,7 @@ class GlobalIndex:
             return ApplyResult.STALE if w.stale else ApplyResult.REPLACED
         if seq <= w.last_seq or seq in w.pending:
             return ApplyResult.IGNORED
-        if batch.ts > w.last_ts:
+        if _finite(batch.ts) > w.last_ts:
             w.last_ts = batch.ts
         if w.needs_snapshot:
             return ApplyResult.STALE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import pytest
 
@@ -282,6 +283,16 @@ def test_a_late_batch_of_an_unseen_earlier_incarnation_is_ignored_by_its_timesta
     assert ix.apply(early) is ApplyResult.IGNORED
     assert ix.worker_state(A).incarnation == "second-life"
     assert ix.apply(EventBatch((stored(P[:3]),), A, "third-life", 0, ts=30.0)) is (
+        ApplyResult.REPLACED
+    )
+    assert ix.worker_pages(A) == frozenset(P[:3])
+
+
+@pytest.mark.parametrize("ts", [math.inf, math.nan, -math.inf])
+def test_a_non_finite_timestamp_cannot_lock_out_later_incarnations(ts: float) -> None:
+    ix = GlobalIndex()
+    ix.apply(EventBatch((stored(P[:2]),), A, "poisoned", 0, ts=ts))
+    assert ix.apply(EventBatch((stored(P[:3]),), A, "next-life", 0, ts=5.0)) is (
         ApplyResult.REPLACED
     )
     assert ix.worker_pages(A) == frozenset(P[:3])
