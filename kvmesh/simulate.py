@@ -19,7 +19,10 @@ its pages waits until a decode on its worker frees some.
 
 The trace's block ids are pages (512 tokens): a block's tokens come from
 `kvmesh.trace.block_tokens` and the page hashes from the real `PageHasher`,
-computed once per distinct (parent, block) before the replay.
+computed once per distinct (parent, block) before the replay. A partial last
+block is a page that is computed but never cached (only full pages are
+hashed), and no trace block hit counts the page holding the last token. The
+pools' events leave out token ids: only the index reads them, by hash.
 """
 
 from __future__ import annotations
@@ -165,10 +168,11 @@ class SimRequest:
 class PreparedTrace:
     """A trace with its page hashes computed, and the tokens of its blocks.
 
-    Hashing is the slow part (one `block_tokens` and one hash per distinct
-    (parent, block) pair, ~0.1 ms each), so it happens once and every policy
-    replays the same prepared trace. A block's tokens are kept as a packed
-    uint32 array (2 KiB per distinct block) to rebuild a prompt's token ids.
+    This is the slow part of a run (the bundled trace: 182,790 distinct
+    blocks, ~0.07 ms of `block_tokens` and ~0.01 ms of hashing each), so it
+    happens once and every policy replays the same prepared trace. A block's
+    tokens are kept as a packed uint32 array (2 KiB per distinct block) to
+    rebuild a prompt's token ids.
     """
 
     __slots__ = ("_tokens", "bound_hit_ratio", "hasher", "requests")
@@ -229,9 +233,8 @@ class PreparedTrace:
         """`RequestHashes` of the request, filled from the precomputed chain (no rehash).
 
         The token ids stay a packed uint32 array rather than a list of ints:
-        the cache manager and pool only take its length and slice it (for the
-        `PagesStored` events), and building 12,000-int lists per request was
-        half of a replay's time.
+        the cache manager and pool only take its length and slices, and
+        building 12,000-int lists per request was half of a replay's time.
         """
         rh = RequestHashes(self.hasher)
         rh.token_ids = cast(list[int], self.token_ids(req))
