@@ -21,8 +21,9 @@ The trace's block ids are pages (512 tokens): a block's tokens come from
 `kvmesh.trace.block_tokens` and the page hashes from the real `PageHasher`,
 computed once per distinct (parent, block) before the replay. A partial last
 block is a page that is computed but never cached (only full pages are
-hashed), and no trace block hit counts the page holding the last token. The
-pools' events leave out token ids: only the index reads them, by hash.
+hashed), and the page holding the last prompt token is never a hit (it is
+recomputed for its logits). The pools' events leave out token ids: only the
+index reads them, and it keys on hashes.
 """
 
 from __future__ import annotations
