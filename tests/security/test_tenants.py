@@ -410,3 +410,31 @@ def _decode(data: bytes) -> tuple[object, ...]:
     from kvmesh.events import decode_batch
 
     return decode_batch(data).events
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs the client patch in docs/security.md: KVMesh(tenants=TenantPolicy) and "
+    "api_key on hashes/route/generate, resolving the salt before hashing",
+)
+def test_the_client_hashes_with_the_salt_bound_to_the_api_key() -> None:
+    from kvmesh.client import KVMesh
+    from kvmesh.config import ClusterConfig
+
+    mesh = KVMesh(  # type: ignore[call-arg]
+        ClusterConfig(),
+        None,
+        {},
+        owns_ray=False,
+        created=[],
+        retries=0,
+        pull=False,
+        request_timeout_s=1.0,
+        ray_address="",
+        tenants=TenantPolicy(KEYS),
+    )
+    tokens = list(range(40))
+    expected = mesh.hasher.hash_prompt(tokens, ExtraKeys(cache_salt="salt-b"))
+    assert mesh.hashes(tokens, "salt-a", api_key="key-of-tenant-b-0001") == expected  # type: ignore[call-arg]
+    with pytest.raises(Unauthenticated):
+        mesh.hashes(tokens, "salt-a", api_key=None)  # type: ignore[call-arg]
