@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -222,9 +223,15 @@ class KVMesh:
             else:
                 try:
                     ray.init(address=address, namespace=ns, log_to_driver=False)
-                except ConnectionError as exc:
+                except (ConnectionError, ValueError, RuntimeError) as exc:
+                    hint = ""
+                    if os.environ.get("RAY_AUTH_MODE", "") != "token":
+                        hint = (
+                            " (a cluster with Ray token authentication needs RAY_AUTH_MODE=token "
+                            "and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+                        )
                     raise ConfigError(
-                        f"cannot join the Ray cluster at {address!r}: {exc}"
+                        f"cannot join the Ray cluster at {address!r}: {exc}{hint}"
                     ) from None
                 owns_ray = True  # this driver's connection; the cluster itself stays up
         try:
@@ -232,7 +239,7 @@ class KVMesh:
             ray.get(coordinator.wait_ready.remote(), timeout=120)
             workers = _attach(ray.get(coordinator.workers.remote(), timeout=60))
             created: list[WorkerId] = []
-            if not workers:
+            if not workers and num_workers + prefill + decode > 0:
                 plan: list[tuple[str, str]] = [(f"worker-{i}", "both") for i in range(num_workers)]
                 plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]
                 plan += [(f"decode-{i}", "decode") for i in range(decode)]

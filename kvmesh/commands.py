@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +96,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def connect(args: argparse.Namespace, *, create_workers: bool = True) -> KVMesh:
-    """Join ``--address`` or start an embedded cluster, as the flags say."""
+    """Join ``--address`` or start an embedded cluster, as the flags say.
+
+    `create_workers` False: only use workers that are already registered.
+    """
     from kvmesh.client import KVMesh
 
     cfg = cluster_config(args)
@@ -106,20 +108,26 @@ def connect(args: argparse.Namespace, *, create_workers: bool = True) -> KVMesh:
         kwargs["worker_num_cpus"] = args.worker_cpus
     if getattr(args, "worker_gpus", None):
         kwargs["worker_num_gpus"] = args.worker_gpus
+    if getattr(args, "num_cpus", None) is not None:
+        kwargs["num_cpus"] = args.num_cpus
     return KVMesh.connect(
         args.address,
         num_workers=cfg.num_workers if create_workers else 0,
         config=cfg,
-        prefill_workers=cfg.prefill_workers,
-        decode_workers=cfg.decode_workers,
+        prefill_workers=cfg.prefill_workers if create_workers else 0,
+        decode_workers=cfg.decode_workers if create_workers else 0,
         **kwargs,
     )
 
 
-def _console() -> Any:
+def _console(stderr: bool = False) -> Any:
+    """A rich console; at least 120 columns when not a terminal, so tables are not cut."""
     from rich.console import Console
 
-    return Console()
+    console = Console(stderr=stderr)
+    if not console.is_terminal and console.width < 120:
+        console = Console(stderr=stderr, width=120)
+    return console
 
 
 def print_workers(mesh: KVMesh, console: Any | None = None) -> None:
@@ -171,33 +179,22 @@ def run_start(args: argparse.Namespace) -> int:
     _positive("--num-cpus", args.num_cpus)
     _positive("--exit-after", args.exit_after)
     console = _console()
-    from kvmesh.client import KVMesh
-
-    cfg = cluster_config(args)
-    kwargs: dict[str, Any] = {}
-    if args.worker_cpus is not None:
-        kwargs["worker_num_cpus"] = args.worker_cpus
-    if args.worker_gpus:
-        kwargs["worker_num_gpus"] = args.worker_gpus
-    if args.num_cpus is not None:
-        kwargs["num_cpus"] = args.num_cpus
-    with KVMesh.connect(
-        args.address,
-        num_workers=cfg.num_workers,
-        config=cfg,
-        prefill_workers=cfg.prefill_workers,
-        decode_workers=cfg.decode_workers,
-        **kwargs,
-    ) as mesh:
+    with connect(args) as mesh:
         print_workers(mesh, console)
+        import os
+
+        auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
         console.print(
-            f"kvmesh is running; Ray address {mesh.ray_address}. "
-            f"Use `kvmesh status --address {mesh.ray_address}`. Ctrl-C stops it.",
+            f"kvmesh is running; Ray address: {mesh.ray_address}\n"
+            f"use `{auth}kvmesh status --address {mesh.ray_address}`; Ctrl-C stops it",
             highlight=False,
         )
         deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.2)
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.2)
+        except KeyboardInterrupt:  # the normal way to stop: leave through close()
+            console.print("stopping kvmesh", highlight=False)
     return 0
 
 
@@ -344,9 +341,3 @@ def run_replay(args: argparse.Namespace) -> int:
     else:
         print_reports([report], console)
     return 0
-
-
-def _main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - manual use
-    from kvmesh.cli import main
-
-    return main(argv)

@@ -373,6 +373,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-pages", type=int, default=4096, help="pages per worker pool")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
     parser.add_argument(
+        "--address",
+        default=None,
+        help="run against the workers of this Ray cluster (they keep their own model) "
+        "instead of an embedded one",
+    )
+    parser.add_argument(
         "--plot",
         type=Path,
         default=Path("kvmesh-report.png"),
@@ -389,17 +395,21 @@ def _check(args: argparse.Namespace) -> list[str]:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies names no policy")
+    from kvmesh.coordinator.policies import REGISTRY
+
+    unknown = [p for p in policies if p not in REGISTRY]
+    if unknown:
+        raise ConfigError(f"unknown policies {unknown}; choose from {sorted(REGISTRY)}")
     return policies
 
 
 def run(args: argparse.Namespace) -> int:
     policies = _check(args)
-    from rich.console import Console
-
     from kvmesh.client import KVMesh
+    from kvmesh.commands import _console
     from kvmesh.trace import load_trace
 
-    console = Console(stderr=args.json)
+    console = _console(stderr=args.json)
     cfg = dataclasses.replace(
         ClusterConfig(),
         num_workers=args.workers,
@@ -418,9 +428,10 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     reports: list[PolicyReport] = []
-    with KVMesh.connect(num_workers=args.workers, config=cfg, pull=args.pull) as mesh:
+    with KVMesh.connect(args.address, num_workers=args.workers, config=cfg, pull=args.pull) as mesh:
+        where = "embedded cluster" if args.address is None else f"cluster at {args.address}"
         console.print(
-            f"embedded cluster up in {time.perf_counter() - t0:.1f}s: {args.workers} workers",
+            f"{where} up in {time.perf_counter() - t0:.1f}s: {len(mesh.workers())} workers",
             highlight=False,
         )
         for policy in policies:
@@ -451,6 +462,6 @@ def run(args: argparse.Namespace) -> int:
         args.plot,
         f"kvmesh demo: {len(prompts)} trace requests, {args.workers} workers (bound hit {bound:.2f})",
     )
-    console.print(f"report written to {path.resolve()}", highlight=False)
+    console.print(f"report written to {path.resolve()}", highlight=False, soft_wrap=True)
     console.print(f"demo took {time.perf_counter() - t0:.1f}s", highlight=False)
     return 0
