@@ -581,9 +581,9 @@ def test_an_index_snapshot_that_does_not_decode_is_refused_and_changes_nothing(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="decode_batch accepts a non-finite timestamp: in an index fed without registration "
-    "(vLLM engines) a batch stamped +inf makes every later incarnation of that worker look late "
-    "and be ignored. Patch in docs/security.md",
+    reason="decode_batch accepts a non-finite timestamp (the index ignores it for ordering "
+    "since 131ab0f, but it is malformed input and should be an EventDecodeError). "
+    "Patch in docs/security.md",
 )
 @pytest.mark.parametrize("ts", [math.inf, math.nan, -math.inf])
 def test_a_non_finite_batch_timestamp_is_an_event_decode_error(ts: float) -> None:
