@@ -20,6 +20,7 @@ number come from the ZMQ frame instead and are passed to `decode_batch`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -197,6 +198,8 @@ def decode_batch(
     ts, events = raw[0], raw[1]
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise EventDecodeError(f"batch timestamp must be a number, got {type(ts).__name__}")
+    if not math.isfinite(ts):
+        raise EventDecodeError(f"batch timestamp must be finite, got {ts!r}")
     if not isinstance(events, list):
         raise EventDecodeError("batch events must be an array")
     dp_rank = _opt(raw[2], int, "data_parallel_rank") if len(raw) > 2 else None

@@ -487,15 +487,13 @@ class TransferServer:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
+                # Requests are parsed in the handlers so that undecodable bytes
+                # become INVALID_ARGUMENT, not grpc's UNKNOWN.
                 "Lookup": grpc.unary_unary_rpc_method_handler(
-                    self._lookup,
-                    request_deserializer=pb.LookupRequest.FromString,
-                    response_serializer=pb.LookupResponse.SerializeToString,
+                    self._lookup, response_serializer=pb.LookupResponse.SerializeToString
                 ),
                 # FetchPages writes pre-encoded PageChunk bytes (see encode_chunk).
-                "FetchPages": grpc.unary_stream_rpc_method_handler(
-                    self._fetch_pages, request_deserializer=pb.FetchRequest.FromString
-                ),
+                "FetchPages": grpc.unary_stream_rpc_method_handler(self._fetch_pages),
                 # PushPages hands raw bytes to decode_chunk itself, to map its errors.
                 "PushPages": grpc.stream_unary_rpc_method_handler(
                     self._push_pages, response_serializer=pb.PushResponse.SerializeToString
@@ -517,10 +515,9 @@ class TransferServer:
             raise InvalidInput(f"{len(raw)} page hashes in one call; at most {MAX_HASHES_PER_CALL}")
         return [check_hash(h) for h in raw]
 
-    async def _lookup(
-        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LookupResponse:
+    async def _lookup(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         try:
+            request = _parse(pb.LookupRequest, raw)
             hashes = self._hashes(request.page_hashes)
             held = self.service.lookup(hashes)
         except KVMeshError as exc:
@@ -529,10 +526,9 @@ class TransferServer:
         prefix = next((i for i, h in enumerate(held) if not h), len(held))
         return pb.LookupResponse(held=held, prefix_pages=prefix)
 
-    async def _fetch_pages(
-        self, request: pb.FetchRequest, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def _fetch_pages(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
+            request = _parse(pb.FetchRequest, raw)
             hashes = self._hashes(request.page_hashes)
         except KVMeshError as exc:
             await self._abort(context, exc)
@@ -584,6 +580,14 @@ class TransferServer:
             )
             await self._abort(context, exc)
         return pb.PushResponse(inserted=inserted)
+
+
+def _parse(cls: Any, raw: bytes) -> Any:
+    """Parse a request message; malformed bytes are the caller's error (InvalidInput)."""
+    try:
+        return cls.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidInput(f"{cls.__name__} is not valid protobuf: {exc}") from exc
 
 
 class ServerThread:

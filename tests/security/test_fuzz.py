@@ -284,11 +284,6 @@ def test_unknown_methods_are_unimplemented(worker: Worker, method: str) -> None:
     worker.assert_healthy_and_unchanged()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transfer_server parses Lookup/FetchPages with grpc's deserializer: undecodable "
-    "protobuf is UNKNOWN; patch in docs/security.md (parse in the handler -> InvalidInput)",
-)
 @pytest.mark.parametrize("method", ["Lookup", "FetchPages"])
 def test_undecodable_requests_are_invalid_argument(worker: Worker, method: str) -> None:
     def call() -> object:
@@ -579,12 +574,6 @@ def test_an_index_snapshot_that_does_not_decode_is_refused_and_changes_nothing(
     index.check_invariants()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="decode_batch accepts a non-finite timestamp (the index ignores it for ordering "
-    "since 131ab0f, but it is malformed input and should be an EventDecodeError). "
-    "Patch in docs/security.md",
-)
 @pytest.mark.parametrize("ts", [math.inf, math.nan, -math.inf])
 def test_a_non_finite_batch_timestamp_is_an_event_decode_error(ts: float) -> None:
     struct = _valid_struct(0)
