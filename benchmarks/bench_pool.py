@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, blocks_tokens
 
 DEFAULT_PAGES = 16384
 CHUNK = 8
@@ -89,17 +89,6 @@ class _Prepared:
     blocks: int
 
 
-def _block_tokens(block_ids: Sequence[int], page_size: int) -> dict[int, list[int]]:
-    """`kvmesh.trace.block_tokens` for many blocks at once (same formula, vectorised)."""
-    import numpy as np
-
-    ids = np.fromiter(sorted(set(block_ids)), dtype=np.int64)
-    base = (ids * 2654435761 + 97) & 0xFFFFFFFF
-    offs = np.arange(page_size, dtype=np.int64) * 40503
-    toks = ((base[:, None] + offs[None, :]) ^ (base[:, None] >> 7)) % VOCAB_SIZE
-    return dict(zip(ids.tolist(), toks.tolist(), strict=True))
-
-
 def _chunks(reqs: Sequence[TraceRequest], hasher: Any, page_size: int) -> Iterator[list[_Prepared]]:
     """Requests with tokens and page hashes, `CHUNK` at a time (not timed)."""
     from kvmesh.hashing import RequestHashes
@@ -107,7 +96,7 @@ def _chunks(reqs: Sequence[TraceRequest], hasher: Any, page_size: int) -> Iterat
 
     for start in range(0, len(reqs), CHUNK):
         part = reqs[start : start + CHUNK]
-        blocks = _block_tokens([b for r in part for b in r.hash_ids], page_size)
+        blocks = blocks_tokens([b for r in part for b in r.hash_ids], page_size, VOCAB_SIZE)
         out = []
         for n, r in enumerate(part, start):
             tokens: list[int] = []
@@ -193,7 +182,7 @@ def _hash_speed(algo: str, n_pages: int, page_size: int) -> float:
     from kvmesh.hashing import PageHasher
 
     hasher = PageHasher(page_size, "bench", algo)
-    blocks = _block_tokens(range(n_pages), page_size)
+    blocks = blocks_tokens(range(n_pages), page_size, VOCAB_SIZE)
     tokens = [t for b in range(n_pages) for t in blocks[b]]
     best = float("inf")
     for _ in range(3):

@@ -10,6 +10,7 @@ from kvmesh.errors import InvalidInput
 from kvmesh.trace import (
     TraceRequest,
     block_tokens,
+    blocks_tokens,
     bundled_trace_path,
     infinite_cache_hit_ratio,
     load_trace,
@@ -34,6 +35,15 @@ def test_equal_block_ids_give_equal_tokens_and_different_ids_differ() -> None:
     assert block_tokens(7, 16) == block_tokens(7, 16)
     assert block_tokens(7, 16) != block_tokens(8, 16)
     assert all(0 <= t < 256 for t in block_tokens(123, 512, vocab_size=256))
+
+
+def test_blocks_tokens_equal_one_block_at_a_time_even_for_huge_ids() -> None:
+    ids = [0, 1, 7, 123_456, 2**31 + 5, 2**40 + 3]
+    many = blocks_tokens(ids, 64)
+    for b in ids:
+        base = (b * 2654435761 + 97) & 0xFFFFFFFF
+        assert many[b] == [((base + i * 40503) ^ (base >> 7)) % 32000 for i in range(64)]
+        assert block_tokens(b, 64) == many[b]
 
 
 def test_request_tokens_are_truncated_to_the_input_length() -> None:

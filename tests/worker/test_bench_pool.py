@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvmesh.benchmarks import bench_pool
-from kvmesh.trace import block_tokens, infinite_cache_hit_ratio, load_trace
+from kvmesh.trace import infinite_cache_hit_ratio, load_trace
 
 LIMIT = 40
 
@@ -91,10 +91,3 @@ def test_a_pool_that_never_evicts_hits_every_repeated_full_block(roomy: dict[str
     assert roomy["events"] > 0 and roomy["page_ops"] == (
         roomy["lookups"] + roomy["allocations"] + roomy["frees"]
     )
-
-
-def test_vectorised_block_tokens_equal_the_trace_formula() -> None:
-    ids = [0, 1, 7, 123_456, 2**31 + 5]
-    fast = bench_pool._block_tokens(ids, 512)
-    for b in ids:
-        assert fast[b] == block_tokens(b, 512)
