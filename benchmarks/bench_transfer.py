@@ -66,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gather",
         action="store_true",
-        help="dist: gather every batch into a buffer even where pages are consecutive",
+        help="dist: gather every batch into one buffer (no in-place runs, no per-page messages)",
     )
     parser.add_argument("--grpc-streams", type=int, default=None, help="grpc: concurrent streams")
     parser.add_argument(
@@ -168,8 +168,9 @@ def _dist_transport(group: Any, service: Any, spec: Spec) -> Any:
     if spec.batch_bytes is not None:
         kwargs["batch_bytes"] = spec.batch_bytes
         kwargs["max_batch_bytes"] = max(spec.batch_bytes, 1 << 30)
-    if spec.gather:
+    if spec.gather:  # every batch gathered into a buffer: no page messages, no runs in place
         kwargs["min_in_place_bytes"] = 1 << 62
+        kwargs["page_message_bytes"] = 1 << 62
     return DistPageTransport(group, service, **kwargs)
 
 
@@ -335,9 +336,11 @@ def measure(spec: Spec) -> list[Figure]:
                 return len(result.inserted)
 
             pulls["dist"] = pull_dist
-            details["dist"] = (
-                f"gloo batch_bytes={transport.batch_bytes} "
-                f"{'gathered' if spec.gather else 'in place where consecutive'}"
+            per_page = spec.page_bytes >= transport.page_message_bytes
+            details["dist"] = f"{group.backend} batch_bytes={transport.batch_bytes} " + (
+                f"depth={transport.depth}, a message per page into reserved pool pages"
+                if per_page
+                else ("gathered batches" if spec.gather else "batches, in place where consecutive")
             )
 
         times: dict[str, list[float]] = {name: [] for name in pulls}

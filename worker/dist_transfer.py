@@ -15,7 +15,11 @@ of ``n`` pages between two ranks::
 
 A batch is either a run of consecutive page ids, sent in place from the KV
 tensor (no copy), or scattered pages gathered into a reused buffer with one
-`index_select` (`plan_batches`). Every size the receiver posts follows from
+`index_select` (`plan_batches`). Pages of at least `page_message_bytes`
+(1 MiB) travel instead as one message each (`Layout.PAGES`), from the
+sender's KV tensor straight into pages the receiver has reserved in its
+pool: on a machine where copies bound the speed, every pass over the bytes
+counts (see `kvmesh bench transfer`). Every size the receiver posts follows from
 the meta, so it receives batch ``i + 1`` (in the background, into a second
 buffer) while it checks and inserts batch ``i``; the sender checksums and
 gathers batch ``i + 1`` while batch ``i`` is on the wire. The receiver checks every page with `PageService.insert`
@@ -41,10 +45,12 @@ stay (they are valid); the rest are not inserted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import socket
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -56,10 +62,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, TransportError, UnknownWorker
+from kvmesh.errors import (
+    ConfigError,
+    InvalidInput,
+    KVMeshError,
+    PoolExhausted,
+    TransportError,
+    UnknownWorker,
+)
 from kvmesh.types import PageHash, PageId, WorkerId
+from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import DTYPES, PageBlob
-from kvmesh.worker.page_service import MAX_HASH_BYTES, PageService, check_hash
+from kvmesh.worker.page_service import MAX_HASH_BYTES, IncomingPage, PageService, check_hash
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +108,10 @@ MAX_PAGES_PER_TRANSFER = 1 << 20
 DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
 MIN_IN_PLACE_BYTES = 1024 * 1024
 """A run of consecutive pages at least this big is sent in place instead of gathered."""
+PAGE_MESSAGE_BYTES = 1024 * 1024
+DEFAULT_DEPTH = 4
+"""Batches in flight per `Layout.PAGES` transfer (sent ahead, received ahead)."""
+"""Pages at least this big travel one message each, received in place (`Layout.PAGES`)."""
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -104,6 +122,18 @@ class Kind:
     PAGES = 1
     REQUEST = 2
     BYE = 3
+
+
+class Layout:
+    """How a PAGES transfer's payload travels, batch by batch (after its checksums)."""
+
+    BATCH = 0
+    """One contiguous tensor per batch: a run in place or pages gathered; received into a
+    buffer, then checked and inserted through `PageService.insert`."""
+    PAGES = 1
+    """One tensor per page, straight from the sender's KV tensor into pages the receiver
+    reserved in its pool, checked there (`PageService.check`) and cached: no copy on either
+    side. Used for pages of at least `page_message_bytes`."""
 
 
 # --------------------------------------------------------------------------- rendezvous
@@ -391,13 +421,14 @@ class Preamble:
     shape: tuple[int, ...] = ()
     meta_nbytes: int = 0
     batch_pages: int = 0
+    layout: int = 0
 
     def encode(self) -> Tensor:
         if len(self.shape) > MAX_NDIM:
             raise InvalidInput(f"page shape has {len(self.shape)} dims, at most {MAX_NDIM}")
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         words = [MAGIC, VERSION, self.kind, self.count, self.dtype_code, len(self.shape)]
-        words += [*shape, self.meta_nbytes, self.batch_pages, 0, 0]
+        words += [*shape, self.meta_nbytes, self.batch_pages, self.layout, 0]
         return torch.tensor(words, dtype=torch.int64)
 
     @classmethod
@@ -415,11 +446,13 @@ class Preamble:
             )
         kind, count, code, ndim = w[2], w[3], w[4], w[5]
         shape = tuple(w[6 : 6 + ndim]) if 0 <= ndim <= MAX_NDIM else ()
-        meta_nbytes, batch_pages = w[12], w[13]
-        pre = cls(kind, count, code, shape, meta_nbytes, batch_pages)
+        meta_nbytes, batch_pages, layout = w[12], w[13], w[14]
+        pre = cls(kind, count, code, shape, meta_nbytes, batch_pages, layout)
         problems: list[str] = []
         if kind not in (Kind.PAGES, Kind.REQUEST, Kind.BYE):
             problems.append(f"unknown kind {kind}")
+        if layout not in (Layout.BATCH, Layout.PAGES):
+            problems.append(f"unknown payload layout {layout}")
         if not 0 <= count <= MAX_PAGES_PER_TRANSFER:
             problems.append(f"count {count} outside 0..{MAX_PAGES_PER_TRANSFER}")
         if not 0 <= meta_nbytes <= MAX_META_BYTES:
@@ -632,7 +665,10 @@ class DistPageTransport:
     receiver refuses batches over `max_batch_bytes`); two of each are kept
     per direction for overlap. Runs of consecutive pages of at least
     `min_in_place_bytes` are sent straight from the KV tensor (a huge value
-    gathers every batch). `timeout_s` bounds every wait of a transfer.
+    gathers every batch); pages of at least `page_message_bytes` go one
+    message each into reserved pages (`Layout.PAGES`; a huge value turns it
+    off), with `depth` batches in flight. `timeout_s` bounds every wait of a
+    transfer.
     """
 
     def __init__(
@@ -643,6 +679,8 @@ class DistPageTransport:
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         min_in_place_bytes: int = MIN_IN_PLACE_BYTES,
+        page_message_bytes: int = PAGE_MESSAGE_BYTES,
+        depth: int = DEFAULT_DEPTH,
         timeout_s: float | None = None,
     ) -> None:
         store = service.store
@@ -651,6 +689,8 @@ class DistPageTransport:
                 f"KV store is on {store.device} but the process group ({group.backend}) moves "
                 f"{group.device} tensors; join the group with device={store.device.type!r}"
             )
+        if depth < 2:
+            raise ConfigError(f"depth must be at least 2 batches in flight, got {depth}")
         if batch_bytes <= 0 or max_batch_bytes < batch_bytes:
             raise ConfigError(
                 f"need 0 < batch_bytes <= max_batch_bytes, got {batch_bytes}, {max_batch_bytes}"
@@ -660,6 +700,8 @@ class DistPageTransport:
         self.batch_bytes = batch_bytes
         self.max_batch_bytes = max_batch_bytes
         self.min_in_place_bytes = min_in_place_bytes
+        self.page_message_bytes = page_message_bytes
+        self.depth = depth
         self.timeout_s = group.timeout_s if timeout_s is None else timeout_s
         self._peer_locks: dict[int, threading.Lock] = {}
         self._locks_guard = threading.Lock()
@@ -736,7 +778,7 @@ class DistPageTransport:
     # -- sending -----------------------------------------------------------
 
     def _send_small(self, dst: int, tag: int, pre: Preamble, meta: bytes) -> None:
-        pre = Preamble(pre.kind, pre.count, pre.dtype_code, pre.shape, len(meta), pre.batch_pages)
+        pre = dataclasses.replace(pre, meta_nbytes=len(meta))
         self.group.send(self._dev(pre.encode()), dst, tag, self.timeout_s)
         if meta:
             payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
@@ -752,11 +794,13 @@ class DistPageTransport:
                 WirePage(i.page_hash, i.parent_hash, i.token_ids, i.lora_id, i.tier) for i in infos
             ]
             page_ids: list[PageId] = [pid for _, pid in held]
-            plan = plan_batches(
-                page_ids,
-                max(1, self.batch_bytes // store.page_nbytes),
-                max(1, -(-self.min_in_place_bytes // store.page_nbytes)),
-            )
+            batch_pages = max(1, self.batch_bytes // store.page_nbytes)
+            layout = Layout.PAGES if store.page_nbytes >= self.page_message_bytes else Layout.BATCH
+            if layout == Layout.PAGES:  # every page goes in place: plain batches in order
+                plan = plan_batches(page_ids, batch_pages, 1 << 62)
+            else:
+                in_place = max(1, -(-self.min_in_place_bytes // store.page_nbytes))
+                plan = plan_batches(page_ids, batch_pages, in_place)
             counts = [count for _, count, _ in plan]
             pre = Preamble(
                 Kind.PAGES,
@@ -764,10 +808,14 @@ class DistPageTransport:
                 DTYPE_CODES[store.dtype_name],
                 store.page_shape,
                 batch_pages=max(counts, default=0),
+                layout=layout,
             )
             self._send_small(dst, tag, pre, encode_page_meta(wire, missing, counts))
             with self._send_guard:
-                nbytes = self._send_batches(dst, tag, plan, page_ids)
+                if layout == Layout.PAGES:
+                    nbytes = self._send_page_messages(dst, tag, plan, page_ids)
+                else:
+                    nbytes = self._send_batches(dst, tag, plan, page_ids)
             # The pins end only when the peer has every byte: sends are waited on above.
         return SendResult(tuple(h for h, _ in held), missing, nbytes)
 
@@ -794,6 +842,42 @@ class DistPageTransport:
             raise group.fail(f"page batch to rank {dst} failed", exc) from exc
         return nbytes
 
+    def _send_page_messages(
+        self, dst: int, tag: int, plan: list[tuple[int, int, bool]], page_ids: list[PageId]
+    ) -> int:
+        """`Layout.PAGES`: per batch, its checksums then each page from the KV tensor."""
+        group, rows = self.group, self._page_rows()
+        pending: deque[list[Any]] = deque()
+        nbytes = 0
+        try:
+            for first, count, _ in plan:
+                while len(pending) >= self.depth:  # at most `depth` batches queued
+                    for work in pending.popleft():
+                        group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+                ids = page_ids[first : first + count]
+                works = [group.isend(self._checksums(ids), dst, tag)]
+                works += [group.isend(rows[pid], dst, tag) for pid in ids]
+                pending.append(works)
+                nbytes += count * self.service.store.page_nbytes
+            for works in pending:
+                for work in works:
+                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+        except TransportError:
+            raise
+        except RuntimeError as exc:
+            raise group.fail(f"page batch to rank {dst} failed", exc) from exc
+        return nbytes
+
+    def _checksums(self, page_ids: Sequence[PageId]) -> Tensor:
+        """int64 checksums of pinned pages, from `PageService.export` (as the gRPC path sends)."""
+        export = self.service.export
+        return self._dev(torch.from_numpy(_u64_to_i64([export(pid).checksum for pid in page_ids])))
+
+    def _page_rows(self) -> Tensor:
+        """The KV tensor as bytes, one row per page (a view)."""
+        store = self.service.store
+        return store.kv.view(store.num_pages, -1).view(torch.uint8)
+
     def _stage_batch(
         self, slot: int, page_ids: Sequence[PageId], in_place: bool
     ) -> tuple[Tensor, Tensor]:
@@ -812,9 +896,7 @@ class DistPageTransport:
             rows = store.kv.view(store.num_pages, -1)
             index = torch.as_tensor(page_ids, dtype=torch.long, device=store.kv.device)
             torch.index_select(rows, 0, index, out=buf.view(store.dtype).view(n, -1))
-        export = self.service.export
-        sums = torch.from_numpy(_u64_to_i64([export(pid).checksum for pid in page_ids]))
-        return self._dev(sums), buf
+        return self._checksums(page_ids), buf
 
     # -- receiving ---------------------------------------------------------
 
@@ -862,30 +944,66 @@ class DistPageTransport:
         firsts = np.cumsum([0, *counts]).tolist()
         batches = list(zip(firsts, counts, strict=False))
         outcome = _Outcome()
-        posted: list[tuple[Any, Any, Tensor, Tensor]] = []
+        posted: dict[int, _Posted] = {}
+        seen: set[PageHash] = set()
+        rows = self._page_rows() if pre.layout == Layout.PAGES else None
+
+        # Batches posted ahead: two buffers when batches land in buffers, `depth` when they
+        # land in reserved pages (a page already held, or a duplicate, lands in a spare row).
+        ahead = 2 if rows is None else self.depth
 
         def post(n: int) -> None:
-            count = batches[n][1]
+            first, count = batches[n]
             sums = torch.empty(count, dtype=torch.int64, device=group.device)
-            buf = self._recv_bufs.get(n % 2, count * pre.page_nbytes)
-            posted.append((group.irecv(sums, src, tag), group.irecv(buf, src, tag), sums, buf))
+            if rows is None:
+                buf = self._recv_bufs.get(n % 2, count * pre.page_nbytes)
+                posted[n] = _Posted([], sums, [buf], [])
+            else:
+                slots = self._reserve(pages[first : first + count], seen)
+                spares = sum(slot is None for slot in slots)
+                spare = torch.empty(
+                    (spares, pre.page_nbytes), dtype=torch.uint8, device=group.device
+                )
+                targets, k = [], 0
+                for slot in slots:
+                    if slot is None:
+                        targets.append(spare[k])
+                        k += 1
+                    else:
+                        targets.append(rows[slot.page_id])
+                posted[n] = _Posted([], sums, targets, slots)
+            # Registered before posting: an error below must release the reserved pages.
+            posted[n].works.append(group.irecv(sums, src, tag))
+            posted[n].works += [group.irecv(t, src, tag) for t in posted[n].targets]
 
-        if batches:
-            post(0)
-        for n, (first, count) in enumerate(batches):
-            sums_work, buf_work, sums, buf = posted[n]
-            try:
-                group.wait(sums_work, f"page checksums from rank {src}", self.timeout_s)
-                group.wait(buf_work, f"page batch from rank {src}", self.timeout_s)
-            except TransportError as exc:
-                done = len(outcome.inserted) + len(outcome.present)
-                raise TransportError(
-                    f"{exc}; {done} of {pre.count} pages had been received, checked and cached "
-                    "(they are valid), the rest were not inserted"
-                ) from exc
-            if n + 1 < len(batches):
-                post(n + 1)  # the next batch lands in the other buffer while this one is checked
-            self._insert_batch(pre, pages[first : first + count], sums, buf, outcome)
+        transport_failed = False
+        next_post = 0
+        try:
+            for n, (first, count) in enumerate(batches):
+                while next_post < min(n + ahead, len(batches)):
+                    post(next_post)  # later batches land while this one is checked
+                    next_post += 1
+                batch = posted[n]
+                try:
+                    for work in batch.works:
+                        group.wait(work, f"page batch from rank {src}", self.timeout_s)
+                except TransportError as exc:
+                    transport_failed = True
+                    done = len(outcome.inserted) + len(outcome.present)
+                    raise TransportError(
+                        f"{exc}; {done} of {pre.count} pages had been received, checked and "
+                        "cached (they are valid), the rest were not inserted"
+                    ) from exc
+                batch.works = []
+                if rows is None:
+                    self._insert_batch(
+                        pre, pages[first : first + count], batch.sums, batch.targets[0], outcome
+                    )
+                else:
+                    self._commit_batch(pre, pages[first : first + count], batch, outcome)
+                del posted[n]
+        finally:
+            self._release(posted, transport_failed)
         return ReceiveResult(
             tuple(outcome.inserted),
             tuple(outcome.present),
@@ -893,6 +1011,111 @@ class DistPageTransport:
             tuple(outcome.rejected),
             pre.count * pre.page_nbytes,
         )
+
+    def _reserve(self, batch: Sequence[WirePage], seen: set[PageHash]) -> list[KVPage | None]:
+        """Pool pages to receive `batch` into, held and uncached; None: into a buffer instead.
+
+        A page already cached, or twice in the transfer, goes to a buffer and then
+        `PageService.insert` (which reports it held); so do all of a batch the
+        pool has no room for (insert then reports `PoolExhausted`).
+        """
+        pool = self.service.pool
+        slots: list[KVPage | None] = [None] * len(batch)
+        with self.service.lock:
+            get = pool.get_cached_page
+            need = []
+            for i, page in enumerate(batch):
+                if page.page_hash not in seen and get(page.page_hash) is None:
+                    seen.add(page.page_hash)
+                    need.append(i)
+            try:
+                fresh = pool.get_new_pages(len(need))
+            except PoolExhausted:
+                return slots
+        for i, slot in zip(need, fresh, strict=True):
+            slots[i] = slot
+        return slots
+
+    def _commit_batch(
+        self, pre: Preamble, batch: Sequence[WirePage], posted: _Posted, outcome: _Outcome
+    ) -> None:
+        """Check each received page where it landed; cache the good ones, release the rest.
+
+        The checks are `PageService.check` (the same as `insert` and the gRPC
+        path run); a reserved page is cached only after its bytes passed.
+        """
+        service, pool = self.service, self.service.pool
+        checks = posted.sums.cpu().numpy().view(np.uint64).tolist()
+        dtype, shape = pre.dtype_name, pre.shape
+        status: list[str] = [""] * len(batch)
+        errors: dict[int, str] = {}
+        good: list[tuple[int, KVPage]] = []
+        for i, page in enumerate(batch):
+            blob = PageBlob(posted.targets[i].cpu().numpy().data, dtype, shape, checks[i])
+            slot = posted.slots[i]
+            try:
+                if slot is None:
+                    new = service.insert(
+                        page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
+                    )
+                    status[i] = "inserted" if new else "present"
+                    continue
+                service.check(
+                    IncomingPage(
+                        page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
+                    )
+                )
+            except KVMeshError as exc:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                continue
+            good.append((i, slot))
+        held = [slot for slot in posted.slots if slot is not None]
+        with service.lock:
+            for i, slot in good:
+                page = batch[i]
+                if pool.get_cached_page(page.page_hash) is not None:  # inserted meanwhile
+                    status[i] = "present"
+                    continue
+                pool.cache_page(
+                    slot, page.page_hash, page.parent_hash, page.token_ids, page.lora_id
+                )
+                status[i] = "inserted"
+            pool.free_pages(reversed(held))  # cached ones stay cached, evictable
+        posted.slots = []
+        for i, page in enumerate(batch):
+            if i in errors:
+                outcome.rejected.append((page.page_hash, errors[i]))
+            elif status[i] == "inserted":
+                outcome.inserted.append(page.page_hash)
+            else:
+                outcome.present.append(page.page_hash)
+        if errors:  # one line per batch, not per page
+            log.warning(
+                "rejected %d received page(s) of a batch; first: %s",
+                len(errors),
+                next(iter(errors.values())),
+            )
+
+    def _release(self, posted: dict[int, _Posted], transport_failed: bool) -> None:
+        """Give back pages reserved for batches that never got committed (after a failure).
+
+        Safe once their receives completed or the group failed (gloo closed the
+        connection, so nothing lands in them any more). A receive still posted
+        after another error could yet write: those pages stay held (logged).
+        """
+        held: list[KVPage] = []
+        for batch in posted.values():
+            mine = [slot for slot in batch.slots if slot is not None]
+            if batch.works and not transport_failed:
+                self.group.mark_broken("a page receive was abandoned after an error")
+                log.error(
+                    "keeping %d reserved pages held: a receive into them is still posted", len(mine)
+                )
+                continue
+            held += mine
+        if held:
+            with self.service.lock:
+                self.service.pool.free_pages(reversed(held))
 
     def _insert_batch(
         self,
@@ -937,6 +1160,16 @@ class DistPageTransport:
     def _protocol_error(self, what: str) -> TransportError:
         self.group.mark_broken(f"protocol error: {what}")
         return TransportError(f"torch.distributed transfer out of step: {what}")
+
+
+@dataclass(slots=True)
+class _Posted:
+    """A batch whose receives are posted: the works, its checksums, where its bytes land."""
+
+    works: list[Any]
+    sums: Tensor
+    targets: list[Tensor]
+    slots: list[KVPage | None]
 
 
 @dataclass(slots=True)

@@ -110,35 +110,34 @@ def bytes_match(service: PageService, hashes: list[PageHash], expected: torch.Te
 
 
 class CorruptingTransport(DistPageTransport):
-    """Flips one byte of the page at send position `CORRUPT_AT` after its checksum is taken."""
+    """Damages the checksum of the page at send position `CORRUPT_AT` (bytes and sum disagree)."""
 
     sent = 0
 
-    def _stage_batch(
-        self, slot: int, page_ids: Any, in_place: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        sums, buf = super()._stage_batch(slot, page_ids, False)  # a private copy to damage
+    def _checksums(self, page_ids: Any) -> torch.Tensor:
+        sums = super()._checksums(page_ids).clone()
         n = len(page_ids)
         if self.sent <= CORRUPT_AT < self.sent + n:
-            rows = buf.view(n, -1)
-            rows[CORRUPT_AT - self.sent, 3] ^= 0xFF
+            sums[CORRUPT_AT - self.sent] ^= 0x10
         self.sent += n
-        return sums, buf
+        return sums
 
 
 class DyingTransport(DistPageTransport):
-    """Exits the process when it stages its third batch (the first two are on the wire)."""
+    """Exits the process when it starts its third batch (the first two are on the wire)."""
 
-    staged = 0
+    batches = 0
 
-    def _stage_batch(
-        self, slot: int, page_ids: Any, in_place: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.staged += 1
-        if self.staged == 3:
+    def _checksums(self, page_ids: Any) -> torch.Tensor:
+        self.batches += 1
+        if self.batches == 3:
             time.sleep(0.5)  # let the kernel deliver what is already sent
             os._exit(3)
-        return super()._stage_batch(slot, page_ids, in_place)
+        return super()._checksums(page_ids)
+
+
+LAYOUTS = {"batch": 1 << 40, "pages": 1}
+"""Sender `page_message_bytes` per layout: never one message per page / always."""
 
 
 def page_bytes(dtype: str) -> int:
@@ -160,16 +159,22 @@ def exchange_client(ctx: PairContext) -> dict[str, Any]:
 
 def _exchange_server(group: DistGroup) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for seed, dtype in enumerate(DTYPES):
-        service = make_service(dtype)
-        fill(service, N_PAGES, seed)
-        before = service.ref_counts()
-        nbytes = page_bytes(dtype)
-        transport = DistPageTransport(
-            group, service, batch_bytes=3 * nbytes, min_in_place_bytes=4 * nbytes, timeout_s=20
-        )
-        out[f"served_{dtype}"] = transport.serve_forever(0, idle_timeout_s=30)
-        out[f"refs_restored_{dtype}"] = service.ref_counts() == before
+    for layout, message_bytes in LAYOUTS.items():
+        for seed, dtype in enumerate(DTYPES):
+            service = make_service(dtype)
+            fill(service, N_PAGES, seed)
+            before = service.ref_counts()
+            nbytes = page_bytes(dtype)
+            transport = DistPageTransport(
+                group,
+                service,
+                batch_bytes=3 * nbytes,
+                min_in_place_bytes=4 * nbytes,
+                page_message_bytes=message_bytes,
+                timeout_s=20,
+            )
+            out[f"served_{layout}_{dtype}"] = transport.serve_forever(0, idle_timeout_s=30)
+            out[f"refs_restored_{layout}_{dtype}"] = service.ref_counts() == before
     # push: eight float32 pages to rank 0
     service = make_service("float32")
     hashes = fill(service, N_PAGES, 10)
@@ -177,11 +182,17 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
     pushed = transport.push(0, [*hashes[:8], UNKNOWN])
     out["pushed"] = len(pushed.sent)
     out["push_missing"] = [h.hex() for h in pushed.missing]
-    # a page corrupted on the way
-    service = make_service("float32")
-    fill(service, N_PAGES, 11)
-    corrupting = CorruptingTransport(group, service, batch_bytes=3 * page_bytes("float32"))
-    out["served_corrupt"] = corrupting.serve_forever(0, idle_timeout_s=30)
+    # a page corrupted on the way, in each layout
+    for message_bytes in LAYOUTS.values():
+        service = make_service("float32")
+        fill(service, N_PAGES, 11)
+        corrupting = CorruptingTransport(
+            group,
+            service,
+            batch_bytes=3 * page_bytes("float32"),
+            page_message_bytes=message_bytes,
+        )
+        corrupting.serve_forever(0, idle_timeout_s=30)
     # pages of another dtype than the receiver's store
     service = make_service("float16")
     fill(service, 6, 12)
@@ -191,32 +202,34 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
 
 def _exchange_client(group: DistGroup) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for seed, dtype in enumerate(DTYPES):
-        service = make_service(dtype)
-        transport = DistPageTransport(group, service, timeout_s=20)
-        hashes = mixed_order(hashes_for(N_PAGES, seed))
-        if dtype == "float32":  # also through the fallback helper: dist works, no fallback
-            outcome = fetch_with_fallback(
-                service, [*hashes, UNKNOWN], dist=transport, peer_rank=1, grpc=None
-            )
-            out["fallback_transport"] = outcome.transport
-            out["fallback_reason"] = outcome.fallback_reason
-            assert outcome.dist is not None
-            result = outcome.dist
-        else:
-            result = transport.pull(1, [*hashes, UNKNOWN])
-        transport.hang_up(1)
-        order = {h: i for i, h in enumerate(hashes_for(N_PAGES, seed))}
-        expected = page_data(service.store, N_PAGES, seed)[[order[h] for h in hashes]]
-        out[dtype] = {
-            "inserted": [h.hex() for h in result.inserted],
-            "wanted": [h.hex() for h in hashes],
-            "missing": [h.hex() for h in result.missing],
-            "rejected": len(result.rejected),
-            "bit_exact": all(bytes_match(service, hashes, expected)),
-            "refs": sorted(set(service.ref_counts())),
-        }
-        service.check_invariants()
+    for layout in LAYOUTS:
+        for seed, dtype in enumerate(DTYPES):
+            service = make_service(dtype)
+            transport = DistPageTransport(group, service, timeout_s=20)
+            hashes = mixed_order(hashes_for(N_PAGES, seed))
+            ask = [*hashes, UNKNOWN, hashes[3]]  # a hash it lacks, a hash twice
+            if dtype == "float32":  # also through the fallback helper: dist works, no fallback
+                outcome = fetch_with_fallback(service, ask, dist=transport, peer_rank=1)
+                out[f"fallback_{layout}"] = [outcome.transport, outcome.fallback_reason]
+                assert outcome.dist is not None
+                result = outcome.dist
+            else:
+                result = transport.pull(1, ask)
+            transport.hang_up(1)
+            order = {h: i for i, h in enumerate(hashes_for(N_PAGES, seed))}
+            expected = page_data(service.store, N_PAGES, seed)[[order[h] for h in hashes]]
+            out[f"{layout}_{dtype}"] = {
+                "inserted": sorted(h.hex() for h in result.inserted),
+                "present": [h.hex() for h in result.present],
+                "wanted": sorted(h.hex() for h in hashes),
+                "twice": hashes[3].hex(),
+                "missing": [h.hex() for h in result.missing],
+                "rejected": len(result.rejected),
+                "bit_exact": all(bytes_match(service, hashes, expected)),
+                "cached": len(service.pool.cached_hashes()),
+                "refs": sorted(set(service.ref_counts())),
+            }
+            service.check_invariants()
     # push
     service = make_service("float32")
     result = DistPageTransport(group, service).receive_push(1)
@@ -226,25 +239,27 @@ def _exchange_client(group: DistGroup) -> dict[str, Any]:
         "bit_exact": all(bytes_match(service, hashes, page_data(service.store, N_PAGES, 10)[:8])),
     }
     # corrupted page
-    service = make_service("float32")
-    transport = DistPageTransport(group, service)
-    hashes = hashes_for(N_PAGES, 11)
-    result = transport.pull(1, hashes)
-    transport.hang_up(1)
-    expected = page_data(service.store, N_PAGES, 11)
-    cached = service.pool.cached_hashes()
-    good = [h for i, h in enumerate(hashes) if i != CORRUPT_AT]
-    out["corrupt"] = {
-        "rejected": [(h.hex(), why) for h, why in result.rejected],
-        "bad_hash": hashes[CORRUPT_AT].hex(),
-        "bad_cached": hashes[CORRUPT_AT] in cached,
-        "others_cached": all(h in cached for h in good),
-        "others_exact": all(
-            bytes_match(service, good, expected[[i for i in range(N_PAGES) if i != CORRUPT_AT]])
-        ),
-        "cached_count": len(cached),
-    }
-    service.check_invariants()
+    for layout in LAYOUTS:
+        service = make_service("float32")
+        transport = DistPageTransport(group, service)
+        hashes = hashes_for(N_PAGES, 11)
+        result = transport.pull(1, hashes)
+        transport.hang_up(1)
+        expected = page_data(service.store, N_PAGES, 11)
+        cached = service.pool.cached_hashes()
+        good = [h for i, h in enumerate(hashes) if i != CORRUPT_AT]
+        out[f"corrupt_{layout}"] = {
+            "rejected": [(h.hex(), why) for h, why in result.rejected],
+            "bad_hash": hashes[CORRUPT_AT].hex(),
+            "bad_cached": hashes[CORRUPT_AT] in cached,
+            "others_cached": all(h in cached for h in good),
+            "others_exact": all(
+                bytes_match(service, good, expected[[i for i in range(N_PAGES) if i != CORRUPT_AT]])
+            ),
+            "cached_count": len(cached),
+            "refs": sorted(set(service.ref_counts())),
+        }
+        service.check_invariants()
     # wrong dtype
     service = make_service("float32")
     transport = DistPageTransport(group, service)
@@ -263,7 +278,9 @@ def faults_server(ctx: PairContext) -> dict[str, Any]:
     group = ctx.join(1)
     service = make_service("float32")
     fill(service, N_PAGES, 20)
-    transport = DyingTransport(group, service, batch_bytes=4 * page_bytes("float32"))
+    transport = DyingTransport(
+        group, service, batch_bytes=4 * page_bytes("float32"), page_message_bytes=1
+    )
     transport.serve_forever(0, idle_timeout_s=30)  # exits the process mid-transfer
     return {"unexpected": "the dying server returned"}
 
@@ -387,32 +404,42 @@ def exchange(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
 # --------------------------------------------------------------------------- two ranks
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pulled_pages_are_bit_exact_in_every_dtype(exchange: Any, dtype: str) -> None:
+def test_pulled_pages_are_bit_exact_in_every_dtype(exchange: Any, dtype: str, layout: str) -> None:
     client, server = exchange
-    got = client[dtype]
+    got = client[f"{layout}_{dtype}"]
     assert got["inserted"] == got["wanted"]
     assert got["rejected"] == 0
     assert got["bit_exact"] is True
-    assert server[f"served_{dtype}"] == 1
+    assert got["cached"] == N_PAGES
+    assert server[f"served_{layout}_{dtype}"] == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_hash_the_peer_lacks_is_reported_missing_not_an_error(exchange: Any, dtype: str) -> None:
-    assert exchange[0][dtype]["missing"] == [UNKNOWN.hex()]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_hash_the_peer_lacks_is_reported_missing_not_an_error(exchange: Any, layout: str) -> None:
+    for dtype in DTYPES:
+        assert exchange[0][f"{layout}_{dtype}"]["missing"] == [UNKNOWN.hex()]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_pins_are_released_on_both_sides_after_a_transfer(exchange: Any, dtype: str) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_page_sent_twice_is_cached_once_and_reported_present(exchange: Any, layout: str) -> None:
+    for dtype in DTYPES:
+        got = exchange[0][f"{layout}_{dtype}"]
+        assert got["present"] == [got["twice"]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pins_and_reserved_pages_are_released_on_both_sides(exchange: Any, layout: str) -> None:
     client, server = exchange
-    assert client[dtype]["refs"] == [0]
-    assert server[f"refs_restored_{dtype}"] is True
+    for dtype in DTYPES:
+        assert client[f"{layout}_{dtype}"]["refs"] == [0]
+        assert server[f"refs_restored_{layout}_{dtype}"] is True
 
 
-def test_fetch_with_fallback_uses_dist_when_it_works(exchange: Any) -> None:
-    client, _ = exchange
-    assert client["fallback_transport"] == "dist"
-    assert client["fallback_reason"] is None
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fetch_with_fallback_uses_dist_when_it_works(exchange: Any, layout: str) -> None:
+    assert exchange[0][f"fallback_{layout}"] == ["dist", None]
 
 
 def test_pushed_pages_are_inserted_bit_exact(exchange: Any) -> None:
@@ -422,14 +449,16 @@ def test_pushed_pages_are_inserted_bit_exact(exchange: Any) -> None:
     assert client["push"] == {"inserted": 8, "bit_exact": True}
 
 
-def test_a_corrupted_page_is_rejected_and_the_rest_are_inserted(exchange: Any) -> None:
-    got = exchange[0]["corrupt"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_corrupted_page_is_rejected_and_the_rest_are_inserted(exchange: Any, layout: str) -> None:
+    got = exchange[0][f"corrupt_{layout}"]
     assert [h for h, _ in got["rejected"]] == [got["bad_hash"]]
     assert "ChecksumMismatch" in got["rejected"][0][1]
     assert got["bad_cached"] is False
     assert got["others_cached"] is True
     assert got["others_exact"] is True
     assert got["cached_count"] == N_PAGES - 1
+    assert got["refs"] == [0]
 
 
 def test_pages_of_another_dtype_are_rejected_with_a_format_error(exchange: Any) -> None:
@@ -587,6 +616,7 @@ def test_preamble_round_trips() -> None:
         ({4: 99}, "unknown dtype"),
         ({13: 1 << 20}, "exceeds"),
         ({3: -1}, "count"),
+        ({14: 7}, "unknown payload layout"),
     ],
 )
 def test_a_garbled_preamble_is_a_transport_error(words: dict[int, int], why: str) -> None:
