@@ -11,7 +11,7 @@ from kvmesh.benchmarks import bench_transfer
 from kvmesh.benchmarks.cli import BENCHES
 from kvmesh.errors import ConfigError
 
-TINY = ["--pages", "6", "--page-bytes", "4096", "--rounds", "2", "--timeout", "60"]
+TINY = ["--pages", "6", "--page-bytes", str(1 << 20), "--rounds", "2", "--timeout", "60"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,14 +27,19 @@ def test_transfer_is_registered_as_a_bench() -> None:
 def test_json_gives_one_object_per_transport_with_a_ratio_to_tcp(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert bench_transfer.run(parse([*TINY, "--transport", "both", "--json"])) == 0
+    assert (
+        bench_transfer.run(
+            parse([*TINY, "--transport", "both", "--json", "--batch-bytes", str(2 << 20)])
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert [obj["transport"] for obj in lines] == ["tcp", "grpc", "dist"]
     for obj in lines:
         assert obj["gb_per_s"] > 0
         assert obj["pages_per_s"] > 0
         assert obj["ratio_vs_tcp"] > 0
-        assert (obj["pages"], obj["page_bytes"], obj["bytes"]) == (6, 4096, 6 * 4096)
+        assert (obj["pages"], obj["page_bytes"], obj["bytes"]) == (6, 1 << 20, 6 << 20)
         assert obj["rounds"] == 2
     assert lines[0]["ratio_vs_tcp"] == 1.0
     tcp = lines[0]["gb_per_s"]
@@ -42,13 +47,21 @@ def test_json_gives_one_object_per_transport_with_a_ratio_to_tcp(
         assert obj["ratio_vs_tcp"] == pytest.approx(obj["gb_per_s"] / tcp, rel=0.05)
 
 
-def test_table_shows_the_asked_transport_next_to_tcp(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench_transfer.run(parse([*TINY, "--transport", "dist", "--gather"])) == 0
-    out = capsys.readouterr().out
-    rows = [line.split()[0] for line in out.splitlines()[2:] if line.strip()]
-    assert rows == ["tcp", "dist"]
-    assert "vs tcp" in out
-    assert "gathered" in out
+def test_table_shows_every_transport_next_to_tcp() -> None:
+    spec = bench_transfer.spec_from_args(parse(TINY))
+    figures = [
+        bench_transfer.Figure(
+            name, rate, rate * 1e3, rate / 2.0, 0.1, rate, 6, 4096, 24576, 2, name
+        )
+        for name, rate in (("tcp", 2.0), ("grpc", 0.5), ("dist", 1.5))
+    ]
+    rows = bench_transfer.render(spec, figures).splitlines()
+    assert "vs tcp" in rows[1]
+    assert [row.split()[:4] for row in rows[2:]] == [
+        ["tcp", "2.00", "2000", "100%"],
+        ["grpc", "0.50", "500", "25%"],
+        ["dist", "1.50", "1500", "75%"],
+    ]
 
 
 @pytest.mark.parametrize(
