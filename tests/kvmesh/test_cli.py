@@ -116,7 +116,7 @@ def _kvmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 def address() -> Iterator[str]:
     """`kvmesh start` with 2 workers, running in the background; yields its Ray address."""
     proc = subprocess.Popen(
-        [*CLI, "start", "--workers", "2", "--num-pages", "128", "--exit-after", "600"],
+        [*CLI, "start", "--workers", "2", "--num-pages", "256", "--exit-after", "600"],
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -202,7 +202,18 @@ def test_status_json_counts_the_requests_served(address: str) -> None:
 @pytest.mark.ray
 def test_demo_compares_policies_on_a_running_cluster(address: str, tmp_path: Path) -> None:
     plot = tmp_path / "report.png"
-    res = _kvmesh("demo", "--address", address, "--requests", "6", "--json", "--plot", str(plot))
+    res = _kvmesh(
+        "demo",
+        "--address",
+        address,
+        "--requests",
+        "6",
+        "--pages-per-block",
+        "1",
+        "--json",
+        "--plot",
+        str(plot),
+    )
     assert res.returncode == 0, res.stderr
     reports = [json.loads(line) for line in res.stdout.strip().splitlines()]
     assert [r["policy"] for r in reports] == ["kv_aware", "round_robin"]
