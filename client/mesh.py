@@ -196,8 +196,10 @@ class KVMesh:
         import ray
 
         from kvmesh.coordinator.actor import get_or_create_coordinator
+        from kvmesh.security import check_cluster
 
         cfg = config or ClusterConfig()
+        check_cluster(cfg)  # the security profile refuses before anything starts
         prefill = cfg.prefill_workers if prefill_workers is None else prefill_workers
         decode = cfg.decode_workers if decode_workers is None else decode_workers
         _check_connect(num_workers, prefill, decode, worker_num_cpus, retries, request_timeout_s)

@@ -50,7 +50,19 @@ def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> N
         "--transfer-host",
         default=None,
         help="bind address of the workers' gRPC page servers (default 127.0.0.1; "
-        "0.0.0.0 for multi-node)",
+        "0.0.0.0 for multi-node, with --allow-remote or the production profile)",
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="security profile: dev (default: loopback only) or production "
+        "(Ray token auth, gRPC TLS and a bearer token; see kvmesh.security)",
+    )
+    g.add_argument(
+        "--allow-remote",
+        action="store_true",
+        default=None,
+        help="dev profile: let the workers' gRPC servers bind beyond loopback",
     )
 
 
@@ -66,7 +78,9 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from kvmesh.config import (
         ClusterConfig,
         CoordinatorConfig,
+        HashConfig,
         PoolConfig,
+        SecurityConfig,
         TransferConfig,
         from_env,
     )
@@ -81,17 +95,27 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if (prefill > 0) != (decode > 0):
         raise ConfigError("disaggregation needs both --prefill-workers and --decode-workers")
     base = ClusterConfig()
-    pool = from_env(PoolConfig, num_pages=getattr(args, "num_pages", None))
-    coord = from_env(CoordinatorConfig, policy=getattr(args, "policy", None))
-    transfer = from_env(TransferConfig, host=getattr(args, "transfer_host", None))
+    # KVMESH_SEED names the cluster's hash seed (a string); the coordinator's routing seed
+    # (an int of the same field name) is not read from the environment.
+    coord = from_env(
+        CoordinatorConfig,
+        policy=getattr(args, "policy", None),
+        seed=CoordinatorConfig().seed,
+    )
     return dataclasses.replace(
         base,
         num_workers=getattr(args, "workers", None) or base.num_workers,
         prefill_workers=prefill,
         decode_workers=decode,
-        pool=pool,
+        hash=from_env(HashConfig),
+        pool=from_env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
         coordinator=coord,
-        transfer=transfer,
+        transfer=from_env(TransferConfig, host=getattr(args, "transfer_host", None)),
+        security=from_env(
+            SecurityConfig,
+            profile=getattr(args, "profile", None),
+            allow_remote=getattr(args, "allow_remote", None),
+        ),
     )
 
 

@@ -30,7 +30,7 @@ def _kvmesh_calls(name: str) -> list[list[str]]:
     text = text.replace("\\\n", " ")
     calls = []
     for m in KVMESH_CALL.finditer(text):
-        argv = shlex.split(m.group(1))
+        argv = shlex.split(m.group(1), comments=True)
         if argv and argv[0] in COMMANDS:
             calls.append(argv)
     return calls

@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import (
+    ConfigError,
     InvalidInput,
     InvariantViolation,
     KVMeshError,
@@ -147,7 +148,6 @@ class WorkerStats:
     pages_pulled: int
     pages_computed: int
     pages_pushed: int
-    pages_received: int
     batches_sent: int
     snapshots_sent: int
     last_seq: int
@@ -196,8 +196,13 @@ class WorkerActor:
         from kvmesh.worker.serving import ServingEngine
         from kvmesh.worker.transfer_server import ServerThread
 
-        torch.set_num_threads(spec.torch_threads)
         cfg = spec.config
+        if cfg.transfer.transport != "grpc":
+            raise ConfigError(
+                f"transport {cfg.transfer.transport!r} is not wired into the worker actor: it "
+                "pulls and pushes over gRPC; set TransferConfig.transport='grpc'"
+            )
+        torch.set_num_threads(spec.torch_threads)
         page_size = cfg.hash.page_size
         self.spec = spec
         self.config = cfg
@@ -553,7 +558,6 @@ class WorkerActor:
             pages_pulled=c.pages_pulled,
             pages_computed=c.pages_computed,
             pages_pushed=c.pages_pushed,
-            pages_received=0,
             batches_sent=c.batches_sent,
             snapshots_sent=c.snapshots_sent,
             last_seq=self._next_seq - 1,
