@@ -483,8 +483,10 @@ class KVMesh:
         w = self._workers.get(worker_id)
         if w is None:  # registered after we connected (or by another client)
             infos = await self._call(self._coordinator.workers.remote(), None)
+            # ray.get_actor blocks on the GCS: keep it off the event loop
+            found = await asyncio.get_running_loop().run_in_executor(None, _attach, infos)
             with self._lock:
-                self._workers.update(_attach(infos))
+                self._workers.update(found)
             w = self._workers.get(worker_id)
         if w is None:
             raise NoWorkers(f"the coordinator routed to {worker_id!r}, whose actor is not found")

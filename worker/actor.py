@@ -125,6 +125,7 @@ class PrefillResult:
     pages_pushed: int
     prefill_ms: float
     push_ms: float
+    push_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +253,11 @@ class WorkerActor:
         self._heartbeat_s = cfg.coordinator.heartbeat_interval_s
         self._rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
         if coordinator is not None:
-            self._register()
+            try:
+                self._register()
+            except BaseException:
+                self._server.stop()  # do not leave a server thread behind a failed start
+                raise
             self.flush()
         self._thread = threading.Thread(
             target=self._heartbeat_loop, name=f"kvmesh-heartbeat-{self.worker_id}", daemon=True
@@ -300,8 +305,8 @@ class WorkerActor:
         """Disaggregation, prefill side: compute the prompt's pages, push them to `push_to`.
 
         Pushes every full page of the prompt (the decode worker skips those it
-        already holds). A failed push raises `TransportError`; the decode worker
-        would then compute the pages itself, so the client may still go on.
+        already holds). A failed push is not an error: `push_error` says why and
+        `pages_pushed` is 0, and the decode worker computes what it lacks.
         """
         if not push_to:
             raise InvalidInput("prefill needs the decode worker's address to push to")
@@ -319,7 +324,12 @@ class WorkerActor:
         result = self.generate(prefill_only)
         t1 = time.perf_counter()
         hashes = self.hasher.hash_prompt(request.token_ids, request.extra_keys)
-        pushed = self._push(push_to, hashes) if hashes else 0
+        pushed, push_error = 0, None
+        try:
+            pushed = self._push(push_to, hashes) if hashes else 0
+        except KVMeshError as exc:
+            push_error = f"{type(exc).__name__}: {exc}"
+            log.warning("push to %s failed; the decode worker will compute: %s", push_to, exc)
         self._bump("pages_pushed", pushed)
         return PrefillResult(
             request.request_id,
@@ -330,6 +340,7 @@ class WorkerActor:
             pushed,
             (t1 - t0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
+            push_error,
         )
 
     def compute_from_scratch(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
