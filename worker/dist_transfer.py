@@ -6,26 +6,32 @@ NCCL when the KV store is on CUDA, gloo on CPU, the same code. One transfer
 of ``n`` pages between two ranks::
 
     preamble  int64[16]      magic, version, kind, count, dtype code, ndim,
-                             shape[6], meta bytes, largest batch (pages), 0, 0
+                             shape[6], meta bytes, largest batch, layout, 0
     meta      uint8[...]     msgpack [[hash, parent, tokens, lora, tier] per page,
                              [missing hashes], [pages per batch]]
     for each batch of k pages (at most `batch_bytes`):
-      checksums int64[k]     xxh3-64 of each page's bytes
-      payload   uint8[k * page bytes]   the pages as one contiguous tensor
+      checksums int64[k]     xxh3-64 of each page's bytes (from `PageService.export`)
+      payload                Layout.BATCH: uint8[k * page bytes], one contiguous tensor
+                             Layout.PAGES: k tensors of one page each
 
-A batch is either a run of consecutive page ids, sent in place from the KV
-tensor (no copy), or scattered pages gathered into a reused buffer with one
-`index_select` (`plan_batches`). Pages of at least `page_message_bytes`
-(1 MiB) travel instead as one message each (`Layout.PAGES`), from the
-sender's KV tensor straight into pages the receiver has reserved in its
-pool: on a machine where copies bound the speed, every pass over the bytes
-counts (see `kvmesh bench transfer`). Every size the receiver posts follows from
-the meta, so it receives batch ``i + 1`` (in the background, into a second
-buffer) while it checks and inserts batch ``i``; the sender checksums and
-gathers batch ``i + 1`` while batch ``i`` is on the wire. The receiver checks every page with `PageService.insert`
-(dtype, shape, size, checksum and, with token ids, the hash chain: the same
-checks as the gRPC path) before the page enters its pool; a page that fails
-is dropped and reported, the others are inserted.
+`Layout.BATCH` (small pages): a batch is a run of consecutive page ids sent
+in place from the KV tensor, or scattered pages gathered into a reused
+buffer with one `index_select` (`plan_batches`); the receiver takes it into
+a buffer and checks and inserts each page with `PageService.insert`.
+`Layout.PAGES` (pages of at least 1 MiB, where one message per page costs
+nothing): each page goes from the sender's KV tensor straight into a page
+the receiver reserved in its pool, is checked there with
+`PageService.check` and cached only if it passed, so no byte is copied
+outside the socket. Copies bound the speed on loopback, so each pass over
+the bytes counts (see `kvmesh bench transfer`).
+
+Every size the receiver posts follows from the meta, so it posts the next
+batches (two buffers, or `depth` batches of reserved pages) before it
+checks the current one, and the sender checksums batch ``i + 1`` while
+batch ``i`` is on the wire. Either way a page enters the pool only after
+the same checks as the gRPC path (dtype, shape, size, checksum and, with
+token ids, the hash chain); a page that fails is dropped and reported, the
+others are inserted.
 
 Pull and push share that framing. A pull sends a REQUEST (the hashes, in
 the meta) to the peer's serving loop (`serve_forever`) on `SERVE_TAG`; the
@@ -40,7 +46,8 @@ timeout, peer gone, send/recv error or timeout, a garbled preamble) raises
 `TransportError` and marks the group broken (gloo closes the connection on a
 timeout, so a broken group is never reused); callers then fall back to gRPC
 (`fetch_with_fallback`). Pages a failed pull had already checked and inserted
-stay (they are valid); the rest are not inserted.
+stay (they are valid); the rest are not inserted, and pages reserved for
+them go back to the pool.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import logging
 import math
 import socket
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -109,9 +116,9 @@ DEFAULT_BATCH_BYTES = 64 * 1024 * 1024
 MIN_IN_PLACE_BYTES = 1024 * 1024
 """A run of consecutive pages at least this big is sent in place instead of gathered."""
 PAGE_MESSAGE_BYTES = 1024 * 1024
+"""Pages at least this big travel one message each, received in place (`Layout.PAGES`)."""
 DEFAULT_DEPTH = 4
 """Batches in flight per `Layout.PAGES` transfer (sent ahead, received ahead)."""
-"""Pages at least this big travel one message each, received in place (`Layout.PAGES`)."""
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -148,7 +155,7 @@ def assign_ranks(worker_ids: Iterable[WorkerId]) -> dict[WorkerId, int]:
     ids = list(worker_ids)
     if not ids:
         raise InvalidInput("assign_ranks needs at least one worker id")
-    dupes = sorted({w for w in ids if ids.count(w) > 1})
+    dupes = sorted(w for w, n in Counter(ids).items() if n > 1)
     if dupes:
         raise InvalidInput(f"worker ids must be unique, got duplicates {dupes}")
     return {w: rank for rank, w in enumerate(sorted(ids))}
@@ -295,6 +302,7 @@ class DistGroup:
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout
             )
         except (RuntimeError, ValueError, OSError) as exc:
+            _forget_failed_init()
             raise TransportError(
                 f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "
                 f"{rank}/{world_size} ({backend}) within {timeout_s:g}s: {_first_line(exc)}"
@@ -401,6 +409,18 @@ class DistGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _forget_failed_init() -> None:
+    """Undo what a failed `init_process_group` leaves behind, so that a retry can meet.
+
+    torch names the default group's store keys by a process-wide counter that
+    it resets only when a group is destroyed; a failed init has advanced it,
+    and a retry would then wait under other keys than fresh peers write.
+    """
+    c10d = dist.distributed_c10d
+    if not dist.is_initialized() and hasattr(c10d, "_world"):
+        c10d._world.group_count = 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -718,6 +738,11 @@ class DistPageTransport:
         Raises `TransportError` when the group fails; pages checked and
         inserted before the failure stay.
         """
+        if len(hashes) > MAX_PAGES_PER_TRANSFER:
+            raise InvalidInput(
+                f"a pull asks for at most {MAX_PAGES_PER_TRANSFER} pages, got {len(hashes)}; "
+                "split it"
+            )
         request = encode_request([check_hash(h) for h in hashes])
         with self._peer_lock(src):
             self._send_small(src, SERVE_TAG, Preamble(Kind.REQUEST, len(hashes)), request)

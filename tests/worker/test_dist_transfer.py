@@ -558,6 +558,28 @@ def test_fetch_falls_back_when_no_group_is_configured(
     assert any("no torch.distributed group" in r.getMessage() for r in caplog.records)
 
 
+def _join_and_leave(port: int) -> None:
+    DistGroup.init(1, 2, "127.0.0.1", port, timeout_s=30).close()
+
+
+def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
+    with pytest.raises(TransportError, match="rendezvous"):
+        DistGroup.init(0, 2, "127.0.0.1", free_port(), timeout_s=0.5)  # nobody comes
+    port = free_port()
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_join_and_leave, args=(port,), daemon=True
+    )
+    peer.start()
+    try:
+        group = DistGroup.init(0, 2, "127.0.0.1", port, timeout_s=30)
+        group.close()
+    finally:
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+    assert peer.exitcode == 0
+
+
 def test_fetch_raises_when_dist_fails_and_there_is_no_grpc_peer() -> None:
     with pytest.raises(TransportError, match="no gRPC peer"):
         fetch_with_fallback(make_service(), hashes_for(2, 0), dist=None, grpc=None)
