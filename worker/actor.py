@@ -415,7 +415,7 @@ class WorkerActor:
         reuse = (request.promised_local + request.promised_pull) * self.hasher.page_size
         try:
             load = self._load(max(0, len(request.token_ids) - reuse))
-            self._coordinator.heartbeat.remote(self.worker_id, load)
+            self._rpc("heartbeat", self.worker_id, load, wait=False)
         except Exception as exc:  # an announcement is best effort
             log.warning("load announcement failed: %s", _unwrap(exc))
 
@@ -463,8 +463,6 @@ class WorkerActor:
         if self._coordinator is None:
             self.pages.take_events()
             return False
-        import ray
-
         with self._flush_lock:
             if self._needs_snapshot:
                 self._unacked.clear()  # the snapshot covers them
@@ -477,8 +475,7 @@ class WorkerActor:
                 self._unacked.append(data)
             batches = list(self._unacked)
             try:
-                ref = self._coordinator.report.remote(self.worker_id, batches, self._load())
-                reply = ray.get(ref, timeout=self._rpc_timeout_s)
+                reply = self._rpc("report", self.worker_id, batches, self._load())
             except Exception as exc:
                 cause = _unwrap(exc)
                 if isinstance(cause, UnknownWorker):  # expired, or the coordinator lost us
@@ -506,22 +503,32 @@ class WorkerActor:
         except Exception:  # reporting must never fail a request
             log.exception("flushing events failed")
 
-    def _register(self) -> None:
+    def _rpc(self, method: str, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+        """Call the coordinator: a Ray actor handle (awaited up to the RPC timeout unless
+        not `wait`) or, in one process (tests, tools), a plain `Coordinator`."""
+        fn = getattr(self._coordinator, method)
+        remote = getattr(fn, "remote", None)
+        if remote is None:
+            return fn(*args, **kwargs)
+        ref = remote(*args, **kwargs)
+        if not wait:
+            return None
         import ray
 
+        return ray.get(ref, timeout=self._rpc_timeout_s)
+
+    def _register(self) -> None:
         if self._coordinator is None:
             return
-        ray.get(
-            self._coordinator.register_worker.remote(
-                self.worker_id,
-                self.address,
-                self.pool.num_pages - 1,
-                self.incarnation,
-                self.role,
-                worker_actor_name(self.worker_id),
-                self.config.coordinator.namespace,
-            ),
-            timeout=self._rpc_timeout_s,
+        self._rpc(
+            "register_worker",
+            self.worker_id,
+            self.address,
+            self.pool.num_pages - 1,
+            self.incarnation,
+            self.role,
+            actor_name=worker_actor_name(self.worker_id),
+            actor_namespace=self.config.coordinator.namespace,
         )
         self._needs_snapshot = True
 
@@ -594,16 +601,11 @@ class WorkerActor:
 
         Waits up to `timeout_s` for running requests; True when none is left.
         """
-        import ray
-
         self._draining = True
         self._server.set_serving(False)
         if self._coordinator is not None:
             try:
-                ray.get(
-                    self._coordinator.drain_worker.remote(self.worker_id, True),
-                    timeout=self._rpc_timeout_s,
-                )
+                self._rpc("drain_worker", self.worker_id, True)
             except Exception as exc:
                 log.warning("could not tell the coordinator about draining: %s", _unwrap(exc))
         deadline = time.monotonic() + timeout_s

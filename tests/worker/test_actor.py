@@ -1,0 +1,234 @@
+"""The worker actor's wiring, in one process: real pools, models, gRPC servers and coordinator.
+
+`WorkerActor` is a plain class; given a plain `Coordinator` (not a Ray
+handle) it calls it directly, so these tests exercise the event protocol
+(ordered batches, resend, snapshot on resync), pulls, pushes and draining
+without Ray. Heartbeats are made rare so that only explicit flushes report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig, TransferConfig
+from kvmesh.coordinator.service import Coordinator
+from kvmesh.errors import ConfigError, TransportError
+from kvmesh.events import decode_batch
+from kvmesh.hashing import PageHasher
+from kvmesh.types import WorkerId
+from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.model import TinyTransformer
+from kvmesh.worker.transfer_client import SyncPeerClient
+
+CONFIG = dataclasses.replace(
+    ClusterConfig(),
+    pool=PoolConfig(num_pages=64),
+    coordinator=CoordinatorConfig(heartbeat_interval_s=3600.0, heartbeat_timeout_s=3600.0),
+)
+PAGE = CONFIG.hash.page_size
+HASHER = PageHasher.from_config(CONFIG.hash)
+_rng = random.Random(7)
+
+
+def prompt(pages: int) -> tuple[int, ...]:
+    return tuple(_rng.randrange(CONFIG.model.vocab_size) for _ in range(pages * PAGE + 3))
+
+
+def request(tokens: tuple[int, ...], max_tokens: int = 3, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(f"r{_rng.getrandbits(48):x}", tokens, max_tokens, **kw)
+
+
+class Link:
+    """The coordinator as a worker sees it: forwards to `target`, records and can fail reports."""
+
+    def __init__(self, target: Coordinator) -> None:
+        self.target = target
+        self.batches: list[bytes] = []
+        self.fail_next = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+    def report(self, worker_id: WorkerId, batches: list[bytes], load: Any = None) -> Any:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise TransportError("injected: the coordinator is unreachable")
+        self.batches.extend(batches)
+        return self.target.report(worker_id, batches, load)
+
+
+@pytest.fixture()
+def link() -> Link:
+    return Link(Coordinator(CONFIG.coordinator))
+
+
+@pytest.fixture()
+def workers(link: Link) -> Iterator[list[WorkerActor]]:
+    made = [WorkerActor(WorkerSpec(WorkerId(f"w{i}"), CONFIG), link) for i in range(2)]
+    try:
+        yield made
+    finally:
+        for w in made:
+            w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyTransformer:
+    return TinyTransformer(CONFIG.model)
+
+
+def index_equals_pool(coordinator: Coordinator, worker: WorkerActor) -> bool:
+    return coordinator.index.worker_pages(worker.worker_id) == frozenset(
+        worker.pool.cached_hashes()
+    )
+
+
+def test_a_served_prompt_is_in_the_index_when_generate_returns(
+    link: Link, workers: list[WorkerActor], model: TinyTransformer
+) -> None:
+    w0 = workers[0]
+    tokens = prompt(4)
+    result = w0.generate(request(tokens, 5))
+    assert list(result.tokens) == model.generate(list(tokens), 5)
+    hashes = HASHER.hash_prompt(tokens)
+    assert link.target.match(hashes).pages == {"w0": 4}
+    assert index_equals_pool(link.target, w0)
+
+
+def test_batches_carry_one_incarnation_and_consecutive_seqs_starting_with_a_snapshot(
+    link: Link, workers: list[WorkerActor]
+) -> None:
+    w0 = workers[0]
+    for _ in range(3):
+        w0.generate(request(prompt(2)))
+    mine = [decode_batch(b) for b in link.batches if decode_batch(b).worker_id == "w0"]
+    assert mine[0].snapshot
+    assert [b.seq for b in mine] == list(range(len(mine)))
+    assert {b.incarnation for b in mine} == {w0.incarnation}
+    assert len(mine) >= 4
+
+
+def test_a_failed_report_is_resent_and_the_index_catches_up(
+    link: Link, workers: list[WorkerActor]
+) -> None:
+    w0 = workers[0]
+    link.fail_next = 1
+    tokens = prompt(3)
+    w0.generate(request(tokens))  # its report fails: the batch stays queued
+    assert link.target.match(HASHER.hash_prompt(tokens)).pages == {}
+    assert w0.flush()  # resent, in order
+    assert link.target.match(HASHER.hash_prompt(tokens)).pages == {"w0": 3}
+    assert index_equals_pool(link.target, w0)
+    assert link.target.stats().batches_stale == 0
+
+
+def test_a_restarted_coordinator_gets_registration_and_a_snapshot(
+    link: Link, workers: list[WorkerActor]
+) -> None:
+    w0 = workers[0]
+    tokens = prompt(3)
+    w0.generate(request(tokens))
+    link.target = Coordinator(CONFIG.coordinator)  # state lost, as after a restart
+    assert not w0.flush()  # UnknownWorker: registers again
+    assert w0.flush()  # then sends its whole cached set
+    assert link.target.match(HASHER.hash_prompt(tokens)).pages == {"w0": 3}
+    assert index_equals_pool(link.target, w0)
+
+
+def test_snapshot_rebuilds_an_index_that_lost_the_worker(
+    link: Link, workers: list[WorkerActor]
+) -> None:
+    w0 = workers[0]
+    w0.generate(request(prompt(5)))
+    fresh = Coordinator(CONFIG.coordinator)
+    fresh.register_worker(WorkerId("w0"), w0.address, 63, w0.incarnation)
+    result = fresh.rebuild_from_snapshots({WorkerId("w0"): w0.snapshot()})
+    assert not result.failed
+    assert index_equals_pool(fresh, w0)
+
+
+def test_a_worker_pulls_the_pages_a_named_peer_holds_over_grpc(
+    workers: list[WorkerActor], model: TinyTransformer
+) -> None:
+    w0, w1 = workers
+    shared = prompt(6)
+    w0.generate(request(shared))
+    tokens = shared + tuple(prompt(1))
+    result = w1.generate(request(tokens, 4, promised_pull=6, peer_address=w0.address))
+    assert (result.pages_pulled, result.pages_hit_local, result.pull_error) == (6, 0, None)
+    assert list(result.tokens) == model.generate(list(tokens), 4)
+    assert w1.stats().pages_pulled == 6
+
+
+def test_a_pull_from_an_unreachable_peer_computes_instead(
+    workers: list[WorkerActor], model: TinyTransformer
+) -> None:
+    tokens = prompt(3)
+    dead = "127.0.0.1:1"  # nothing listens there
+    result = workers[1].generate(request(tokens, 2, promised_pull=3, peer_address=dead))
+    assert result.pages_pulled == 0
+    assert result.pages_computed == 4
+    assert result.pull_error is not None
+    assert list(result.tokens) == model.generate(list(tokens), 2)
+
+
+def test_prefill_pushes_the_prompt_pages_and_the_decode_worker_continues_from_them(
+    workers: list[WorkerActor], model: TinyTransformer
+) -> None:
+    prefill, decode = workers
+    tokens = prompt(5)
+    done = prefill.prefill(request(tokens), decode.address)
+    assert (done.pages_pushed, done.push_error) == (5, None)
+    assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
+    result = decode.generate(request(tokens, 6, promised_local=5))
+    assert (result.pages_hit_local, result.pages_computed) == (5, 1)
+    assert list(result.tokens) == model.generate(list(tokens), 6)
+
+
+def test_a_failed_push_is_reported_not_raised(workers: list[WorkerActor]) -> None:
+    done = workers[0].prefill(request(prompt(2)), "127.0.0.1:1")
+    assert done.pages_pushed == 0
+    assert done.push_error is not None
+
+
+def test_drain_marks_the_worker_draining_and_not_serving(
+    link: Link, workers: list[WorkerActor]
+) -> None:
+    w0 = workers[0]
+    assert w0.drain(timeout_s=5)
+    assert link.target.registry_info(WorkerId("w0")).draining
+    with SyncPeerClient(w0.address, CONFIG.transfer) as client:
+        assert client.health() == "NOT_SERVING"
+    assert w0.stats().draining
+
+
+def test_reset_cache_empties_the_pool_and_the_index(link: Link, workers: list[WorkerActor]) -> None:
+    w0 = workers[0]
+    w0.generate(request(prompt(3)))
+    w0.reset_cache()
+    assert w0.pool.cached_hashes() == set()
+    assert link.target.index.worker_pages(WorkerId("w0")) == frozenset()
+    assert w0.stats().requests == 0
+
+
+def test_stats_count_requests_and_pages(workers: list[WorkerActor]) -> None:
+    w1 = workers[1]
+    tokens = prompt(2)
+    w1.generate(request(tokens))
+    w1.generate(request(tokens))
+    stats = w1.stats()
+    assert stats.requests == 2
+    assert (stats.pages_hit_local, stats.pages_computed, stats.prompt_pages) == (2, 4, 6)
+    assert stats.page_hit_ratio == pytest.approx(2 / 6)
+    assert stats.cached_pages == 2
+
+
+def test_a_transport_the_actor_does_not_wire_is_refused() -> None:
+    cfg = dataclasses.replace(CONFIG, transfer=TransferConfig(transport="dist"))
+    with pytest.raises(ConfigError, match="grpc"):
+        WorkerActor(WorkerSpec(WorkerId("x"), cfg))
