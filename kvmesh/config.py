@@ -90,6 +90,9 @@ class TransferConfig:
     fetch_streams: int = 2  # concurrent FetchPages streams (own connections) per pull
     retries: int = 3  # extra attempts on UNAVAILABLE, idempotent calls only
     retry_backoff_s: float = 0.05  # first backoff; doubles, jittered, within the deadline
+    dist_timeout_s: float = 30.0  # torch.distributed: rendezvous and every send/recv wait
+    dist_batch_bytes: int = 64 * 1024 * 1024  # torch.distributed: largest batch per send
+    dist_depth: int = 4  # torch.distributed: batches in flight (pages >= 1 MiB)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kvmesh.config import TransferConfig
 from kvmesh.errors import (
     ConfigError,
     InvalidInput,
@@ -729,6 +730,20 @@ class DistPageTransport:
         self._recv_bufs = _Buffers(store.device)
         self._send_guard = threading.Lock()
         self._recv_guard = threading.Lock()
+
+    @classmethod
+    def from_config(
+        cls, group: DistGroup, service: PageService, config: TransferConfig
+    ) -> DistPageTransport:
+        """A transport with `TransferConfig`'s ``dist_*`` settings."""
+        return cls(
+            group,
+            service,
+            batch_bytes=config.dist_batch_bytes,
+            max_batch_bytes=max(DEFAULT_MAX_BATCH_BYTES, config.dist_batch_bytes),
+            depth=config.dist_depth,
+            timeout_s=config.dist_timeout_s,
+        )
 
     # -- public calls ------------------------------------------------------
 

@@ -680,6 +680,13 @@ def test_batches_send_long_runs_in_place_and_gather_the_rest() -> None:
     assert plan_batches([], 4, 1) == []
 
 
+def test_transport_takes_its_settings_from_the_transfer_config() -> None:
+    group = DistGroup(0, 2, "gloo", torch.device("cpu"), 1.0)  # never joined: only read
+    config = TransferConfig(dist_batch_bytes=8 << 20, dist_depth=6, dist_timeout_s=7.0)
+    transport = DistPageTransport.from_config(group, make_service(), config)
+    assert (transport.batch_bytes, transport.depth, transport.timeout_s) == (8 << 20, 6, 7.0)
+
+
 def test_transport_refuses_a_store_on_another_device_than_the_group() -> None:
     group = DistGroup(0, 2, "nccl", torch.device("cuda"), 1.0)  # never joined: only checked
     with pytest.raises(ConfigError, match="device"):
