@@ -81,7 +81,13 @@ from kvmesh.errors import (
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import DTYPES, PageBlob
-from kvmesh.worker.page_service import MAX_HASH_BYTES, IncomingPage, PageService, check_hash
+from kvmesh.worker.page_service import (
+    MAX_HASH_BYTES,
+    IncomingPage,
+    PageInfo,
+    PageService,
+    check_hash,
+)
 
 log = logging.getLogger(__name__)
 
@@ -827,12 +833,21 @@ class DistPageTransport:
     def _send_pages(self, dst: int, tag: int, hashes: Sequence[PageHash]) -> SendResult:
         service, store = self.service, self.service.store
         with service.pinned(hashes) as ids:
-            held = [(h, pid) for h, pid in zip(hashes, ids, strict=True) if pid is not None]
-            missing = tuple(h for h, pid in zip(hashes, ids, strict=True) if pid is None)
-            infos = [service.page_info(pid) for _, pid in held]
-            wire = [
-                WirePage(i.page_hash, i.parent_hash, i.token_ids, i.lora_id, i.tier) for i in infos
-            ]
+            held: list[tuple[PageHash, PageId]] = []
+            wire: list[WirePage] = []
+            gone: list[PageHash] = []
+            for h, pid in zip(hashes, ids, strict=True):
+                info = self._info(pid, h)
+                if pid is None or info is None:
+                    gone.append(h)
+                    continue
+                held.append((h, pid))
+                wire.append(
+                    WirePage(
+                        info.page_hash, info.parent_hash, info.token_ids, info.lora_id, info.tier
+                    )
+                )
+            missing = tuple(gone)
             page_ids: list[PageId] = [pid for _, pid in held]
             batch_pages = max(1, self.batch_bytes // store.page_nbytes)
             layout = Layout.PAGES if store.page_nbytes >= self.page_message_bytes else Layout.BATCH
@@ -858,6 +873,16 @@ class DistPageTransport:
                     nbytes = self._send_batches(dst, tag, plan, page_ids)
             # The pins end only when the peer has every byte: sends are waited on above.
         return SendResult(tuple(h for h, _ in held), missing, nbytes)
+
+    def _info(self, page_id: PageId | None, page_hash: PageHash) -> PageInfo | None:
+        """What the meta says of a pinned page; None if its hash was evicted meanwhile."""
+        if page_id is None:
+            return None
+        try:
+            info = self.service.page_info(page_id)
+        except InvalidInput:
+            return None
+        return info if info.page_hash == page_hash else None
 
     def _send_batches(
         self, dst: int, tag: int, plan: list[tuple[int, int, bool]], page_ids: list[PageId]
@@ -1144,9 +1169,10 @@ class DistPageTransport:
         after another error could yet write: those pages stay held (logged).
         """
         held: list[KVPage] = []
+        failed = transport_failed or self.group.broken is not None
         for batch in posted.values():
             mine = [slot for slot in batch.slots if slot is not None]
-            if batch.works and not transport_failed:
+            if batch.works and not failed:
                 self.group.mark_broken("a page receive was abandoned after an error")
                 log.error(
                     "keeping %d reserved pages held: a receive into them is still posted", len(mine)
