@@ -486,10 +486,19 @@ class KVMesh:
             # ray.get_actor blocks on the GCS: keep it off the event loop
             found = await asyncio.get_running_loop().run_in_executor(None, _attach, infos)
             with self._lock:
-                self._workers.update(found)
+                for wid, got in found.items():
+                    # Keep the handle already held for the same actor: for a worker this
+                    # client created it is the owner's handle, and Ray destroys an actor
+                    # once its owner drops it (a get_actor handle does not keep it alive).
+                    known = self._workers.get(wid)
+                    if known is None or known.actor._actor_id != got.actor._actor_id:
+                        self._workers[wid] = got
             w = self._workers.get(worker_id)
-        if w is None:
-            raise NoWorkers(f"the coordinator routed to {worker_id!r}, whose actor is not found")
+        if w is None:  # gone (killed, or forgotten by a concurrent request): route again
+            raise _Died(
+                worker_id,
+                NoWorkers(f"the coordinator routed to {worker_id!r}, whose actor is gone"),
+            )
         return w
 
     def _promise(self, decision: Any, num_tokens: int) -> tuple[int, int, str | None]:
