@@ -1191,25 +1191,46 @@ class DistPageTransport:
         buf: Tensor,
         outcome: _Outcome,
     ) -> None:
-        """Check and insert each page of a received batch; a bad page is rejected alone."""
+        """Check and insert the pages of a received batch; a bad page is rejected alone.
+
+        One `PageService.insert_many` for the batch (one pass under the lock);
+        only if it refuses (all or nothing) are the pages retried one by one,
+        so that the good ones still go in.
+        """
         host = buf.cpu().numpy().reshape(len(pages), pre.page_nbytes)
         checks = sums.cpu().numpy().view(np.uint64).tolist()
-        dtype, shape, insert = pre.dtype_name, pre.shape, self.service.insert
+        dtype, shape = pre.dtype_name, pre.shape
+        incoming = [
+            IncomingPage(
+                p.page_hash,
+                p.parent_hash,
+                p.token_ids,
+                PageBlob(host[i].data, dtype, shape, checks[i]),
+                p.lora_id,
+            )
+            for i, p in enumerate(pages)
+        ]
+        try:
+            news = self.service.insert_many(incoming)
+        except KVMeshError:
+            news = None
+        if news is not None:
+            for page, new in zip(incoming, news, strict=True):
+                (outcome.inserted if new else outcome.present).append(page.page_hash)
+            return
         before = len(outcome.rejected)
-        for i, page in enumerate(pages):
-            blob = PageBlob(memoryview(host[i]), dtype, shape, checks[i])
+        for page in incoming:
             try:
-                new = insert(page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id)
+                new = self.service.insert_many([page])[0]
             except KVMeshError as exc:
                 outcome.rejected.append((page.page_hash, f"{type(exc).__name__}: {exc}"))
                 continue
             (outcome.inserted if new else outcome.present).append(page.page_hash)
-        if len(outcome.rejected) > before:  # one line per batch, not per page
-            log.warning(
-                "rejected %d received page(s) of a batch; first: %s",
-                len(outcome.rejected) - before,
-                outcome.rejected[before][1],
-            )
+        log.warning(
+            "rejected %d received page(s) of a batch; first: %s",
+            len(outcome.rejected) - before,
+            outcome.rejected[before][1] if len(outcome.rejected) > before else "-",
+        )
 
     # -- helpers -----------------------------------------------------------
 
