@@ -51,7 +51,7 @@ N_PAGES = 40
 SEED = "dist-test"
 UNKNOWN = PageHash(b"\x01" * 32)
 CORRUPT_AT = 5
-PAIR_TIMEOUT_S = 90.0
+PAIR_TIMEOUT_S = 120.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -173,7 +173,7 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
                 page_message_bytes=message_bytes,
                 timeout_s=20,
             )
-            out[f"served_{layout}_{dtype}"] = transport.serve_forever(0, idle_timeout_s=30)
+            out[f"served_{layout}_{dtype}"] = transport.serve_forever(0, idle_timeout_s=60)
             out[f"refs_restored_{layout}_{dtype}"] = service.ref_counts() == before
     # push: eight float32 pages to rank 0
     service = make_service("float32")
@@ -192,11 +192,11 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
             batch_bytes=3 * page_bytes("float32"),
             page_message_bytes=message_bytes,
         )
-        corrupting.serve_forever(0, idle_timeout_s=30)
+        corrupting.serve_forever(0, idle_timeout_s=60)
     # pages of another dtype than the receiver's store
     service = make_service("float16")
     fill(service, 6, 12)
-    DistPageTransport(group, service).serve_forever(0, idle_timeout_s=30)
+    DistPageTransport(group, service).serve_forever(0, idle_timeout_s=60)
     return out
 
 
@@ -281,7 +281,7 @@ def faults_server(ctx: PairContext) -> dict[str, Any]:
     transport = DyingTransport(
         group, service, batch_bytes=4 * page_bytes("float32"), page_message_bytes=1
     )
-    transport.serve_forever(0, idle_timeout_s=30)  # exits the process mid-transfer
+    transport.serve_forever(0, idle_timeout_s=60)  # exits the process mid-transfer
     return {"unexpected": "the dying server returned"}
 
 
@@ -336,7 +336,7 @@ class PairContext:
         self.rank, self.ports, self.out_dir = rank, ports, out_dir
 
     def join(self, i: int) -> DistGroup:
-        return DistGroup.init(self.rank, 2, "127.0.0.1", self.ports[i], timeout_s=30)
+        return DistGroup.init(self.rank, 2, "127.0.0.1", self.ports[i], timeout_s=60)
 
     def set_flag(self, name: str) -> None:
         (self.out_dir / name).touch()
@@ -559,7 +559,7 @@ def test_fetch_falls_back_when_no_group_is_configured(
 
 
 def _join_and_leave(port: int) -> None:
-    DistGroup.init(1, 2, "127.0.0.1", port, timeout_s=30).close()
+    DistGroup.init(1, 2, "127.0.0.1", port, timeout_s=90).close()
 
 
 def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
@@ -571,10 +571,10 @@ def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
     )
     peer.start()
     try:
-        group = DistGroup.init(0, 2, "127.0.0.1", port, timeout_s=30)
+        group = DistGroup.init(0, 2, "127.0.0.1", port, timeout_s=90)
         group.close()
     finally:
-        peer.join(30)
+        peer.join(90)
         if peer.is_alive():
             peer.kill()
     assert peer.exitcode == 0
