@@ -299,7 +299,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
         ctx.set_flag("timed-out")
     group = ctx.join(1)
     service = make_service("float32")
-    transport = DistPageTransport(group, service, timeout_s=20)
+    transport = DistPageTransport(group, service, timeout_s=60)
     hashes = hashes_for(N_PAGES, 20)
     t0 = time.monotonic()
     try:
@@ -480,7 +480,8 @@ def test_a_peer_that_dies_mid_transfer_raises_transport_error_keeping_valid_page
     got = faults["die"]
     assert got["error"] is not None
     assert "rank 1" in got["error"]
-    assert got["elapsed"] < got["timeout"]  # the closed connection, not the timeout
+    assert "Timed out" not in got["error"]  # the closed connection, not the timeout
+    assert got["elapsed"] < got["timeout"]
     assert 0 < got["cached"] < N_PAGES
     assert got["cached"] % 4 == 0  # whole batches only
     assert got["cached_prefix"] is True
