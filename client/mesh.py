@@ -160,7 +160,10 @@ class KVMesh:
         self._coordinator = coordinator
         self._workers = workers
         self._owns_ray = owns_ray
-        self._created = list(created)
+        # The owner's handles of the workers this client created: Ray destroys a
+        # non-detached actor once its owner drops every handle, so they are kept here
+        # until `close`, whatever happens to the routing table in `_workers`.
+        self._owned: dict[WorkerId, Any] = {wid: workers[wid].actor for wid in created}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -281,16 +284,14 @@ class KVMesh:
         if not ray.is_initialized():
             return
         try:
-            for wid in self._created:
-                w = self._workers.get(wid)
-                if w is None:
-                    continue
+            for wid, actor in self._owned.items():
                 # A dead worker has nothing to stop; a gone coordinator nothing to forget.
                 with contextlib.suppress(Exception):
-                    ray.get(w.actor.shutdown.remote(), timeout=10)
+                    ray.get(actor.shutdown.remote(), timeout=10)
                 with contextlib.suppress(Exception):
                     ray.get(self._coordinator.remove_worker.remote(wid), timeout=10)
-                ray.kill(w.actor, no_restart=True)
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
         finally:
             if self._owns_ray:
                 ray.shutdown()
