@@ -94,10 +94,16 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     decode = getattr(args, "decode_workers", 0) or 0
     if (prefill > 0) != (decode > 0):
         raise ConfigError("disaggregation needs both --prefill-workers and --decode-workers")
+
+    def env(cls: Any, **flags: Any) -> Any:
+        # A flag left unset must not hide its KVMESH_* variable (from_env skips the
+        # variable of every field named in its overrides, even a None one).
+        return from_env(cls, **{k: v for k, v in flags.items() if v is not None})
+
     base = ClusterConfig()
     # KVMESH_SEED names the cluster's hash seed (a string); the coordinator's routing seed
     # (an int of the same field name) is not read from the environment.
-    coord = from_env(
+    coord = env(
         CoordinatorConfig,
         policy=getattr(args, "policy", None),
         seed=CoordinatorConfig().seed,
@@ -107,11 +113,11 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         num_workers=getattr(args, "workers", None) or base.num_workers,
         prefill_workers=prefill,
         decode_workers=decode,
-        hash=from_env(HashConfig),
-        pool=from_env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
+        hash=env(HashConfig),
+        pool=env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
         coordinator=coord,
-        transfer=from_env(TransferConfig, host=getattr(args, "transfer_host", None)),
-        security=from_env(
+        transfer=env(TransferConfig, host=getattr(args, "transfer_host", None)),
+        security=env(
             SecurityConfig,
             profile=getattr(args, "profile", None),
             allow_remote=getattr(args, "allow_remote", None),

@@ -243,3 +243,24 @@ def test_simulate_runs_a_small_replay_offline() -> None:
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["policy"] == "round_robin"
+
+
+def test_unset_flags_keep_the_environment_and_set_flags_override_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    from kvmesh.commands import cluster_config, configure_status
+
+    monkeypatch.setenv("KVMESH_POLICY", "round_robin")
+    monkeypatch.setenv("KVMESH_ALLOW_REMOTE", "1")
+    monkeypatch.setenv("KVMESH_SEED", "cluster-secret")
+    parser = argparse.ArgumentParser()
+    configure_status(parser)
+    from_env = cluster_config(parser.parse_args([]))
+    assert from_env.coordinator.policy == "round_robin"
+    assert from_env.security.allow_remote is True
+    assert from_env.hash.seed == "cluster-secret"
+    assert from_env.coordinator.seed == 0  # the routing seed is not the hash seed
+    flagged = cluster_config(parser.parse_args(["--policy", "random", "--num-pages", "64"]))
+    assert (flagged.coordinator.policy, flagged.pool.num_pages) == ("random", 64)
