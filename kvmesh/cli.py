@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvmesh.errors import KVMeshError
 
@@ -29,11 +30,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command (and exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="kvmesh", description="Distributed prefix (KV) cache for LLM serving clusters."
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=_OneLineParser
+    )
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)

@@ -95,29 +95,18 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if (prefill > 0) != (decode > 0):
         raise ConfigError("disaggregation needs both --prefill-workers and --decode-workers")
 
-    def env(cls: Any, **flags: Any) -> Any:
-        # A flag left unset must not hide its KVMESH_* variable (from_env skips the
-        # variable of every field named in its overrides, even a None one).
-        return from_env(cls, **{k: v for k, v in flags.items() if v is not None})
-
     base = ClusterConfig()
-    # KVMESH_SEED names the cluster's hash seed (a string); the coordinator's routing seed
-    # (an int of the same field name) is not read from the environment.
-    coord = env(
-        CoordinatorConfig,
-        policy=getattr(args, "policy", None),
-        seed=CoordinatorConfig().seed,
-    )
+    coord = from_env(CoordinatorConfig, policy=getattr(args, "policy", None))
     return dataclasses.replace(
         base,
         num_workers=getattr(args, "workers", None) or base.num_workers,
         prefill_workers=prefill,
         decode_workers=decode,
-        hash=env(HashConfig),
-        pool=env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
+        hash=from_env(HashConfig),
+        pool=from_env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
         coordinator=coord,
-        transfer=env(TransferConfig, host=getattr(args, "transfer_host", None)),
-        security=env(
+        transfer=from_env(TransferConfig, host=getattr(args, "transfer_host", None)),
+        security=from_env(
             SecurityConfig,
             profile=getattr(args, "profile", None),
             allow_remote=getattr(args, "allow_remote", None),

@@ -61,7 +61,7 @@ class ModelConfig:
     head_dim: int = 16
     ffn_dim: int = 128
     max_positions: int = 8192
-    seed: int = 1234
+    seed: int = field(default=1234, metadata={"env": "KVMESH_MODEL_SEED"})
     dtype: str = "float32"
     device: str = "cpu"
     rope_theta: float = 10000.0
@@ -125,7 +125,8 @@ class CoordinatorConfig:
     reorder_window: int = 64  # batches held back per worker while waiting for a gap to fill
     default_tier: str = "gpu"  # tier of events whose medium is None
     detached: bool = False  # actor lifetime="detached" (outlives the driver)
-    seed: int = 0  # routing RNG (ties, random, softmax sampling)
+    # routing RNG (ties, random, softmax sampling)
+    seed: int = field(default=0, metadata={"env": "KVMESH_ROUTER_SEED"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +175,16 @@ def _coerce(name: str, raw: str, target: Any) -> Any:
 
 
 def from_env(cls: type[T], prefix: str = "KVMESH_", **overrides: Any) -> T:
-    """Build `cls` from its defaults, then ``KVMESH_<FIELD>`` variables, then `overrides`."""
+    """Build `cls` from its defaults, then ``KVMESH_<FIELD>`` variables, then `overrides`.
+
+    An override of None means "not given" and leaves the variable in force.
+    """
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        env_name = prefix + f.name.upper()
-        if env_name in os.environ and f.name not in overrides:
+        # A field may name its own variable where two components share a field
+        # name (`seed`: KVMESH_SEED is the hash seed, KVMESH_MODEL_SEED the model's).
+        env_name = f.metadata.get("env", prefix + f.name.upper())
+        if env_name in os.environ and overrides.get(f.name) is None:
             default = f.default if f.default is not dataclasses.MISSING else str
             if default is None:
                 default = str

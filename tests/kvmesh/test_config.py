@@ -33,3 +33,21 @@ def test_bad_values_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         HashConfig(page_size=0)
     with pytest.raises(ConfigError, match="null page"):
         PoolConfig(num_pages=1)
+
+
+def test_a_none_override_leaves_the_environment_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_POLICY", "round_robin")
+    assert from_env(CoordinatorConfig, policy=None).policy == "round_robin"
+
+
+def test_the_hash_seed_and_the_model_and_router_seeds_have_separate_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvmesh.config import ModelConfig
+
+    monkeypatch.setenv("KVMESH_SEED", "cluster-secret")
+    monkeypatch.setenv("KVMESH_MODEL_SEED", "7")
+    monkeypatch.setenv("KVMESH_ROUTER_SEED", "9")
+    assert from_env(HashConfig).seed == "cluster-secret"
+    assert from_env(ModelConfig).seed == 7
+    assert from_env(CoordinatorConfig).seed == 9
