@@ -21,8 +21,9 @@ Figures: requests/s, p50/p99 latency (client side: route + serve + record)
 and errors for the baseline and the load; ``speedup_vs_single_client`` is
 the load's requests/s over the baseline's. Route decisions/s from the burst
 (also ``route_speedup_vs_single_client``). Memory: resident set size of the
-coordinator and of each worker process, before and after the load; pools are
-full before the first reading, so growth there means a leak.
+coordinator and of each worker process, before the baseline and after the
+load, and their total every quarter of the load (``rss_trace_mb``); pools are
+full before the first reading, so steady growth there means a leak.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class LoadFigures:
     rss_after_mb: float
     rss_growth_mb: float
     rss_by_process_mb: dict[str, list[float]]
+    rss_trace_mb: list[float]
     pool_cycles_before: float
     pool_cached_before: float
     page_hit_ratio: float
@@ -194,6 +196,13 @@ def _pids(mesh: Any) -> dict[str, int]:
 
 def _rss(pids: dict[str, int]) -> dict[str, float]:
     return {name: rss_mb(pid) for name, pid in pids.items()}
+
+
+async def _sample_rss(pids: dict[str, int], every_s: float, out: list[float]) -> None:
+    """Append the processes' total RSS now and every `every_s` until cancelled."""
+    while True:
+        out.append(sum(_rss(pids).values()))
+        await asyncio.sleep(every_s)
 
 
 # ------------------------------------------------------------------ load
@@ -301,8 +310,12 @@ async def _measure(mesh: Any, spec: Spec) -> LoadFigures:
     pids = await loop.run_in_executor(None, _pids, mesh)
     before = _rss(pids)
     base = await _drive(1, spec.baseline_s, generate, spec.seed + 1)
+    trace: list[float] = []
+    sampler = asyncio.ensure_future(_sample_rss(pids, spec.duration_s / 4, trace))
     load = await _drive(spec.clients, spec.duration_s, generate, spec.seed + 2)
+    sampler.cancel()
     after = _rss(pids)
+    trace.append(sum(after.values()))
     route_one = await _drive(1, spec.route_s, route, spec.seed + 3)
     route_many = await _drive(spec.clients, spec.route_s, route, spec.seed + 4)
     stats = await mesh.astats()
@@ -335,6 +348,7 @@ async def _measure(mesh: Any, spec: Spec) -> LoadFigures:
         rss_after_mb=sum(after.values()),
         rss_growth_mb=sum(after.values()) - sum(before.values()),
         rss_by_process_mb={name: [before[name], after[name]] for name in pids},
+        rss_trace_mb=trace,
         pool_cycles_before=cycles,
         pool_cached_before=cached,
         page_hit_ratio=stats.page_hit_ratio,
@@ -395,6 +409,10 @@ def _table(fig: LoadFigures) -> str:
         lines.append(f"{name:<16}{b:>16.1f}{a:>12.1f}{a - b:>+10.1f}")
     lines.append(
         f"{'total':<16}{fig.rss_before_mb:>16.1f}{fig.rss_after_mb:>12.1f}{fig.rss_growth_mb:>+10.1f}"
+    )
+    lines.append(
+        "total RSS during the load, every quarter (MiB): "
+        + " ".join(f"{mb:.1f}" for mb in fig.rss_trace_mb)
     )
     if fig.error_kinds:
         lines.append(f"errors by kind: {fig.error_kinds}")

@@ -95,4 +95,7 @@ def test_json_reports_throughput_latency_errors_and_memory(
     assert fig["rss_after_mb"] == pytest.approx(
         sum(a for _, a in fig["rss_by_process_mb"].values())
     )
+    trace = fig["rss_trace_mb"]
+    assert len(trace) >= 2 and all(mb > 0 for mb in trace)
+    assert trace[-1] == pytest.approx(fig["rss_after_mb"])
     assert not ray.is_initialized()  # the bench stopped the cluster it started
