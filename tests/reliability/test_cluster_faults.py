@@ -363,3 +363,30 @@ def test_a_source_killed_mid_stream_leaves_no_half_written_page_and_the_request_
     match = ray.get(coordinator().match.remote(hashes), timeout=30)
     assert match.pages == {puller_id: 16}  # only the puller's own copy is left
     assert_index_equals_pools(mesh, [puller_id])
+
+
+def test_a_worker_that_dies_before_this_client_ever_called_it_is_routed_around(
+    mesh: KVMesh, model: TinyTransformer
+) -> None:
+    late = start_worker(CONFIG, "late-joiner")
+    tokens = fresh(8)
+    serve_on(late, tokens)  # it holds the prefix: the coordinator will route there
+    ray.get(late.flush.remote(), timeout=30)
+    assert mesh.route(tokens).worker_id == "late-joiner"
+    assert "late-joiner" not in {w["worker_id"] for w in mesh.workers()}  # never attached
+    ray.kill(late, no_restart=True)
+    name = "kvmesh-worker-late-joiner"
+
+    def gone() -> bool:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    assert wait_until(gone, 30.0)
+    assert "late-joiner" in registered()  # its heartbeats have not run out yet
+    result = mesh.generate(tokens, max_tokens=4)
+    assert result.worker_id != "late-joiner"
+    assert list(result.tokens) == model.generate(tokens, 4)
+    assert "late-joiner" not in registered()  # dropped by the client that hit it
