@@ -53,6 +53,7 @@ from kvmesh.errors import (
     WorkerDied,
 )
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.security import TenantPolicy
 from kvmesh.types import PageHash, WorkerId
 
 T = TypeVar("T")
@@ -149,8 +150,14 @@ class KVMesh:
         pull: bool,
         request_timeout_s: float,
         ray_address: str,
+        tenants: TenantPolicy | None = None,
     ) -> None:
         self.config = config
+        # Operator-bound salts: when API keys are configured, a request's salt comes
+        # from its key and a salt the caller sends is ignored (docs/security.md).
+        self.tenants = (
+            tenants if tenants is not None else TenantPolicy.from_env(security=config.security)
+        )
         self.hasher = PageHasher.from_config(config.hash)
         self.policy = config.coordinator.policy
         self.retries = retries
@@ -185,6 +192,7 @@ class KVMesh:
         pull: bool = True,
         request_timeout_s: float = 120.0,
         worker_max_concurrency: int = 8,
+        tenants: TenantPolicy | None = None,
     ) -> KVMesh:
         """Join the Ray cluster at `address`, or start an embedded local one (None).
 
@@ -272,6 +280,7 @@ class KVMesh:
             pull=pull,
             request_timeout_s=request_timeout_s,
             ray_address=ray_address,
+            tenants=tenants,
         )
 
     def close(self) -> None:
@@ -321,10 +330,16 @@ class KVMesh:
         return tokens
 
     def hashes(
-        self, tokens: Sequence[int], cache_salt: str | None = None, lora_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+        *,
+        api_key: str | None = None,
     ) -> list[PageHash]:
-        """The chained page hashes the workers will compute for this prompt."""
-        return self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=cache_salt))
+        """The chained page hashes the workers will compute for this prompt (and tenant)."""
+        salt = self.tenants.resolve_salt(api_key, cache_salt)
+        return self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=salt))
 
     def generate(
         self,
@@ -332,9 +347,11 @@ class KVMesh:
         max_tokens: int = 16,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        *,
+        api_key: str | None = None,
     ) -> Any:
         """Route and serve one request; returns the worker's `GenerationResult`."""
-        return _run(self.agenerate(prompt, max_tokens, cache_salt, lora_id))
+        return _run(self.agenerate(prompt, max_tokens, cache_salt, lora_id, api_key=api_key))
 
     def route(
         self,
@@ -343,9 +360,10 @@ class KVMesh:
         lora_id: int | None = None,
         *,
         role: str | None = None,
+        api_key: str | None = None,
     ) -> Any:
         """The coordinator's `RouteDecision` for `prompt` (nothing is served)."""
-        return _run(self.aroute(prompt, cache_salt, lora_id, role=role))
+        return _run(self.aroute(prompt, cache_salt, lora_id, role=role, api_key=api_key))
 
     def stats(self) -> ClusterStats:
         return _run(self.astats())
@@ -357,9 +375,11 @@ class KVMesh:
         lora_id: int | None = None,
         *,
         role: str | None = None,
+        api_key: str | None = None,
     ) -> Any:
         tokens = self.tokens(prompt)
-        return await self._route(tokens, self.hashes(tokens, cache_salt, lora_id), role, "")
+        hashes = self.hashes(tokens, cache_salt, lora_id, api_key=api_key)
+        return await self._route(tokens, hashes, role, "")
 
     async def agenerate(
         self,
@@ -367,6 +387,8 @@ class KVMesh:
         max_tokens: int = 16,
         cache_salt: str | None = None,
         lora_id: int | None = None,
+        *,
+        api_key: str | None = None,
     ) -> Any:
         """Async `generate`: awaits object refs, never blocks the event loop."""
         from kvmesh.worker.actor import GenerateRequest
@@ -378,7 +400,8 @@ class KVMesh:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidInput(f"cache_salt must be a string or None, got {cache_salt!r}")
         tokens = self.tokens(prompt)
-        hashes = self.hashes(tokens, cache_salt, lora_id)
+        cache_salt = self.tenants.resolve_salt(api_key, cache_salt)
+        hashes = self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=cache_salt))
         base = GenerateRequest(
             uuid.uuid4().hex, tuple(tokens), max_tokens, cache_salt, lora_id, 0, 0, None
         )

@@ -54,6 +54,7 @@ from kvmesh.errors import (
 )
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.security import check_bind_address
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,12 @@ class WorkerActor:
             worker_id=self.worker_id,
             max_concurrent=spec.max_concurrent,
             lock=self._lock,
+        )
+        # Workers started by another driver never saw KVMesh.connect's profile check:
+        # refuse a non-loopback bind here unless the operator asked for it.
+        check_bind_address(
+            cfg.transfer.host,
+            cfg.security.allow_remote or cfg.security.profile == "production",
         )
         self._server = ServerThread(self.pages, cfg.transfer, page_delay_s=spec.page_delay_s)
         self._server.start()

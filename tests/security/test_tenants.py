@@ -412,16 +412,11 @@ def _decode(data: bytes) -> tuple[object, ...]:
     return decode_batch(data).events
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the client patch in docs/security.md: KVMesh(tenants=TenantPolicy) and "
-    "api_key on hashes/route/generate, resolving the salt before hashing",
-)
 def test_the_client_hashes_with_the_salt_bound_to_the_api_key() -> None:
     from kvmesh.client import KVMesh
     from kvmesh.config import ClusterConfig
 
-    mesh = KVMesh(  # type: ignore[call-arg]
+    mesh = KVMesh(
         ClusterConfig(),
         None,
         {},
@@ -435,6 +430,6 @@ def test_the_client_hashes_with_the_salt_bound_to_the_api_key() -> None:
     )
     tokens = list(range(40))
     expected = mesh.hasher.hash_prompt(tokens, ExtraKeys(cache_salt="salt-b"))
-    assert mesh.hashes(tokens, "salt-a", api_key="key-of-tenant-b-0001") == expected  # type: ignore[call-arg]
+    assert mesh.hashes(tokens, "salt-a", api_key="key-of-tenant-b-0001") == expected
     with pytest.raises(Unauthenticated):
-        mesh.hashes(tokens, "salt-a", api_key=None)  # type: ignore[call-arg]
+        mesh.hashes(tokens, "salt-a", api_key=None)
