@@ -54,6 +54,7 @@ from kvmesh.errors import (
 )
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.load import WorkerLoad
 from kvmesh.security import check_bind_address
 from kvmesh.types import PageHash, WorkerId
 
@@ -397,9 +398,7 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- events
 
-    def _load(self, extra_prefill_tokens: int = 0) -> Any:
-        from kvmesh.coordinator.policies import WorkerLoad
-
+    def _load(self, extra_prefill_tokens: int = 0) -> WorkerLoad:
         load = self.engine.load()
         return WorkerLoad(
             self.worker_id,
