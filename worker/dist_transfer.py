@@ -52,13 +52,14 @@ them go back to the pool.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import socket
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -890,21 +891,15 @@ class DistPageTransport:
         group = self.group
         pending: list[list[Any]] = [[], []]
         nbytes = 0
-        try:
+        with self._sending_to(dst):
             for n, (first, count, in_place) in enumerate(plan):
                 slot = n % 2
-                for work in pending[slot]:  # this buffer's previous batch must be out
-                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+                self._wait_sends(pending[slot], dst)  # this buffer's previous batch must be out
                 sums, buf = self._stage_batch(slot, page_ids[first : first + count], in_place)
                 pending[slot] = [group.isend(sums, dst, tag), group.isend(buf, dst, tag)]
                 nbytes += buf.numel()
             for works in pending:
-                for work in works:
-                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
-        except TransportError:
-            raise
-        except RuntimeError as exc:
-            raise group.fail(f"page batch to rank {dst} failed", exc) from exc
+                self._wait_sends(works, dst)
         return nbytes
 
     def _send_page_messages(
@@ -914,24 +909,33 @@ class DistPageTransport:
         group, rows = self.group, self._page_rows()
         pending: deque[list[Any]] = deque()
         nbytes = 0
-        try:
+        with self._sending_to(dst):
             for first, count, _ in plan:
                 while len(pending) >= self.depth:  # at most `depth` batches queued
-                    for work in pending.popleft():
-                        group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+                    self._wait_sends(pending.popleft(), dst)
                 ids = page_ids[first : first + count]
                 works = [group.isend(self._checksums(ids), dst, tag)]
                 works += [group.isend(rows[pid], dst, tag) for pid in ids]
                 pending.append(works)
                 nbytes += count * self.service.store.page_nbytes
             for works in pending:
-                for work in works:
-                    group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+                self._wait_sends(works, dst)
+        return nbytes
+
+    def _wait_sends(self, works: Iterable[Any], dst: int) -> None:
+        """Wait for page-batch sends to `dst`, in order; `TransportError` on timeout."""
+        for work in works:
+            self.group.wait(work, f"send of a page batch to rank {dst}", self.timeout_s)
+
+    @contextlib.contextmanager
+    def _sending_to(self, dst: int) -> Iterator[None]:
+        """Around page-batch sends: a gloo `RuntimeError` breaks the group (`TransportError`)."""
+        try:
+            yield
         except TransportError:
             raise
         except RuntimeError as exc:
-            raise group.fail(f"page batch to rank {dst} failed", exc) from exc
-        return nbytes
+            raise self.group.fail(f"page batch to rank {dst} failed", exc) from exc
 
     def _checksums(self, page_ids: Sequence[PageId]) -> Tensor:
         """int64 checksums of pinned pages, from `PageService.export` (as the gRPC path sends)."""
