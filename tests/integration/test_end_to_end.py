@@ -30,7 +30,21 @@ PAGE = 16
 CONFIG = dataclasses.replace(ClusterConfig(), pool=PoolConfig(num_pages=256))
 
 
-MESH_OPTIONS = {"num_workers": 3}  # the `mesh` and `model` fixtures are in tests/conftest.py
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[KVMesh]:
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():  # another module left Ray running: start from a clean cluster
+        ray.shutdown()
+    m = KVMesh.connect(num_workers=3, config=CONFIG, num_cpus=4)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyTransformer:
+    return TinyTransformer(CONFIG.model)
 
 
 _rng = random.Random(20261123)

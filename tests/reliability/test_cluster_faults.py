@@ -19,6 +19,7 @@ import dataclasses
 import random
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -74,7 +75,20 @@ def all_hashes(mesh: KVMesh) -> list[PageHash]:
     return list(out)
 
 
-MESH_OPTIONS = {"num_workers": 4}  # the `mesh` and `model` fixtures are in tests/conftest.py
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[KVMesh]:
+    if ray.is_initialized():  # another module left Ray running: start from a clean cluster
+        ray.shutdown()
+    m = KVMesh.connect(num_workers=4, config=CONFIG, num_cpus=4)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyTransformer:
+    return TinyTransformer(CONFIG.model)
 
 
 def coordinator() -> Any:

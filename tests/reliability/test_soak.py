@@ -23,6 +23,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,9 +79,15 @@ class SoakLog:
     handles: list[Any] = dataclasses.field(default_factory=list)
 
 
-# The `mesh` fixture is in tests/conftest.py; closing it stops Ray, and with it
-# the replacement workers this test started.
-MESH_OPTIONS = {"num_workers": 3, "retries": 2}
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[KVMesh]:
+    if ray.is_initialized():
+        ray.shutdown()
+    m = KVMesh.connect(num_workers=3, config=CONFIG, num_cpus=4, retries=2)
+    try:
+        yield m
+    finally:
+        m.close()  # stops Ray, and with it the replacement workers this test started
 
 
 def coordinator() -> Any:
