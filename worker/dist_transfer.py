@@ -58,8 +58,8 @@ import logging
 import math
 import socket
 import threading
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -77,8 +77,8 @@ from kvmesh.errors import (
     KVMeshError,
     PoolExhausted,
     TransportError,
-    UnknownWorker,
 )
+from kvmesh.rendezvous import DistRendezvous, assign_ranks
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import DTYPES, PageBlob
@@ -110,7 +110,7 @@ DTYPE_CODES: dict[str, int] = {
 _DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
 
 MAGIC = 0x6B766D657368  # "kvmesh"
-VERSION = 1
+VERSION = 2
 PREAMBLE_WORDS = 16
 MAX_NDIM = 6
 SERVE_TAG = 1
@@ -137,6 +137,9 @@ class Kind:
     PAGES = 1
     REQUEST = 2
     BYE = 3
+    ACK = 4
+    """After a push: how many of the pushed pages the receiver now holds (`count`) and
+    how many it refused (`batch_pages`)."""
 
 
 class Layout:
@@ -154,69 +157,6 @@ class Layout:
 # --------------------------------------------------------------------------- rendezvous
 
 
-def assign_ranks(worker_ids: Iterable[WorkerId]) -> dict[WorkerId, int]:
-    """Ranks 0..n-1 for the workers in sorted id order (the same set always gets the same ranks).
-
-    Rank 0 hosts the rendezvous store. Raises `InvalidInput` on an empty set
-    or a duplicate id.
-    """
-    ids = list(worker_ids)
-    if not ids:
-        raise InvalidInput("assign_ranks needs at least one worker id")
-    dupes = sorted(w for w, n in Counter(ids).items() if n > 1)
-    if dupes:
-        raise InvalidInput(f"worker ids must be unique, got duplicates {dupes}")
-    return {w: rank for rank, w in enumerate(sorted(ids))}
-
-
-@dataclass(frozen=True, slots=True)
-class DistRendezvous:
-    """Where a process group meets and who is which rank: what the coordinator hands out.
-
-    Rank 0 listens on ``master_addr:master_port`` (a TCP store); every other
-    rank connects there.
-    """
-
-    master_addr: str
-    master_port: int
-    world_size: int
-    ranks: Mapping[WorkerId, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.master_port < 65536:
-            raise InvalidInput(f"master_port must be in 1..65535, got {self.master_port}")
-        if self.world_size < 1:
-            raise InvalidInput(f"world_size must be at least 1, got {self.world_size}")
-        if self.ranks and sorted(self.ranks.values()) != list(range(self.world_size)):
-            raise InvalidInput(
-                f"ranks must be exactly 0..{self.world_size - 1}, one per worker, "
-                f"got {dict(self.ranks)}"
-            )
-
-    @classmethod
-    def for_workers(
-        cls, worker_ids: Iterable[WorkerId], master_addr: str, master_port: int
-    ) -> DistRendezvous:
-        """A rendezvous for these workers with ranks from `assign_ranks`."""
-        ranks = assign_ranks(worker_ids)
-        return cls(master_addr, master_port, len(ranks), ranks)
-
-    def rank_of(self, worker_id: WorkerId) -> int:
-        try:
-            return self.ranks[worker_id]
-        except KeyError:
-            raise UnknownWorker(
-                f"worker {worker_id!r} has no rank in this process group "
-                f"(members: {sorted(self.ranks)})"
-            ) from None
-
-    def worker_of(self, rank: int) -> WorkerId:
-        for worker, r in self.ranks.items():
-            if r == rank:
-                return worker
-        raise UnknownWorker(f"no worker has rank {rank} in this process group")
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago (for the rendezvous store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -227,17 +167,41 @@ def free_port(host: str = "127.0.0.1") -> int:
 # --------------------------------------------------------------------------- process group
 
 
-class DistGroup:
-    """This process's torch.distributed group, with timeouts on every send and recv.
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
-    The group is the process's default group (torch allows one); `close` it
-    before joining another. After any failure it is `broken` (the reason is
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise ConfigError("this torch build has no NCCL; install a CUDA build of torch")
+    options = nccl.Options()
+    options._timeout = timeout
+    return nccl(store, rank, size, options)
+
+
+GROUP_FACTORIES: dict[str, Callable[[Any, int, int, timedelta], Any]] = {
+    "gloo": _gloo_group,
+    "nccl": _nccl_group,
+}
+"""Registry: backend name -> a process-group object over a store (no default group needed)."""
+
+
+class DistGroup:
+    """One torch.distributed process group of this process, with timeouts on every send and recv.
+
+    The group is its own process-group object over a (prefixed) TCP store,
+    not torch's process-wide default group, so one process can belong to
+    many groups at once (a worker has one link per peer) and a failed group
+    leaves nothing behind. After any failure it is `broken` (the reason is
     kept) and every later call raises `TransportError` at once.
     """
 
     __slots__ = (
         "_abandoned",
         "_closed",
+        "_pg",
+        "_store",
         "backend",
         "broken",
         "device",
@@ -247,7 +211,14 @@ class DistGroup:
     )
 
     def __init__(
-        self, rank: int, world_size: int, backend: str, device: torch.device, timeout_s: float
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        timeout_s: float,
+        pg: Any = None,
+        store: Any = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -256,6 +227,8 @@ class DistGroup:
         self.timeout_s = timeout_s
         self.broken: str | None = None
         self._closed = False
+        self._pg = pg
+        self._store = store  # the group keeps its store (and a hosted store's server) alive
         # Works of failed operations: their tensors must outlive the backend's use of them.
         self._abandoned: list[Any] = []
 
@@ -270,13 +243,16 @@ class DistGroup:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         *,
         device: str | torch.device = "cpu",
+        prefix: str = "",
+        host_store: bool | None = None,
     ) -> DistGroup:
-        """Join the group: rank 0 hosts a TCP store at ``master_addr:master_port``.
+        """Join the group meeting at the TCP store ``master_addr:master_port`` under `prefix`.
 
-        `backend` None picks from `BACKENDS` by the device type ("nccl" for
-        cuda, "gloo" for cpu). Raises `TransportError` when the rendezvous
-        does not complete within about `timeout_s` (a rank missing, the
-        address unreachable), `ConfigError` for impossible arguments.
+        `host_store` None: rank 0 hosts the store; False: it is up already
+        (the coordinator's). `backend` None picks from `BACKENDS` by the device
+        type ("nccl" for cuda, "gloo" for cpu). Raises `TransportError` when
+        the rendezvous does not complete within about `timeout_s` (a rank
+        missing, the address unreachable), `ConfigError` for impossible arguments.
         """
         dev = torch.device(device)
         if backend is None:
@@ -286,36 +262,34 @@ class DistGroup:
                 raise ConfigError(
                     f"no torch.distributed backend for device {dev}; choose one of {sorted(BACKENDS)}"
                 ) from None
+        factory = GROUP_FACTORIES.get(backend)
+        if factory is None:
+            raise ConfigError(f"unknown backend {backend!r}; choose one of {sorted(GROUP_FACTORIES)}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank}")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         if not dist.is_available():
             raise TransportError("torch.distributed is not available in this torch build")
-        if dist.is_initialized():
-            raise TransportError(
-                "this process already belongs to a torch.distributed group; close it first"
-            )
         timeout = timedelta(seconds=timeout_s)
+        hosting = rank == 0 if host_store is None else host_store
         try:
             store = dist.TCPStore(
                 master_addr,
                 master_port,
-                world_size,
-                is_master=rank == 0,
+                world_size if hosting else None,
+                is_master=hosting,
                 timeout=timeout,
                 wait_for_workers=False,
             )
-            dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            scoped = dist.PrefixStore(prefix, store) if prefix else store
+            pg = factory(scoped, rank, world_size, timeout)
         except (RuntimeError, ValueError, OSError) as exc:
-            _forget_failed_init()
             raise TransportError(
                 f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "
                 f"{rank}/{world_size} ({backend}) within {timeout_s:g}s: {_first_line(exc)}"
             ) from exc
-        return cls(rank, world_size, backend, dev, timeout_s)
+        return cls(rank, world_size, backend, dev, timeout_s, pg, store)
 
     @classmethod
     def join(
@@ -326,7 +300,7 @@ class DistGroup:
         device: str | torch.device = "cpu",
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> DistGroup:
-        """`init` with this worker's rank from a coordinator's rendezvous."""
+        """`init` with this worker's rank and the store/prefix from a coordinator's rendezvous."""
         return cls.init(
             rendezvous.rank_of(worker_id),
             rendezvous.world_size,
@@ -334,6 +308,8 @@ class DistGroup:
             rendezvous.master_port,
             timeout_s=timeout_s,
             device=device,
+            prefix=rendezvous.prefix,
+            host_store=None if rendezvous.store_on_rank0 else False,
         )
 
     # -- point to point ----------------------------------------------------
@@ -343,6 +319,8 @@ class DistGroup:
             raise TransportError("the torch.distributed group is closed")
         if self.broken is not None:
             raise TransportError(f"the torch.distributed group is broken: {self.broken}")
+        if self._pg is None:
+            raise TransportError("the torch.distributed group was never joined")
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise InvalidInput(
                 f"peer rank must be another rank in 0..{self.world_size - 1}, got {peer} "
@@ -353,7 +331,7 @@ class DistGroup:
         """Start sending `tensor` to `dst`; `wait` on the returned work."""
         self._check_usable(dst)
         try:
-            return dist.isend(tensor, dst, tag=tag)
+            return self._pg.send([tensor], dst, tag)
         except RuntimeError as exc:
             raise self.fail(f"send to rank {dst} failed", exc) from exc
 
@@ -366,7 +344,9 @@ class DistGroup:
         else:
             self._check_usable(src)
         try:
-            return dist.irecv(tensor, src, tag=tag)
+            if src is None:
+                return self._pg.recv_anysource([tensor], tag)
+            return self._pg.recv([tensor], src, tag)
         except RuntimeError as exc:
             raise self.fail(f"recv from rank {src} failed", exc) from exc
 
@@ -400,35 +380,32 @@ class DistGroup:
         if self.broken is None:
             self.broken = reason
 
+    @property
+    def usable(self) -> bool:
+        """Joined, not closed, not broken."""
+        return self._pg is not None and not self._closed and self.broken is None
+
     def close(self) -> None:
-        """Leave the group (idempotent). Safe on a broken group."""
+        """Leave the group (idempotent). Safe on a broken group.
+
+        Operations still posted are not cancelled (gloo cannot); their
+        tensors are kept until this object goes.
+        """
         if self._closed:
             return
         self._closed = True
-        if dist.is_initialized():
+        pg, self._pg = self._pg, None
+        if pg is not None:
             try:
-                dist.destroy_process_group()
+                pg.shutdown()
             except RuntimeError as exc:  # a broken group may fail to tear down cleanly
                 log.warning("torch.distributed group teardown: %s", _first_line(exc))
-        self._abandoned.clear()
 
     def __enter__(self) -> DistGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _forget_failed_init() -> None:
-    """Undo what a failed `init_process_group` leaves behind, so that a retry can meet.
-
-    torch names the default group's store keys by a process-wide counter that
-    it resets only when a group is destroyed; a failed init has advanced it,
-    and a retry would then wait under other keys than fresh peers write.
-    """
-    c10d = dist.distributed_c10d
-    if not dist.is_initialized() and hasattr(c10d, "_world"):
-        c10d._world.group_count = 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -477,7 +454,7 @@ class Preamble:
         meta_nbytes, batch_pages, layout = w[12], w[13], w[14]
         pre = cls(kind, count, code, shape, meta_nbytes, batch_pages, layout)
         problems: list[str] = []
-        if kind not in (Kind.PAGES, Kind.REQUEST, Kind.BYE):
+        if kind not in (Kind.PAGES, Kind.REQUEST, Kind.BYE, Kind.ACK):
             problems.append(f"unknown kind {kind}")
         if layout not in (Layout.BATCH, Layout.PAGES):
             problems.append(f"unknown payload layout {layout}")
@@ -642,6 +619,10 @@ class SendResult:
     sent: tuple[PageHash, ...]
     missing: tuple[PageHash, ...]
     nbytes: int
+    stored: int | None = None
+    """A push's acknowledgement: pages of `sent` the receiver holds now (None: not a push)."""
+    refused: int = 0
+    """A push's acknowledgement: pages of `sent` the receiver refused (failed a check)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -771,9 +752,20 @@ class DistPageTransport:
             return self._receive_pages(src, REPLY_TAG, None)
 
     def push(self, dst: int, hashes: Sequence[PageHash]) -> SendResult:
-        """Send the pages for `hashes` (those held here) to rank `dst`'s serving loop."""
+        """Send the pages for `hashes` (those held here) to rank `dst`'s serving loop.
+
+        Returns once the receiver has checked and cached them and said so (its
+        ack fills `stored` / `refused`), so the receiver can serve from them
+        at once. Raises `TransportError` when the group fails.
+        """
         with self._peer_lock(dst):
-            return self._send_pages(dst, SERVE_TAG, [check_hash(h) for h in hashes])
+            sent = self._send_pages(dst, SERVE_TAG, [check_hash(h) for h in hashes])
+            ack, _ = self._recv_preamble(dst, REPLY_TAG, self.timeout_s)
+            if ack.kind != Kind.ACK:
+                raise self._protocol_error(
+                    f"expected rank {dst} to acknowledge a push, got kind {ack.kind}"
+                )
+            return dataclasses.replace(sent, stored=ack.count, refused=ack.batch_pages)
 
     def hang_up(self, dst: int) -> None:
         """Tell rank `dst`'s serving loop to return."""
@@ -787,7 +779,14 @@ class DistPageTransport:
             raise self._protocol_error(
                 f"expected pushed pages from rank {src}, got kind {pre.kind}"
             )
-        return self._receive_pages(src, SERVE_TAG, pre)
+        return self._take_push(src, pre)
+
+    def _take_push(self, src: int, pre: Preamble) -> ReceiveResult:
+        """Receive a push and acknowledge it (pages held now, pages refused)."""
+        result = self._receive_pages(src, SERVE_TAG, pre)
+        ack = Preamble(Kind.ACK, len(result.cached), batch_pages=len(result.rejected))
+        self._send_small(src, REPLY_TAG, ack, b"")
+        return result
 
     def serve_forever(
         self,
@@ -816,10 +815,12 @@ class DistPageTransport:
                     log.warning("rank %d sent a bad page request: %s", peer, exc)
                     hashes = []
                 self._send_pages(peer, REPLY_TAG, hashes)
-            else:
-                result = self._receive_pages(peer, SERVE_TAG, pre)
+            elif pre.kind == Kind.PAGES:
+                result = self._take_push(peer, pre)
                 if on_push is not None:
                     on_push(peer, result)
+            else:
+                raise self._protocol_error(f"rank {peer} sent kind {pre.kind} to a serving loop")
             handled += 1
 
     # -- sending -----------------------------------------------------------

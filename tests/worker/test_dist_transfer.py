@@ -182,6 +182,7 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
     pushed = transport.push(0, [*hashes[:8], UNKNOWN])
     out["pushed"] = len(pushed.sent)
     out["push_missing"] = [h.hex() for h in pushed.missing]
+    out["push_ack"] = [pushed.stored, pushed.refused]
     # a page corrupted on the way, in each layout
     for message_bytes in LAYOUTS.values():
         service = make_service("float32")
@@ -442,9 +443,10 @@ def test_fetch_with_fallback_uses_dist_when_it_works(exchange: Any, layout: str)
     assert exchange[0][f"fallback_{layout}"] == ["dist", None]
 
 
-def test_pushed_pages_are_inserted_bit_exact(exchange: Any) -> None:
+def test_pushed_pages_are_inserted_bit_exact_and_acknowledged(exchange: Any) -> None:
     client, server = exchange
     assert server["pushed"] == 8
+    assert server["push_ack"] == [8, 0]  # push returned after the receiver held all 8
     assert server["push_missing"] == [UNKNOWN.hex()]
     assert client["push"] == {"inserted": 8, "bit_exact": True}
 
