@@ -48,6 +48,8 @@ from kvmesh.coordinator.service import (
     Registration,
     ReportResult,
 )
+from kvmesh.errors import KVMeshError, TransportError
+from kvmesh.rendezvous import DistRendezvous, LinkBook
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,9 @@ class CoordinatorActor:
         self.store = WorkerStore(config)
         self._ready = asyncio.Event()
         self._snapshot_asked: dict[WorkerId, float] = {}
+        self._links: LinkBook | None = None
+        self._link_store: Any = None  # torch's TCPStore serving every link's rendezvous
+        self._links_lock = asyncio.Lock()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._recover()), loop.create_task(self._expire_loop())]
 
@@ -295,6 +300,54 @@ class CoordinatorActor:
     async def pid(self) -> int:
         """The actor's process id (a restarted actor has a new one)."""
         return os.getpid()
+
+    async def dist_link(self, client_id: WorkerId, server_address: str) -> DistRendezvous:
+        """Open a torch.distributed link from worker `client_id` to the worker at `server_address`.
+
+        Asks the server's actor to join (`WorkerActor.dist_accept`, which
+        returns once its joining thread runs) and returns the rendezvous for
+        the client to join too. Raises `UnknownWorker` for an unregistered end,
+        `TransportError` when the server cannot be asked or refuses.
+        """
+        book = await self._link_book()
+        rdv, server = self.core.open_link(book, client_id, server_address)
+        if not server.actor_name:
+            raise TransportError(
+                f"worker {server.worker_id!r} has no Ray actor to ask to join a link; "
+                "use transport='grpc' for it"
+            )
+        name, ns = server.actor_name, server.actor_namespace
+        try:
+            handle = await self._blocking(lambda: ray.get_actor(name, namespace=ns))
+            await asyncio.wait_for(
+                handle.dist_accept.remote(rdv), self.config.link_accept_timeout_s
+            )
+        except KVMeshError:
+            raise
+        except Exception as exc:  # gone, timed out, or refused through Ray
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, KVMeshError):
+                raise cause from None
+            raise TransportError(
+                f"worker {server.worker_id!r} did not accept a torch.distributed link: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return rdv
+
+    async def _link_book(self) -> LinkBook:
+        """The links' rendezvous store, started on first use on a free port."""
+        async with self._links_lock:
+            if self._links is None:
+                self._links = await self._blocking(self._host_link_store)
+            return self._links
+
+    def _host_link_store(self) -> LinkBook:
+        from kvmesh.worker.dist_transfer import host_link_store
+
+        host = self.config.rendezvous_host or ray.util.get_node_ip_address()
+        self._link_store, book = host_link_store(host)
+        log.info("torch.distributed link store at %s:%d", host, book.master_port)
+        return book
 
 
 def get_or_create_coordinator(config: CoordinatorConfig | None = None) -> Any:

@@ -44,8 +44,9 @@ from kvmesh.coordinator.policies import (
     make_policy,
 )
 from kvmesh.coordinator.registry import Role, WorkerInfo, WorkerRegistry
-from kvmesh.errors import EventDecodeError, InvalidInput, KVMeshError
+from kvmesh.errors import EventDecodeError, InvalidInput, KVMeshError, UnknownWorker
 from kvmesh.events import EventBatch, decode_batch
+from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
 from kvmesh.types import PageHash, WorkerId
 
 
@@ -107,6 +108,7 @@ class CoordinatorStats:
     realized_pull_pages: int
     results_recorded: int
     mismatches: int
+    links_opened: int = 0  # torch.distributed links handed out (`open_link`)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -429,9 +431,38 @@ class Coordinator:
                 realized_pull_pages=c["realized_pull_pages"],
                 results_recorded=c["results_recorded"],
                 mismatches=c["mismatches"],
+                links_opened=c["links_opened"],
             )
 
     def registry_info(self, worker_id: WorkerId) -> WorkerInfo:
         """The worker's registry entry; raises `UnknownWorker`."""
         with self._lock:
             return self.registry.get(worker_id)
+
+    # ---------------------------------------------------------------- dist links
+
+    def open_link(
+        self, book: LinkBook, client_id: WorkerId, server_address: str
+    ) -> tuple[DistRendezvous, WorkerInfo]:
+        """A torch.distributed link for `client_id` to pull from / push to the worker at `server_address`.
+
+        Returns the rendezvous (client rank 0, server rank 1, a fresh store
+        prefix) and the server's registry entry (its actor name, for the call
+        that asks it to join). Raises `UnknownWorker` when either end is not
+        registered, `InvalidInput` for a link to itself.
+        """
+        with self._lock:
+            client = self.registry.get(client_id)
+            server = next((i for i in self.registry.workers() if i.address == server_address), None)
+        if server is None:
+            raise UnknownWorker(
+                f"no registered worker serves at {server_address!r}; it left or restarted "
+                "under another address (route again)"
+            )
+        rdv = book.open(
+            LinkEnd(client.worker_id, client.incarnation),
+            LinkEnd(server.worker_id, server.incarnation),
+        )
+        with self._lock:
+            self._counts["links_opened"] += 1
+        return rdv, server

@@ -93,6 +93,8 @@ class TransferConfig:
     dist_timeout_s: float = 30.0  # torch.distributed: rendezvous and every send/recv wait
     dist_batch_bytes: int = 64 * 1024 * 1024  # torch.distributed: largest batch per send
     dist_depth: int = 4  # torch.distributed: batches in flight (pages >= 1 MiB)
+    dist_connect_timeout_s: float = 10.0  # torch.distributed: opening a link to a peer
+    dist_idle_timeout_s: float = 3600.0  # torch.distributed: a link unused this long is closed
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,10 @@ class CoordinatorConfig:
     reorder_window: int = 64  # batches held back per worker while waiting for a gap to fill
     default_tier: str = "gpu"  # tier of events whose medium is None
     detached: bool = False  # actor lifetime="detached" (outlives the driver)
+    # torch.distributed links (TransferConfig.transport="dist"): the coordinator hosts their
+    # rendezvous store and advertises it at this address ("": the node's IP, for multi-node)
+    rendezvous_host: str = "127.0.0.1"
+    link_accept_timeout_s: float = 10.0  # how long the serving worker may take to accept a link
     # routing RNG (ties, random, softmax sampling)
     seed: int = field(default=0, metadata={"env": "KVMESH_ROUTER_SEED"})
 

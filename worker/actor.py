@@ -155,11 +155,32 @@ class WorkerStats:
     snapshots_sent: int
     last_seq: int
     draining: bool
+    pulls_grpc: int = 0  # pulls delivered over gRPC (a dist fallback counts here too)
+    pulls_dist: int = 0  # pulls delivered over torch.distributed
+    pushes_grpc: int = 0
+    pushes_dist: int = 0
+    dist_fallbacks: int = 0  # torch.distributed transfers that failed and went over gRPC
+    links_opened: int = 0  # torch.distributed links this worker opened (client end)
+    links_served: int = 0  # torch.distributed links peers opened to this worker
 
     @property
     def page_hit_ratio(self) -> float:
         """Prompt pages served from this worker's own cache / all its prompt pages."""
         return self.pages_hit_local / self.prompt_pages if self.prompt_pages else 0.0
+
+
+def _check_transport(cfg: ClusterConfig) -> None:
+    """Refuse a transport the actor cannot use, before anything starts."""
+    from kvmesh.worker.dist_transfer import FETCHERS
+
+    transport = cfg.transfer.transport
+    if transport not in FETCHERS:
+        raise ConfigError(f"unknown transport {transport!r}; choose one of {sorted(FETCHERS)}")
+    if transport == "dist" and cfg.security.profile == "production":
+        raise ConfigError(
+            "transport='dist' moves pages over torch.distributed without TLS or tokens; the "
+            "production profile needs transport='grpc'"
+        )
 
 
 @dataclass(slots=True)
@@ -173,6 +194,13 @@ class _Counters:
     pages_pushed: int = 0
     batches_sent: int = 0
     snapshots_sent: int = 0
+    pulls_grpc: int = 0
+    pulls_dist: int = 0
+    pushes_grpc: int = 0
+    pushes_dist: int = 0
+    dist_fallbacks: int = 0
+    links_opened: int = 0
+    links_served: int = 0
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -200,11 +228,7 @@ class WorkerActor:
         from kvmesh.worker.transfer_server import ServerThread
 
         cfg = spec.config
-        if cfg.transfer.transport != "grpc":
-            raise ConfigError(
-                f"transport {cfg.transfer.transport!r} is not wired into the worker actor: it "
-                "pulls and pushes over gRPC; set TransferConfig.transport='grpc'"
-            )
+        _check_transport(cfg)
         torch.set_num_threads(spec.torch_threads)
         page_size = cfg.hash.page_size
         self.spec = spec
@@ -248,6 +272,10 @@ class WorkerActor:
         self.address = self._advertised_address(self._server.server.port)
         self._peers: dict[str, Any] = {}
         self._peers_lock = threading.Lock()
+        self._dist = cfg.transfer.transport == "dist"
+        self._links: dict[str, Any] = {}  # peer address -> DistPageTransport (this end: client)
+        self._link_locks: dict[str, threading.Lock] = {}
+        self._served_links: dict[str, Any] = {}  # rendezvous prefix -> DistGroup (this end serves)
 
         self._coordinator = coordinator
         self._flush_lock = threading.Lock()
@@ -366,12 +394,16 @@ class WorkerActor:
                 client = self._peers[address] = SyncPeerClient(address, self.config.transfer)
             return client
 
-    def _pull(self, ask: Any) -> list[tuple[PageHash, Any]]:
+    def _pull(self, ask: Any) -> Any:
         """The engine's `pull_fn`: the peer's pages for `ask`, in order, up to its first miss.
 
-        Each page was verified by the transfer client (framing, format,
-        checksum, the hash asked for); the engine checks again and inserts.
+        Over gRPC each page was verified by the transfer client (framing,
+        format, checksum, the hash asked for); the engine checks again and
+        inserts. Over torch.distributed the pages are checked and cached as
+        they arrive (`PulledInPlace`), falling back to gRPC with a logged reason.
         """
+        if self._dist:
+            return self._pull_in_place(ask)
         try:
             fetched = self._peer(ask.peer).fetch_pages(list(ask.page_hashes))
         except KVMeshError:
@@ -389,12 +421,148 @@ class WorkerActor:
         return out
 
     def _push(self, address: str, hashes: Sequence[PageHash]) -> int:
-        """Push the cached prefix of `hashes` to the worker at `address`; returns pages sent."""
+        """Push the cached prefix of `hashes` to the worker at `address`; returns pages sent.
+
+        Over torch.distributed when configured, falling back to gRPC (logged)
+        when the link fails.
+        """
+        from kvmesh.rendezvous import LINK_SERVER_RANK
+
         held = self.pages.prefix_length(hashes)
         if not held:
             return 0
-        self._peer(address).push_from(self.pages, list(hashes[:held]))
+        todo = list(hashes[:held])
+        if self._dist:
+            try:
+                sent = self._link(address).push(LINK_SERVER_RANK, todo)
+                self._bump("pushes_dist")
+                return len(sent.sent)
+            except TransportError as exc:
+                self._drop_link(address)
+                self._bump("dist_fallbacks")
+                log.warning("dist push to %s failed, falling back to gRPC: %s", address, exc)
+        self._peer(address).push_from(self.pages, todo)
+        self._bump("pushes_grpc")
         return held
+
+    def _pull_in_place(self, ask: Any) -> Any:
+        from kvmesh.rendezvous import LINK_SERVER_RANK
+        from kvmesh.worker.dist_transfer import fetch_with_fallback
+        from kvmesh.worker.serving import PulledInPlace
+
+        outcome = fetch_with_fallback(
+            self.pages,
+            ask.page_hashes,
+            transport="dist",
+            dist=lambda: self._link(ask.peer),
+            peer_rank=LINK_SERVER_RANK,
+            grpc=self._peer(ask.peer),
+        )
+        if outcome.fallback_reason is not None:
+            self._drop_link(ask.peer)
+            self._bump("dist_fallbacks")
+        self._bump(f"pulls_{outcome.transport}")
+        return PulledInPlace(tuple(ask.page_hashes), outcome.transport)
+
+    # ---------------------------------------------------------------- torch.distributed links
+
+    def _link(self, address: str) -> Any:
+        """The link to the worker at `address` (this end rank 0), opened through the coordinator.
+
+        Raises `TransportError` when it cannot be opened (no coordinator, the
+        peer unknown or refusing, the rendezvous timing out).
+        """
+        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
+
+        with self._peers_lock:
+            lock = self._link_locks.setdefault(address, threading.Lock())
+        with lock:
+            link = self._links.get(address)
+            if link is not None and link.group.usable:
+                return link
+            self._drop_link(address)
+            if self._coordinator is None:
+                raise TransportError("no coordinator to open a torch.distributed link through")
+            try:
+                rdv = self._rpc("dist_link", self.worker_id, address)
+            except Exception as exc:
+                cause = _unwrap(exc)
+                raise TransportError(
+                    f"the coordinator could not open a link to {address}: "
+                    f"{type(cause).__name__}: {cause}"
+                ) from exc
+            group = DistGroup.join(
+                rdv,
+                self.worker_id,
+                device=self.store.device,
+                timeout_s=self.config.transfer.dist_connect_timeout_s,
+                host=self._bind_host(),
+            )
+            group.timeout_s = self.config.transfer.dist_timeout_s
+            link = DistPageTransport.from_config(group, self.pages, self.config.transfer)
+            self._links[address] = link
+            self._bump("links_opened")
+            return link
+
+    def _drop_link(self, address: str) -> None:
+        """Forget the link to `address` (closed; the next use opens a fresh one)."""
+        link = self._links.pop(address, None)
+        if link is not None:
+            link.group.close()
+
+    def dist_accept(self, rendezvous: Any) -> bool:
+        """Join a link a peer opened through the coordinator and serve it in a thread.
+
+        Returns at once (the peer joins meanwhile). Raises `ConfigError` when
+        this worker does not take torch.distributed links, `UnknownWorker` /
+        `InvalidInput` for a rendezvous that does not make it the serving rank.
+        """
+        from kvmesh.rendezvous import LINK_SERVER_RANK
+
+        if not self._dist:
+            raise ConfigError(
+                f"worker {self.worker_id!r} moves pages over gRPC only; start it with "
+                "TransferConfig.transport='dist' to take torch.distributed links"
+            )
+        if rendezvous.rank_of(self.worker_id) != LINK_SERVER_RANK:
+            raise InvalidInput(f"worker {self.worker_id!r} is not the serving rank of this link")
+        threading.Thread(
+            target=self._serve_link,
+            args=(rendezvous,),
+            name=f"kvmesh-link-{self.worker_id}",
+            daemon=True,
+        ).start()
+        return True
+
+    def _serve_link(self, rendezvous: Any) -> None:
+        """Join `rendezvous` as its serving rank and answer pulls/pushes until hang-up or failure."""
+        from kvmesh.rendezvous import LINK_CLIENT_RANK
+        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
+
+        client = rendezvous.worker_of(LINK_CLIENT_RANK)
+        cfg = self.config.transfer
+        try:
+            group = DistGroup.join(
+                rendezvous,
+                self.worker_id,
+                device=self.store.device,
+                timeout_s=cfg.dist_connect_timeout_s,
+                host=self._bind_host(),
+            )
+        except TransportError as exc:
+            log.warning("link from %s was not joined: %s", client, exc)
+            return
+        group.timeout_s = cfg.dist_timeout_s
+        self._served_links[rendezvous.prefix] = group
+        self._bump("links_served")
+        try:
+            transport = DistPageTransport.from_config(group, self.pages, cfg)
+            transport.serve_forever(LINK_CLIENT_RANK, idle_timeout_s=cfg.dist_idle_timeout_s)
+        except KVMeshError as exc:
+            log.info("link from %s ended: %s", client, exc)
+        finally:
+            self._served_links.pop(rendezvous.prefix, None)
+            group.close()
 
     # ---------------------------------------------------------------- events
 
@@ -586,6 +754,13 @@ class WorkerActor:
             snapshots_sent=c.snapshots_sent,
             last_seq=self._next_seq - 1,
             draining=self._draining,
+            pulls_grpc=c.pulls_grpc,
+            pulls_dist=c.pulls_dist,
+            pushes_grpc=c.pushes_grpc,
+            pushes_dist=c.pushes_dist,
+            dist_fallbacks=c.dist_fallbacks,
+            links_opened=c.links_opened,
+            links_served=c.links_served,
         )
 
     def reset_cache(self) -> None:
@@ -631,18 +806,38 @@ class WorkerActor:
             close: Callable[[], None] | None = getattr(p, "close", None)
             if close is not None:
                 close()
+        self._hang_up_links()
         self._server.stop()
+
+    def _hang_up_links(self) -> None:
+        """Tell every peer this worker opened a link to that it ends (best effort), close them."""
+        from kvmesh.rendezvous import LINK_SERVER_RANK
+
+        for address in list(self._links):
+            link = self._links.get(address)
+            if link is not None and link.group.usable:
+                try:
+                    link.hang_up(LINK_SERVER_RANK)
+                except KVMeshError as exc:
+                    log.info("hang-up on the link to %s failed: %s", address, exc)
+            self._drop_link(address)
 
     def check_invariants(self) -> None:
         """The pool's invariants (raises `InvariantViolation`)."""
         self.pages.check_invariants()
 
-    def _advertised_address(self, port: int) -> str:
+    def _bind_host(self) -> str:
+        """The address peers reach this worker at: the configured host, or the node's IP
+        when the server listens on every interface."""
         host = self.config.transfer.host
         if host in ("0.0.0.0", "::", ""):
             import ray
 
             host = ray.util.get_node_ip_address()
+        return host
+
+    def _advertised_address(self, port: int) -> str:
+        host = self._bind_host()
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

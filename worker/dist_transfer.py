@@ -78,7 +78,7 @@ from kvmesh.errors import (
     PoolExhausted,
     TransportError,
 )
-from kvmesh.rendezvous import DistRendezvous, assign_ranks
+from kvmesh.rendezvous import DistRendezvous, LinkBook, assign_ranks
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import DTYPES, PageBlob
@@ -164,14 +164,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def host_link_store(host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, LinkBook]:
+    """Start a TCP store on a free port for links to meet at, and the `LinkBook` naming it.
+
+    The coordinator runs one for the whole cluster; keep the returned store
+    object alive as long as links may open. torch's store listens on every
+    interface; `host` is the address it is advertised at.
+    """
+    try:
+        store = dist.TCPStore(
+            host,
+            0,
+            None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        raise TransportError(f"cannot host the link store on {host}: {_first_line(exc)}") from exc
+    return store, LinkBook(host, int(store.port))
+
+
 # --------------------------------------------------------------------------- process group
 
 
-def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+def _gloo_group(store: Any, rank: int, size: int, timeout: timedelta, host: str | None) -> Any:
+    gloo = dist.ProcessGroupGloo
+    if not host:
+        return gloo(store, rank, size, timeout)
+    options = getattr(gloo, "_Options")()  # noqa: B009 - private in the stubs, public in use
+    options._timeout = timeout
+    options._devices = [gloo.create_device(hostname=host)]  # listen on this address only
+    return gloo(store, rank, size, options)
 
 
-def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta, host: str | None) -> Any:
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise ConfigError("this torch build has no NCCL; install a CUDA build of torch")
@@ -180,11 +207,15 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     return nccl(store, rank, size, options)
 
 
-GROUP_FACTORIES: dict[str, Callable[[Any, int, int, timedelta], Any]] = {
+GROUP_FACTORIES: dict[str, Callable[[Any, int, int, timedelta, str | None], Any]] = {
     "gloo": _gloo_group,
     "nccl": _nccl_group,
 }
-"""Registry: backend name -> a process-group object over a store (no default group needed)."""
+"""Registry: backend name -> a process-group object over a store (no default group needed).
+
+Called with (store, rank, size, timeout, host): gloo listens for its peers on
+`host` (None: the address the machine's hostname resolves to); NCCL's
+bootstrap picks its own interface (``NCCL_SOCKET_IFNAME``)."""
 
 
 class DistGroup:
@@ -245,11 +276,13 @@ class DistGroup:
         device: str | torch.device = "cpu",
         prefix: str = "",
         host_store: bool | None = None,
+        host: str | None = None,
     ) -> DistGroup:
         """Join the group meeting at the TCP store ``master_addr:master_port`` under `prefix`.
 
         `host_store` None: rank 0 hosts the store; False: it is up already
-        (the coordinator's). `backend` None picks from `BACKENDS` by the device
+        (the coordinator's). `host`: the local address gloo listens on for
+        its peers (None: the hostname's). `backend` None picks from `BACKENDS` by the device
         type ("nccl" for cuda, "gloo" for cpu). Raises `TransportError` when
         the rendezvous does not complete within about `timeout_s` (a rank
         missing, the address unreachable), `ConfigError` for impossible arguments.
@@ -264,7 +297,9 @@ class DistGroup:
                 ) from None
         factory = GROUP_FACTORIES.get(backend)
         if factory is None:
-            raise ConfigError(f"unknown backend {backend!r}; choose one of {sorted(GROUP_FACTORIES)}")
+            raise ConfigError(
+                f"unknown backend {backend!r}; choose one of {sorted(GROUP_FACTORIES)}"
+            )
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank must be in 0..{world_size - 1}, got {rank}")
         if timeout_s <= 0:
@@ -283,7 +318,7 @@ class DistGroup:
                 wait_for_workers=False,
             )
             scoped = dist.PrefixStore(prefix, store) if prefix else store
-            pg = factory(scoped, rank, world_size, timeout)
+            pg = factory(scoped, rank, world_size, timeout, host)
         except (RuntimeError, ValueError, OSError) as exc:
             raise TransportError(
                 f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "
@@ -299,6 +334,7 @@ class DistGroup:
         *,
         device: str | torch.device = "cpu",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        host: str | None = None,
     ) -> DistGroup:
         """`init` with this worker's rank and the store/prefix from a coordinator's rendezvous."""
         return cls.init(
@@ -310,6 +346,7 @@ class DistGroup:
             device=device,
             prefix=rendezvous.prefix,
             host_store=None if rendezvous.store_on_rank0 else False,
+            host=host,
         )
 
     # -- point to point ----------------------------------------------------
@@ -1402,5 +1439,6 @@ __all__ = [
     "assign_ranks",
     "fetch_with_fallback",
     "free_port",
+    "host_link_store",
     "plan_batches",
 ]

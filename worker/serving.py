@@ -79,9 +79,23 @@ class PullRequest:
 
 
 PulledPage = tuple[PageHash, PageBlob]
-PullFn = Callable[[PullRequest], Sequence[PulledPage]]
+
+
+@dataclass(frozen=True, slots=True)
+class PulledInPlace:
+    """A pull whose transport checked and cached the pages itself (torch.distributed
+    receives straight into pool pages): the engine takes from the pool those of
+    `page_hashes` it now holds and counts them as pulled. `transport` names what
+    delivered (after any fallback)."""
+
+    page_hashes: tuple[PageHash, ...]
+    transport: str
+
+
+PullFn = Callable[[PullRequest], Sequence[PulledPage] | PulledInPlace]
 """Fetches pages from a peer: the pages it has, in the order asked, stopping at the first
-it lacks. Raises a `KVMeshError` (e.g. `TransportError`) when the peer cannot serve."""
+it lacks (or `PulledInPlace` when they are in the pool already). Raises a `KVMeshError`
+(e.g. `TransportError`) when the peer cannot serve."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +155,7 @@ class _Progress:
     pull_ms: float = 0.0
     pull_error: str | None = None
     pulled_ids: frozenset[PageId] = frozenset()
+    in_place: frozenset[PageHash] = frozenset()  # hashes a `PulledInPlace` pull cached
 
 
 class ServingEngine:
@@ -360,6 +375,10 @@ class ServingEngine:
                     held.extend(inserted)
                     progress.pulled_ids = frozenset(p.page_id for p in inserted)
                 matched, _ = cm.get_computed_pages(request)
+                if progress.in_place:
+                    progress.pulled_ids |= {
+                        p.page_id for p in matched if p.page_hash in progress.in_place
+                    }
                 new_pages = cm.allocate_slots(
                     request,
                     request.num_tokens - len(matched) * self.page_size,
@@ -404,6 +423,9 @@ class ServingEngine:
         good: list[PulledPage] = []
         try:
             pages = pull_fn(ask)
+            if isinstance(pages, PulledInPlace):
+                progress.in_place = frozenset(pages.page_hashes)
+                return (), start
             for want, (got, blob) in zip(ask.page_hashes, pages, strict=False):
                 if got != want:
                     raise InvalidInput(

@@ -228,12 +228,6 @@ def test_stats_count_requests_and_pages(workers: list[WorkerActor]) -> None:
     assert stats.cached_pages == 2
 
 
-def test_a_transport_the_actor_does_not_wire_is_refused() -> None:
-    cfg = dataclasses.replace(CONFIG, transfer=TransferConfig(transport="dist"))
-    with pytest.raises(ConfigError, match="grpc"):
-        WorkerActor(WorkerSpec(WorkerId("x"), cfg))
-
-
 def test_a_worker_refuses_to_bind_beyond_loopback_unless_asked(link: Link) -> None:
     remote = dataclasses.replace(CONFIG, transfer=TransferConfig(host="0.0.0.0"))
     with pytest.raises(ConfigError, match=r"0\.0\.0\.0"):
