@@ -20,7 +20,13 @@ from typing import Any
 import pytest
 
 from kvmesh.client import KVMesh
-from kvmesh.config import ClusterConfig, CoordinatorConfig, HashConfig, PoolConfig
+from kvmesh.config import (
+    ClusterConfig,
+    CoordinatorConfig,
+    HashConfig,
+    PoolConfig,
+    TransferConfig,
+)
 from kvmesh.errors import WorkerDied
 from kvmesh.worker.model import TinyTransformer
 
@@ -87,23 +93,27 @@ def test_route_predicts_the_worker_that_holds_the_prefix(mesh: KVMesh) -> None:
     assert decision.local_pages == 4
 
 
+def pull_elsewhere(mesh: KVMesh, shared: list[int]) -> tuple[list[int], Any]:
+    """Serve `shared` on one worker, then a prompt extending it on another (which may pull)."""
+    owner = mesh.generate([*shared, 1, 2, 3], max_tokens=2).worker_id
+    mesh.set_policy("round_robin")  # send the next requests anywhere, not to the owner
+    try:
+        for _ in range(len(mesh.workers())):  # round robin reaches a non-owner in time
+            prompt = shared + fresh_prompt(2)
+            result = mesh.generate(prompt, max_tokens=6)
+            if result.worker_id != owner:
+                return prompt, result
+    finally:
+        mesh.set_policy(CONFIG.coordinator.policy)
+    pytest.fail("round robin never left the owner")
+
+
 def test_a_prefix_held_by_another_worker_is_pulled_over_grpc(
     mesh: KVMesh, model: TinyTransformer
 ) -> None:
     shared = fresh_prompt(8, extra=0)
-    owner = mesh.generate([*shared, 1, 2, 3], max_tokens=2).worker_id
     before = mesh.stats().mismatches
-    mesh.set_policy("round_robin")  # send the next requests anywhere, not to the owner
-    try:
-        for _ in range(3):  # round robin over 3 workers reaches a non-owner within 3 tries
-            prompt = shared + fresh_prompt(2)
-            result = mesh.generate(prompt, max_tokens=6)
-            if result.worker_id != owner:
-                break
-        else:
-            pytest.fail("round robin never left the owner")
-    finally:
-        mesh.set_policy(CONFIG.coordinator.policy)
+    prompt, result = pull_elsewhere(mesh, shared)
     assert result.pages_pulled == 8
     assert result.pages_hit_local == 0
     assert result.promised_pull == 8
@@ -191,6 +201,59 @@ def test_disaggregated_mode_reuses_the_decode_workers_pages(disaggregated: KVMes
     disaggregated.generate(prompt, max_tokens=2)
     again = disaggregated.generate(prompt + [9] * 20, max_tokens=2)
     assert again.pages_hit_local >= 3
+
+
+# -- torch.distributed transport -----------------------------------------------------------------
+
+
+def dist_cluster(namespace: str, **workers: int) -> KVMesh:
+    cfg = dataclasses.replace(
+        CONFIG,
+        coordinator=CoordinatorConfig(namespace=namespace),
+        transfer=TransferConfig(transport="dist"),
+    )
+    return KVMesh.connect(config=cfg, **workers)
+
+
+@pytest.fixture(scope="module")
+def dist_mesh(mesh: KVMesh) -> Iterator[KVMesh]:
+    m = dist_cluster("kvmesh-dist", num_workers=2)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def test_with_transport_dist_pulls_go_over_a_torch_distributed_link(
+    dist_mesh: KVMesh, model: TinyTransformer
+) -> None:
+    shared = fresh_prompt(6, extra=0)
+    prompt, result = pull_elsewhere(dist_mesh, shared)
+    assert (result.pages_pulled, result.pull_error) == (6, None)
+    assert list(result.tokens) == model.generate(prompt, 6)
+    puller = next(w for w in dist_mesh.stats().workers if w.worker_id == result.worker_id)
+    assert (puller.pulls_dist, puller.pulls_grpc, puller.dist_fallbacks) == (1, 0, 0)
+    assert puller.links_opened == 1
+    assert dist_mesh.stats().coordinator["links_opened"] == 1
+
+
+def test_with_transport_dist_prefill_pushes_over_a_link(
+    dist_mesh: KVMesh, model: TinyTransformer
+) -> None:
+    split = dist_cluster("kvmesh-dist-disaggregated", prefill_workers=1, decode_workers=1)
+    try:
+        prompt = fresh_prompt(5)
+        result = split.generate(prompt, max_tokens=4)
+        assert (result.worker_id, result.pages_hit_local, result.pages_computed) == (
+            "decode-0",
+            5,
+            1,
+        )
+        assert list(result.tokens) == model.generate(prompt, 4)
+        prefill = next(w for w in split.stats().workers if w.role == "prefill")
+        assert (prefill.pages_pushed, prefill.pushes_dist, prefill.pushes_grpc) == (5, 1, 0)
+    finally:
+        split.close()
 
 
 # -- faults: these run last, they remove workers -----------------------------------------------
