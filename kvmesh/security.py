@@ -129,6 +129,12 @@ def _production_problems(
             )
         elif (bad := _file_problem(transfer.tls_ca, "TLS CA", "KVMESH_TLS_CA")) is not None:
             problems.append(bad)
+    if transfer.transport == "dist":
+        problems.append(
+            "transport='dist' moves pages over torch.distributed (gloo/NCCL) without TLS or a "
+            "token, and its rendezvous store listens on every interface: set "
+            "KVMESH_TRANSPORT=grpc (TransferConfig.transport)"
+        )
     token = transfer.auth_token or ""
     if len(token) < MIN_TOKEN_CHARS:
         state = "unset" if not token else f"only {len(token)} characters"

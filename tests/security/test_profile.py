@@ -208,6 +208,12 @@ def test_production_refuses_the_default_seed_and_a_fast_hash(pki: dict[str, str]
     check_profile("production", transfer, RAY_ON, hashing=HashConfig(seed="s3cret-cluster-seed"))
 
 
+def test_production_refuses_the_unauthenticated_dist_transport(pki: dict[str, str]) -> None:
+    message = refusal("production", production_transfer(pki, transport="dist"), RAY_ON)
+    assert "KVMESH_TRANSPORT=grpc" in message
+    assert "TLS certificate" not in message  # only what is wrong
+
+
 def test_production_binds_wherever_it_is_told(pki: dict[str, str]) -> None:
     check_profile("production", production_transfer(pki, host="0.0.0.0"), RAY_ON)
 
