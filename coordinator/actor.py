@@ -19,6 +19,14 @@ rebuilt the other way: their next `report` finds the index stale/empty and
 the reply asks for a snapshot; a worker unknown to the registry gets
 `UnknownWorker` and registers again.
 
+torch.distributed links. `dist_link` opens a link of two workers for
+``transport="dist"``: on first use the actor starts a TCP store (torch's,
+on a free port, advertised at `CoordinatorConfig.rendezvous_host`), keys
+each link under its own prefix (`kvmesh.rendezvous.LinkBook`: both workers'
+ids and incarnations and an epoch), asks the serving worker's actor to join
+(`dist_accept`) and returns the rendezvous to the asking worker. A restarted
+coordinator starts a new store; links already open do not need it.
+
 Background loop: every `heartbeat_interval_s` the actor expires workers
 that missed heartbeats for `heartbeat_timeout_s` (dropping their index
 entries and their GCS record) and asks stale workers with an actor name for

@@ -53,6 +53,13 @@ def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> N
         "0.0.0.0 for multi-node, with --allow-remote or the production profile)",
     )
     g.add_argument(
+        "--transport",
+        choices=("grpc", "dist"),
+        default=None,
+        help="how workers move pages to each other: grpc (default) or dist "
+        "(torch.distributed links: gloo on CPU, NCCL on GPU; falls back to gRPC)",
+    )
+    g.add_argument(
         "--profile",
         default=None,
         help="security profile: dev (default: loopback only) or production "
@@ -105,7 +112,11 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         hash=from_env(HashConfig),
         pool=from_env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
         coordinator=coord,
-        transfer=from_env(TransferConfig, host=getattr(args, "transfer_host", None)),
+        transfer=from_env(
+            TransferConfig,
+            host=getattr(args, "transfer_host", None),
+            transport=getattr(args, "transport", None),
+        ),
         security=from_env(
             SecurityConfig,
             profile=getattr(args, "profile", None),
@@ -177,6 +188,14 @@ def print_workers(mesh: KVMesh, console: Any | None = None) -> None:
         f"requests {stats.requests}  page hit ratio {stats.page_hit_ratio:.3f}  "
         f"pulled pages {stats.pulled_pages}  predicted/realized mismatches {stats.mismatches}"
     )
+    pulls = {t: sum(getattr(w, f"pulls_{t}") for w in stats.workers) for t in ("grpc", "dist")}
+    pushes = {t: sum(getattr(w, f"pushes_{t}") for w in stats.workers) for t in ("grpc", "dist")}
+    if pulls["dist"] or pushes["dist"] or any(w.dist_fallbacks for w in stats.workers):
+        console.print(
+            f"transfers: pulls grpc {pulls['grpc']} dist {pulls['dist']}  pushes grpc "
+            f"{pushes['grpc']} dist {pushes['dist']}  dist fallbacks "
+            f"{sum(w.dist_fallbacks for w in stats.workers)}"
+        )
 
 
 # -- start -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ one actor owns::
     KVStore ───────────────────┼─ ServingEngine (TinyTransformer)   generate / prefill
     PageService (shared lock) ─┴─ ServerThread (grpc.aio, 127.0.0.1:free port)
                                   PeerClients (pull from / push to other workers)
+                                  dist links (transport="dist": torch.distributed)
     heartbeat thread ── report(worker_id, [event batches], load) ──► coordinator actor
 
 Events. Every change of the pool's cached set is drained into a batch
@@ -21,6 +22,15 @@ coordinator says the worker is stale or unknown, the next report carries a
 snapshot batch (the whole cached set) instead; `snapshot` serves the same
 batch to a restarting coordinator. Every batch, snapshot or not, takes the
 next seq, under one lock, so the coordinator sees one ordered stream.
+
+Transports. With ``TransferConfig.transport="grpc"`` (default) pulls and
+pushes go over the peers' gRPC servers. With ``"dist"`` they go over a
+torch.distributed link per peer: the first use asks the coordinator
+(``dist_link``), which hands out the rendezvous (its store, ranks, a fresh
+prefix) and has the peer join through `dist_accept` (a thread that serves
+the link until hang-up); pages arrive checked and cached in place. Any link
+failure falls back to gRPC for that transfer, logged with its reason, and
+the next transfer opens a fresh link. `stats` counts each transport.
 
 Requests. `generate` serves one request (local hits, pulls from the peer
 the route decision named, computes the rest, decodes); `prefill` is the

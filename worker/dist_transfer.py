@@ -1,9 +1,16 @@
 """Page transfer over torch.distributed: batched send/recv of page tensors.
 
-Workers of one process group (address and ranks from the coordinator's
-`DistRendezvous`) move pages as raw tensors with point-to-point send/recv:
-NCCL when the KV store is on CUDA, gloo on CPU, the same code. One transfer
-of ``n`` pages between two ranks::
+Workers of one process group move pages as raw tensors with point-to-point
+send/recv: NCCL when the KV store is on CUDA, gloo on CPU, the same code.
+A `DistGroup` is its own process-group object over a prefixed TCP store,
+not torch's process-wide default group, so a process can be in many at once.
+In a cluster the groups are *links* of two (`kvmesh.rendezvous.LinkBook`):
+a worker that pulls from or pushes to a peer asks the coordinator, which
+hosts one store for all links (`host_link_store`), hands out the address,
+the ranks (puller 0, peer 1) and a fresh key prefix, and asks the peer to
+join and serve the link; a broken link is dropped and the next use opens a
+new one, while the transfer at hand falls back to gRPC
+(`fetch_with_fallback`). One transfer of ``n`` pages between two ranks::
 
     preamble  int64[16]      magic, version, kind, count, dtype code, ndim,
                              shape[6], meta bytes, largest batch, layout, 0
@@ -36,7 +43,9 @@ others are inserted.
 Pull and push share that framing. A pull sends a REQUEST (the hashes, in
 the meta) to the peer's serving loop (`serve_forever`) on `SERVE_TAG`; the
 answer comes back on `REPLY_TAG`. A push sends the pages straight to the
-peer's serving loop. A client serialises its own calls per peer, so a tag
+peer's serving loop, which acknowledges (ACK on `REPLY_TAG`: pages it now
+holds, pages it refused) once they are checked and cached, so the pusher
+returns only when the receiver can serve from them. A client serialises its own calls per peer, so a tag
 never carries two transfers between the same two ranks at once (gloo matches
 messages by source and tag, in order; NCCL has no tags, so on NCCL a pair of
 ranks must not pull from each other at the same moment).

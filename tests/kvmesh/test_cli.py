@@ -264,3 +264,6 @@ def test_unset_flags_keep_the_environment_and_set_flags_override_it(
     assert from_env.coordinator.seed == 0  # the routing seed is not the hash seed
     flagged = cluster_config(parser.parse_args(["--policy", "random", "--num-pages", "64"]))
     assert (flagged.coordinator.policy, flagged.pool.num_pages) == ("random", 64)
+    monkeypatch.setenv("KVMESH_TRANSPORT", "dist")
+    assert cluster_config(parser.parse_args([])).transfer.transport == "dist"
+    assert cluster_config(parser.parse_args(["--transport", "grpc"])).transfer.transport == "grpc"
