@@ -9,38 +9,24 @@ without Ray. Heartbeats are made rare so that only explicit flushes report.
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from worker_kit import BASE, HASHER, Prompts, two_workers
 
-from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig, TransferConfig
+from kvmesh.config import TransferConfig
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.events import decode_batch
-from kvmesh.hashing import PageHasher
 from kvmesh.types import WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor, WorkerSpec
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.transfer_client import SyncPeerClient
 
-CONFIG = dataclasses.replace(
-    ClusterConfig(),
-    pool=PoolConfig(num_pages=64),
-    coordinator=CoordinatorConfig(heartbeat_interval_s=3600.0, heartbeat_timeout_s=3600.0),
-)
-PAGE = CONFIG.hash.page_size
-HASHER = PageHasher.from_config(CONFIG.hash)
-_rng = random.Random(7)
-
-
-def prompt(pages: int) -> tuple[int, ...]:
-    return tuple(_rng.randrange(CONFIG.model.vocab_size) for _ in range(pages * PAGE + 3))
-
-
-def request(tokens: tuple[int, ...], max_tokens: int = 3, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(f"r{_rng.getrandbits(48):x}", tokens, max_tokens, **kw)
+CONFIG = BASE
+_prompts = Prompts(7)
+prompt, request = _prompts.prompt, _prompts.request
 
 
 class Link:
@@ -69,12 +55,8 @@ def link() -> Link:
 
 @pytest.fixture()
 def workers(link: Link) -> Iterator[list[WorkerActor]]:
-    made = [WorkerActor(WorkerSpec(WorkerId(f"w{i}"), CONFIG), link) for i in range(2)]
-    try:
+    with two_workers(CONFIG, link) as made:
         yield made
-    finally:
-        for w in made:
-            w.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,47 +11,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from worker_kit import BASE, HASHER, Prompts, two_workers
 
 from kvmesh.config import (
-    ClusterConfig,
-    CoordinatorConfig,
-    PoolConfig,
     SecurityConfig,
     TransferConfig,
 )
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWorker
-from kvmesh.hashing import PageHasher
 from kvmesh.rendezvous import DistRendezvous, LinkBook
 from kvmesh.types import WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor, WorkerSpec
 from kvmesh.worker.dist_transfer import host_link_store
 from kvmesh.worker.model import TinyTransformer
 
 pytestmark = pytest.mark.timeout(120)
 
 CONFIG = dataclasses.replace(
-    ClusterConfig(),
-    pool=PoolConfig(num_pages=64),
-    coordinator=CoordinatorConfig(heartbeat_interval_s=3600.0, heartbeat_timeout_s=3600.0),
+    BASE,
     transfer=TransferConfig(transport="dist", dist_timeout_s=10.0, dist_connect_timeout_s=10.0),
 )
-PAGE = CONFIG.hash.page_size
-HASHER = PageHasher.from_config(CONFIG.hash)
-_rng = random.Random(11)
-
-
-def prompt(pages: int) -> tuple[int, ...]:
-    return tuple(_rng.randrange(CONFIG.model.vocab_size) for _ in range(pages * PAGE + 3))
-
-
-def request(tokens: tuple[int, ...], max_tokens: int = 3, **kw: Any) -> GenerateRequest:
-    return GenerateRequest(f"r{_rng.getrandbits(48):x}", tokens, max_tokens, **kw)
+_prompts = Prompts(11)
+prompt, request = _prompts.prompt, _prompts.request
 
 
 class LinkingCoordinator:
@@ -87,13 +72,9 @@ def coordinator(link_store: tuple[Any, LinkBook]) -> LinkingCoordinator:
 
 @pytest.fixture()
 def workers(coordinator: LinkingCoordinator) -> Iterator[list[WorkerActor]]:
-    made = [WorkerActor(WorkerSpec(WorkerId(f"w{i}"), CONFIG), coordinator) for i in range(2)]
-    coordinator.workers = {w.worker_id: w for w in made}
-    try:
+    with two_workers(CONFIG, coordinator) as made:
+        coordinator.workers = {w.worker_id: w for w in made}
         yield made
-    finally:
-        for w in made:
-            w.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +97,7 @@ def test_a_pull_goes_over_a_link_the_coordinator_opened(
     assert w0.stats().links_served == 1
     assert coordinator.core.stats().links_opened == 1
     # The pulled pages are w1's own now, announced like any other (6 pulled, 1 computed).
-    assert coordinator.core.match(HASHER.hash_prompt(tokens)).pages["w1"] == 7
+    assert coordinator.core.match(HASHER.hash_prompt(tokens)).pages[WorkerId("w1")] == 7
 
 
 def test_a_second_pull_reuses_the_open_link(
