@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from worker_kit import BASE, HASHER, Prompts, two_workers
+from worker_kit import (
+    BASE,
+    HASHER,
+    Prompts,
+    check_pull_from_nowhere_computes,
+    check_push_then_decode,
+    two_workers,
+)
 
 from kvmesh.config import TransferConfig
 from kvmesh.coordinator.service import Coordinator
@@ -150,26 +157,14 @@ def test_a_worker_pulls_the_pages_a_named_peer_holds_over_grpc(
 def test_a_pull_from_an_unreachable_peer_computes_instead(
     workers: list[WorkerActor], model: TinyTransformer
 ) -> None:
-    tokens = prompt(3)
-    dead = "127.0.0.1:1"  # nothing listens there
-    result = workers[1].generate(request(tokens, 2, promised_pull=3, peer_address=dead))
-    assert result.pages_pulled == 0
-    assert result.pages_computed == 4
-    assert result.pull_error is not None
-    assert list(result.tokens) == model.generate(list(tokens), 2)
+    check_pull_from_nowhere_computes(workers[1], _prompts, model)
 
 
 def test_prefill_pushes_the_prompt_pages_and_the_decode_worker_continues_from_them(
     workers: list[WorkerActor], model: TinyTransformer
 ) -> None:
-    prefill, decode = workers
-    tokens = prompt(5)
-    done = prefill.prefill(request(tokens), decode.address)
-    assert (done.pages_pushed, done.push_error) == (5, None)
-    assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
-    result = decode.generate(request(tokens, 6, promised_local=5))
-    assert (result.pages_hit_local, result.pages_computed) == (5, 1)
-    assert list(result.tokens) == model.generate(list(tokens), 6)
+    check_push_then_decode(*workers, _prompts, model)
+    assert workers[0].stats().pushes_grpc == 1
 
 
 def test_a_failed_push_is_reported_not_raised(workers: list[WorkerActor]) -> None:

@@ -15,7 +15,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from worker_kit import BASE, HASHER, Prompts, two_workers
+from worker_kit import (
+    BASE,
+    HASHER,
+    Prompts,
+    check_pull_from_nowhere_computes,
+    check_push_then_decode,
+    two_workers,
+)
 
 from kvmesh.config import (
     SecurityConfig,
@@ -118,15 +125,9 @@ def test_a_push_goes_over_a_link_and_the_decode_worker_continues_from_it(
     workers: list[WorkerActor], model: TinyTransformer
 ) -> None:
     prefill, decode = workers
-    tokens = prompt(5)
-    done = prefill.prefill(request(tokens), decode.address)
-    assert (done.pages_pushed, done.push_error) == (5, None)
-    assert prefill.stats().pushes_dist == 1
-    # The push returned after the decode worker acknowledged: the pages are there now.
-    assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
-    result = decode.generate(request(tokens, 6, promised_local=5))
-    assert (result.pages_hit_local, result.pages_computed) == (5, 1)
-    assert list(result.tokens) == model.generate(list(tokens), 6)
+    # The push returns after the decode worker acknowledged: the pages are there at once.
+    check_push_then_decode(prefill, decode, _prompts, model)
+    assert (prefill.stats().pushes_dist, prefill.stats().pushes_grpc) == (1, 0)
 
 
 def test_a_link_that_cannot_be_opened_falls_back_to_grpc_and_says_why(
@@ -182,12 +183,7 @@ def test_a_broken_link_is_replaced_by_a_fresh_one(workers: list[WorkerActor]) ->
 def test_a_pull_from_an_unknown_address_computes_instead(
     workers: list[WorkerActor], model: TinyTransformer
 ) -> None:
-    tokens = prompt(3)
-    dead = "127.0.0.1:1"  # no worker registered there, nothing listens
-    result = workers[1].generate(request(tokens, 2, promised_pull=3, peer_address=dead))
-    assert result.pages_pulled == 0
-    assert result.pull_error is not None
-    assert list(result.tokens) == model.generate(list(tokens), 2)
+    check_pull_from_nowhere_computes(workers[1], _prompts, model)  # dist, then gRPC, fail
 
 
 def test_open_link_names_both_ends_and_refuses_unknown_ones(

@@ -41,6 +41,30 @@ class Prompts:
         return GenerateRequest(f"r{self._rng.getrandbits(48):x}", tokens, max_tokens, **kw)
 
 
+def check_pull_from_nowhere_computes(worker: WorkerActor, prompts: Prompts, model: Any) -> None:
+    """A pull from an address nobody serves fails quietly: every page computed, right answer."""
+    tokens = prompts.prompt(3)
+    dead = "127.0.0.1:1"  # no worker registered there, nothing listens
+    result = worker.generate(prompts.request(tokens, 2, promised_pull=3, peer_address=dead))
+    assert (result.pages_pulled, result.pages_computed) == (0, 4)
+    assert result.pull_error is not None
+    assert list(result.tokens) == model.generate(list(tokens), 2)
+
+
+def check_push_then_decode(
+    prefill: WorkerActor, decode: WorkerActor, prompts: Prompts, model: Any
+) -> None:
+    """Prefill pushes a 5-page prompt; once `prefill` returns the decode worker holds the
+    pages and continues from them (only the partial page computed), with the right answer."""
+    tokens = prompts.prompt(5)
+    done = prefill.prefill(prompts.request(tokens), decode.address)
+    assert (done.pages_pushed, done.push_error) == (5, None)
+    assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
+    result = decode.generate(prompts.request(tokens, 6, promised_local=5))
+    assert (result.pages_hit_local, result.pages_computed) == (5, 1)
+    assert list(result.tokens) == model.generate(list(tokens), 6)
+
+
 @contextlib.contextmanager
 def two_workers(config: ClusterConfig, coordinator: Any) -> Iterator[list[WorkerActor]]:
     """Workers w0 and w1 in this process, registered with `coordinator`; shut down after."""
