@@ -84,18 +84,17 @@ from kvmesh.errors import (
     ConfigError,
     InvalidInput,
     KVMeshError,
-    PoolExhausted,
     TransportError,
 )
 from kvmesh.rendezvous import DistRendezvous, LinkBook, assign_ranks
 from kvmesh.types import PageHash, PageId, WorkerId
-from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import DTYPES, PageBlob
 from kvmesh.worker.page_service import (
     MAX_HASH_BYTES,
     IncomingPage,
     PageInfo,
     PageService,
+    Reservation,
     check_hash,
 )
 
@@ -1061,7 +1060,6 @@ class DistPageTransport:
         batches = list(zip(firsts, counts, strict=False))
         outcome = _Outcome()
         posted: dict[int, _Posted] = {}
-        seen: set[PageHash] = set()
         rows = self._page_rows() if pre.layout == Layout.PAGES else None
 
         # Batches posted ahead: two buffers when batches land in buffers, `depth` when they
@@ -1075,7 +1073,7 @@ class DistPageTransport:
                 buf = self._recv_bufs.get(n % 2, count * pre.page_nbytes)
                 posted[n] = _Posted([], sums, [buf], [])
             else:
-                slots = self._reserve(pages[first : first + count], seen)
+                slots = self.service.reserve([p.page_hash for p in pages[first : first + count]])
                 spares = sum(slot is None for slot in slots)
                 spare = torch.empty(
                     (spares, pre.page_nbytes), dtype=torch.uint8, device=group.device
@@ -1128,30 +1126,6 @@ class DistPageTransport:
             pre.count * pre.page_nbytes,
         )
 
-    def _reserve(self, batch: Sequence[WirePage], seen: set[PageHash]) -> list[KVPage | None]:
-        """Pool pages to receive `batch` into, held and uncached; None: into a buffer instead.
-
-        A page already cached, or twice in the transfer, goes to a buffer and then
-        `PageService.insert` (which reports it held); so do all of a batch the
-        pool has no room for (insert then reports `PoolExhausted`).
-        """
-        pool = self.service.pool
-        slots: list[KVPage | None] = [None] * len(batch)
-        with self.service.lock:
-            get = pool.get_cached_page
-            need = []
-            for i, page in enumerate(batch):
-                if page.page_hash not in seen and get(page.page_hash) is None:
-                    seen.add(page.page_hash)
-                    need.append(i)
-            try:
-                fresh = pool.get_new_pages(len(need))
-            except PoolExhausted:
-                return slots
-        for i, slot in zip(need, fresh, strict=True):
-            slots[i] = slot
-        return slots
-
     def _commit_batch(
         self, pre: Preamble, batch: Sequence[WirePage], posted: _Posted, outcome: _Outcome
     ) -> None:
@@ -1160,12 +1134,13 @@ class DistPageTransport:
         The checks are `PageService.check` (the same as `insert` and the gRPC
         path run); a reserved page is cached only after its bytes passed.
         """
-        service, pool = self.service, self.service.pool
+        service = self.service
         checks = posted.sums.cpu().numpy().view(np.uint64).tolist()
         dtype, shape = pre.dtype_name, pre.shape
         status: list[str] = [""] * len(batch)
         errors: dict[int, str] = {}
-        good: list[tuple[int, KVPage]] = []
+        good: list[tuple[int, Reservation, IncomingPage]] = []
+        bad: list[Reservation] = []
         for i, page in enumerate(batch):
             blob = PageBlob(posted.targets[i].cpu().numpy().data, dtype, shape, checks[i])
             slot = posted.slots[i]
@@ -1176,27 +1151,19 @@ class DistPageTransport:
                     )
                     status[i] = "inserted" if new else "present"
                     continue
-                service.check(
-                    IncomingPage(
-                        page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
-                    )
+                incoming = IncomingPage(
+                    page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
                 )
+                service.check(incoming)
             except KVMeshError as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
+                if slot is not None:
+                    bad.append(slot)
                 continue
-            good.append((i, slot))
-        held = [slot for slot in posted.slots if slot is not None]
-        with service.lock:
-            for i, slot in good:
-                page = batch[i]
-                if pool.get_cached_page(page.page_hash) is not None:  # inserted meanwhile
-                    status[i] = "present"
-                    continue
-                pool.cache_page(
-                    slot, page.page_hash, page.parent_hash, page.token_ids, page.lora_id
-                )
-                status[i] = "inserted"
-            pool.free_pages(reversed(held))  # cached ones stay cached, evictable
+            good.append((i, slot, incoming))
+        cached = service.commit([(slot, incoming) for _, slot, incoming in good], bad)
+        for (i, _, _), new in zip(good, cached, strict=True):
+            status[i] = "inserted" if new else "present"  # present: cached meanwhile
         posted.slots = []
         for i, page in enumerate(batch):
             if i in errors:
@@ -1219,7 +1186,7 @@ class DistPageTransport:
         connection, so nothing lands in them any more). A receive still posted
         after another error could yet write: those pages stay held (logged).
         """
-        held: list[KVPage] = []
+        held: list[Reservation] = []
         failed = transport_failed or self.group.broken is not None
         for batch in posted.values():
             mine = [slot for slot in batch.slots if slot is not None]
@@ -1231,8 +1198,7 @@ class DistPageTransport:
                 continue
             held += mine
         if held:
-            with self.service.lock:
-                self.service.pool.free_pages(reversed(held))
+            self.service.release(held)
 
     def _insert_batch(
         self,
@@ -1307,7 +1273,7 @@ class _Posted:
     works: list[Any]
     sums: Tensor
     targets: list[Tensor]
-    slots: list[KVPage | None]
+    slots: list[Reservation | None]
 
 
 @dataclass(slots=True)

@@ -34,10 +34,11 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from kvmesh.errors import HashMismatch, InvalidInput
+from kvmesh.errors import HashMismatch, InvalidInput, PoolExhausted
 from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.hashing import ExtraKeys, PageHasher
 from kvmesh.types import PageHash, PageId
+from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
 
@@ -53,6 +54,18 @@ class IncomingPage:
     token_ids: tuple[int, ...]
     blob: PageBlob
     lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A pool page held for one incoming page's bytes (`PageService.reserve`)."""
+
+    page: KVPage
+    page_hash: PageHash
+
+    @property
+    def page_id(self) -> PageId:
+        return self.page.page_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +296,75 @@ class PageService:
         for i in todo:
             inserted[i] = True
         return inserted
+
+    # ---------------------------------------------------------------- in-place receive
+
+    def reserve(self, hashes: Sequence[PageHash]) -> list[Reservation | None]:
+        """Held, uncached pool pages for transports that write received bytes straight
+        into the KV store (torch.distributed), one per hash that needs one.
+
+        None where the hash is cached already, being received by another
+        transfer, or repeated in `hashes` (receive those into a buffer and
+        `insert` them: that reports them held); all None when the pool has no
+        room for every one. Every reservation must end in `commit` or `release`.
+        """
+        with self._lock:
+            get = self.pool.get_cached_page
+            need: list[int] = []
+            keys: set[PageHash] = set()
+            for i, h in enumerate(hashes):
+                if h in keys or h in self._inflight or get(h) is not None:
+                    continue
+                keys.add(h)
+                need.append(i)
+            try:
+                fresh = self.pool.get_new_pages(len(need))
+            except PoolExhausted:
+                return [None] * len(hashes)
+            self._inflight.update(keys)
+        out: list[Reservation | None] = [None] * len(hashes)
+        for i, page in zip(need, fresh, strict=True):
+            out[i] = Reservation(page, hashes[i])
+        return out
+
+    def commit(
+        self, passed: Sequence[tuple[Reservation, IncomingPage]], failed: Sequence[Reservation] = ()
+    ) -> list[bool]:
+        """Cache reserved pages whose bytes are in the KV store and passed `check`; release
+        all of them (cached ones stay cached, evictable) and `failed` ones too.
+
+        Per passed page: True cached, False already cached by someone else
+        meanwhile (its reserved page is simply released). Raises `InvalidInput`,
+        changing nothing, when a page does not match its reservation's hash.
+        """
+        for res, page in passed:  # refuse before anything changes
+            if page.page_hash != res.page_hash:
+                raise InvalidInput(
+                    f"page {page.page_hash.hex()[:16]} committed into the page reserved "
+                    f"for {res.page_hash.hex()[:16]}"
+                )
+        cached = [False] * len(passed)
+        with self._lock:
+            for n, (res, page) in enumerate(passed):
+                if self.pool.get_cached_page(page.page_hash) is not None:
+                    continue
+                self.pool.cache_page(
+                    res.page, page.page_hash, page.parent_hash, page.token_ids, page.lora_id
+                )
+                if page.token_ids:
+                    self._tokens[page.page_hash] = page.token_ids
+                cached[n] = True
+            self._release_locked([*(res for res, _ in passed), *failed])
+        return cached
+
+    def release(self, reservations: Sequence[Reservation]) -> None:
+        """Give reserved pages back uncommitted (a transfer failed before they were checked)."""
+        with self._lock:
+            self._release_locked(reservations)
+
+    def _release_locked(self, reservations: Sequence[Reservation]) -> None:
+        self._inflight.difference_update(r.page_hash for r in reservations)
+        self.pool.free_pages(reversed([r.page for r in reservations]))
 
     # ---------------------------------------------------------------- events
 

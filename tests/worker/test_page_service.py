@@ -344,3 +344,82 @@ def test_blob_from_bytes_round_trips_through_insert() -> None:
         memoryview(bytearray(page.blob.data)), page.blob.dtype, page.blob.shape
     )
     assert receiver.insert(hashes[0], None, tokens[:PAGE], blob) is True
+
+
+def receive_in_place(receiver: PageService, res: Any, page: IncomingPage) -> None:
+    """What an in-place transport does: write the bytes into the reserved page, check them."""
+    receiver.store.import_page(res.page_id, page.blob, verified=False)
+    receiver.check(page)
+
+
+def test_reserved_pages_are_cached_on_commit_bit_exact_and_evictable() -> None:
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 3)
+    reserved = receiver.reserve(hashes)
+    assert all(r is not None for r in reserved)
+    assert receiver.pool.cached_hashes() == set()  # held, not yet hit-able
+    pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
+    for res, page in zip(reserved, pages, strict=True):
+        assert res is not None
+        receive_in_place(receiver, res, page)
+    assert (
+        receiver.commit([(r, p) for r, p in zip(reserved, pages, strict=True) if r]) == [True] * 3
+    )
+    assert receiver.lookup(hashes) == [True, True, True]
+    assert receiver.ref_counts() == [0] * 16  # released: cached but evictable
+    with receiver.pinned(hashes[:1]) as (pid,):
+        assert pid is not None
+        assert receiver.export(pid).data == pages[0].blob.data
+    receiver.check_invariants()
+
+
+def test_cached_repeated_and_in_flight_hashes_get_no_reservation() -> None:
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 3)
+    receiver.insert_many([incoming(sender, hashes, tokens, 0)])
+    first = receiver.reserve([hashes[0], hashes[1], hashes[1]])
+    assert [r is None for r in first] == [True, False, True]  # cached, new, repeated
+    assert receiver.reserve([hashes[1]]) == [None]  # another transfer is receiving it
+    assert first[1] is not None
+    receiver.release([first[1]])
+    again = receiver.reserve([hashes[1]])  # released: free to reserve again
+    assert again[0] is not None
+    receiver.release([again[0]])
+    receiver.check_invariants()
+
+
+def test_a_failed_check_or_a_release_frees_the_reservation_and_caches_nothing() -> None:
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 2)
+    free_before = receiver.pool.get_num_free_pages()
+    reserved = receiver.reserve(hashes)
+    assert receiver.pool.get_num_free_pages() == free_before - 2
+    good = incoming(sender, hashes, tokens, 0)
+    ok, bad = reserved
+    assert ok is not None and bad is not None
+    receive_in_place(receiver, ok, good)
+    assert receiver.commit([(ok, good)], failed=[bad]) == [True]
+    assert receiver.lookup(hashes) == [True, False]
+    assert receiver.pool.get_num_free_pages() == free_before
+    assert receiver.reserve([hashes[1]])[0] is not None  # not stuck "in flight"
+
+
+def test_a_full_pool_reserves_nothing_and_changes_nothing() -> None:
+    sender, receiver = make_service(), make_service(num_pages=4)
+    hashes, _ = fill(sender, 3)
+    held = receiver.pool.get_new_pages(2)
+    before = state(receiver)
+    assert receiver.reserve(hashes) == [None, None, None]
+    assert_unchanged(receiver, before)
+    receiver.pool.free_pages(held)
+
+
+def test_committing_a_page_into_another_hashs_reservation_is_refused() -> None:
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 2)
+    res = receiver.reserve(hashes[:1])[0]
+    assert res is not None
+    with pytest.raises(InvalidInput, match="reserved for"):
+        receiver.commit([(res, incoming(sender, hashes, tokens, 1))])
+    receiver.release([res])
+    receiver.check_invariants()
