@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.config import ClusterConfig, ModelConfig, PoolConfig
+from kvmesh.config import ClusterConfig, ModelConfig, PoolConfig, TransferConfig
 from kvmesh.errors import ConfigError, KVMeshError
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens
 
@@ -367,6 +367,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="let workers pull prefix pages a peer holds (every policy) instead of computing them",
     )
     parser.add_argument(
+        "--transport",
+        choices=("grpc", "dist"),
+        default="grpc",
+        help="with --pull: move pulled pages over gRPC (default) or torch.distributed links",
+    )
+    parser.add_argument(
         "--policies",
         default=",".join(DEMO_POLICIES),
         help="comma-separated routing policies to compare (default: kv_aware,round_robin)",
@@ -417,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
         num_workers=args.workers,
         model=DEMO_MODEL,
         pool=PoolConfig(num_pages=args.num_pages),
+        transfer=TransferConfig(transport=args.transport),
     )
     reqs = conversation_slice(load_trace(), args.min_turns)[: args.requests]
     if not reqs:
