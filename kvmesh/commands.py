@@ -188,14 +188,23 @@ def print_workers(mesh: KVMesh, console: Any | None = None) -> None:
         f"requests {stats.requests}  page hit ratio {stats.page_hit_ratio:.3f}  "
         f"pulled pages {stats.pulled_pages}  predicted/realized mismatches {stats.mismatches}"
     )
-    pulls = {t: sum(getattr(w, f"pulls_{t}") for w in stats.workers) for t in ("grpc", "dist")}
-    pushes = {t: sum(getattr(w, f"pushes_{t}") for w in stats.workers) for t in ("grpc", "dist")}
-    if pulls["dist"] or pushes["dist"] or any(w.dist_fallbacks for w in stats.workers):
-        console.print(
-            f"transfers: pulls grpc {pulls['grpc']} dist {pulls['dist']}  pushes grpc "
-            f"{pushes['grpc']} dist {pushes['dist']}  dist fallbacks "
-            f"{sum(w.dist_fallbacks for w in stats.workers)}"
-        )
+    line = transfer_summary(stats)
+    if line:
+        console.print(line)
+
+
+def transfer_summary(stats: Any) -> str | None:
+    """Pulls and pushes per transport over the cluster; None when torch.distributed was unused."""
+    workers = stats.workers
+    pulls = {t: sum(getattr(w, f"pulls_{t}") for w in workers) for t in ("grpc", "dist")}
+    pushes = {t: sum(getattr(w, f"pushes_{t}") for w in workers) for t in ("grpc", "dist")}
+    fallbacks = sum(w.dist_fallbacks for w in workers)
+    if not (pulls["dist"] or pushes["dist"] or fallbacks):
+        return None
+    return (
+        f"transfers: pulls grpc {pulls['grpc']} dist {pulls['dist']}  pushes grpc "
+        f"{pushes['grpc']} dist {pushes['dist']}  dist fallbacks {fallbacks}"
+    )
 
 
 # -- start -------------------------------------------------------------------------------------

@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     policies = _check(args)
     from kvmesh.client import KVMesh
-    from kvmesh.commands import _console
+    from kvmesh.commands import _console, transfer_summary
     from kvmesh.trace import load_trace
 
     console = _console(stderr=args.json)
@@ -455,6 +455,9 @@ def run(args: argparse.Namespace) -> int:
                 progress=not args.json,
             )
             reports.append(report)
+            moved = transfer_summary(mesh.stats())
+            if moved and not args.json:
+                console.print(f"{policy} {moved}", highlight=False)
             if args.json:
                 print(json.dumps(report.to_dict()), flush=True)
     if not args.json:
