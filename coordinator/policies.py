@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -204,7 +205,31 @@ def _pick_min(keys: Sequence[float], loads: Sequence[WorkerLoad], rng: random.Ra
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-class KVAwarePolicy:
+class CandidatePolicy(ABC):
+    """What the built-in policies share: gather the candidates, `pick` one, decide.
+
+    A subclass states only how it picks: the index of a candidate in
+    ``cands.loads`` and the cost it saw (reported with the decision).
+    """
+
+    name: ClassVar[str]
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        i, cost = self.pick(request, cands)
+        return decide(self.name, request, cands, i, cost)
+
+    @abstractmethod
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
+        """The chosen candidate's index in ``cands.loads`` and its cost."""
+
+
+class KVAwarePolicy(CandidatePolicy):
     """Dynamo-style cost, minimum wins (or softmax-sampled with `temperature` > 0)::
 
         cost = overlap_weight * (pages_to_prefill + queue_weight * queued_prefill_pages)
@@ -234,13 +259,7 @@ class KVAwarePolicy:
         self.max_load_ratio = config.max_load_ratio
         self.rng = rng
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         peer_n = best_peer(cands, request.page_size)[1] if request.allow_pull else 0
         costs = self.costs(request, cands, peer_n)
         keys = costs
@@ -249,7 +268,7 @@ class KVAwarePolicy:
             keys = [c if ok else math.inf for c, ok in zip(costs, allowed, strict=True)]
         sample = self.temperature > 0
         i = self._sample(keys) if sample else _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, cands, i, costs[i])
+        return i, costs[i]
 
     def costs(self, request: RouteRequest, cands: Candidates, peer_n: int = 0) -> list[float]:
         """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls)."""
@@ -303,7 +322,7 @@ class KVAwarePolicy:
         return max(i for i, wt in enumerate(weights) if wt > 0)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(CandidatePolicy):
     """Each request to the next candidate, in worker-id order."""
 
     name: ClassVar[str] = "round_robin"
@@ -311,20 +330,14 @@ class RoundRobinPolicy:
     def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
         self._next = 0
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         order = sorted(range(len(cands.loads)), key=lambda j: cands.loads[j].worker_id)
         i = order[self._next % len(order)]
         self._next += 1
-        return decide(self.name, request, cands, i)
+        return i, 0.0
 
 
-class RandomPolicy:
+class RandomPolicy(CandidatePolicy):
     """A uniformly random candidate."""
 
     name: ClassVar[str] = "random"
@@ -332,18 +345,12 @@ class RandomPolicy:
     def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
         self.rng = rng
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         i = self.rng.randrange(len(cands.loads))
-        return decide(self.name, request, cands, i)
+        return i, 0.0
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(CandidatePolicy):
     """The candidate with the least queued prefill plus decode pages; ties at random."""
 
     name: ClassVar[str] = "least_loaded"
@@ -351,19 +358,13 @@ class LeastLoadedPolicy:
     def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
         self.rng = rng
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         keys = [load.load_pages(request.page_size) for load in cands.loads]
         i = _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, cands, i, keys[i])
+        return i, keys[i]
 
 
-class ConsistentHashPolicy:
+class ConsistentHashPolicy(CandidatePolicy):
     """Prefix affinity on a hash ring with bounded load.
 
     The key is the hash of page `consistent_hash_pages - 1` (a chained hash
@@ -404,13 +405,7 @@ class ConsistentHashPolicy:
         self._owners = [w for _, w in pts]
         self._ring_of = workers
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         by_id = {load.worker_id: i for i, load in enumerate(cands.loads)}
         self._ring(tuple(sorted(by_id)))
         size = request.page_size
@@ -432,14 +427,14 @@ class ConsistentHashPolicy:
             seen.add(wid)
             i = by_id[wid]
             if load_of[i] <= cap:
-                return decide(self.name, request, cands, i, load_of[i])
+                return i, load_of[i]
             if len(seen) == len(by_id):
                 break
         i = _pick_min(load_of, cands.loads, self.rng)
-        return decide(self.name, request, cands, i, load_of[i])
+        return i, load_of[i]
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(CandidatePolicy):
     """SGLang router's cache-aware policy.
 
     Load imbalanced (max - min active requests > `balance_abs_threshold` and
@@ -458,13 +453,7 @@ class CacheAwarePolicy:
         self.rel_threshold = config.balance_rel_threshold
         self.rng = rng
 
-    def choose(
-        self,
-        request: RouteRequest,
-        overlaps: Mapping[WorkerId, int],
-        loads: Sequence[WorkerLoad],
-    ) -> RouteDecision:
-        cands = candidates(request, overlaps, loads)
+    def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
         queue = [load.active_requests for load in cands.loads]
         lo, hi = min(queue), max(queue)
         imbalanced = hi - lo > self.abs_threshold and hi > self.rel_threshold * lo
@@ -474,10 +463,10 @@ class CacheAwarePolicy:
             if best > 0 and total > 0 and best / total > self.cache_threshold:
                 keys = [float(-ov) for ov in cands.overlaps]
                 i = _pick_min(keys, cands.loads, self.rng)
-                return decide(self.name, request, cands, i, keys[i])
+                return i, keys[i]
         keys = [float(q) for q in queue]
         i = _pick_min(keys, cands.loads, self.rng)
-        return decide(self.name, request, cands, i, keys[i])
+        return i, keys[i]
 
 
 REGISTRY: dict[str, type[RoutingPolicy]] = {
