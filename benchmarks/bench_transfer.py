@@ -38,6 +38,7 @@ DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
 PAGE_SIZE = 16
 SEED = "bench-transfer"
 TRANSPORT_CHOICES = ("grpc", "dist", "both")
+GRPC_CLIENTS = ("sync", "aio")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +71,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-chunk-bytes", type=int, default=None, help="grpc: page bytes per message"
     )
+    parser.add_argument(
+        "--grpc-client",
+        choices=GRPC_CLIENTS,
+        default=None,
+        help="grpc: fetch over blocking channels, a thread per stream (sync), or the asyncio "
+        "client (aio); default: TransferConfig.grpc_sync_fetch",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for any one step")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per transport (tcp first)"
@@ -89,6 +97,7 @@ class Spec:
     use_grpc: bool
     grpc_streams: int | None
     grpc_chunk_bytes: int | None
+    grpc_client: str | None
     batch_bytes: int | None
     gather: bool
 
@@ -146,7 +155,8 @@ def _tokens(spec: Spec) -> list[int]:
 
 
 def _transfer_config(spec: Spec) -> Any:
-    from kvmesh.config import TransferConfig
+    """Both processes' `TransferConfig`: defaults, then ``KVMESH_*`` variables, then flags."""
+    from kvmesh.config import TransferConfig, from_env
 
     extra: dict[str, Any] = {}
     if spec.grpc_streams is not None:
@@ -156,7 +166,9 @@ def _transfer_config(spec: Spec) -> Any:
         extra["max_message_bytes"] = max(
             TransferConfig().max_message_bytes, spec.grpc_chunk_bytes + (1 << 20)
         )
-    return TransferConfig(host="127.0.0.1", port=0, deadline_s=spec.timeout_s, **extra)
+    if spec.grpc_client is not None:
+        extra["grpc_sync_fetch"] = spec.grpc_client == "sync"
+    return from_env(TransferConfig, host="127.0.0.1", port=0, deadline_s=spec.timeout_s, **extra)
 
 
 def _dist_transport(group: Any, service: Any, spec: Spec) -> Any:
@@ -318,6 +330,7 @@ def measure(spec: Spec) -> list[Figure]:
             cleanup.append(client.close)
             pulls["grpc"] = lambda some: client.pull_into(service, some)
             details["grpc"] = (
+                f"{'sync' if config.grpc_sync_fetch else 'aio'} client, "
                 f"fetch_streams={config.fetch_streams} chunk_bytes={config.chunk_bytes}"
             )
 
@@ -423,6 +436,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         use_grpc=args.transport in ("grpc", "both"),
         grpc_streams=args.grpc_streams,
         grpc_chunk_bytes=args.grpc_chunk_bytes,
+        grpc_client=args.grpc_client,
         batch_bytes=args.batch_bytes,
         gather=args.gather,
     )

@@ -95,6 +95,17 @@ class TransferConfig:
     dist_depth: int = 4  # torch.distributed: batches in flight (pages >= 1 MiB)
     dist_connect_timeout_s: float = 10.0  # torch.distributed: opening a link to a peer
     dist_idle_timeout_s: float = 3600.0  # torch.distributed: a link unused this long is closed
+    # gRPC HTTP/2 and TCP tuning, set on servers and clients alike (0: gRPC's own default);
+    # see kvmesh.worker.transfer_server.grpc_tuning_options for what each one measured
+    grpc_frame_bytes: int = 0  # grpc.http2.max_frame_size, 16 KiB .. 16 MiB - 1
+    grpc_window_bytes: int = 0  # grpc.http2.lookahead_bytes: initial stream receive window
+    grpc_bdp_probe: bool = True  # grpc.http2.bdp_probe: grow windows from the measured BDP
+    grpc_write_buffer_bytes: int = 0  # grpc.http2.write_buffer_size
+    grpc_read_chunk_bytes: int = 0  # grpc.experimental.tcp_read_chunk_size
+    grpc_min_read_chunk_bytes: int = 0  # grpc.experimental.tcp_min_read_chunk_size
+    grpc_max_read_chunk_bytes: int = 0  # grpc.experimental.tcp_max_read_chunk_size
+    grpc_socket_buffer_bytes: int = 0  # grpc.tcp_receive_buffer_size (SO_RCVBUF)
+    grpc_sync_fetch: bool = True  # SyncPeerClient fetches over blocking channels, a thread each
 
 
 @dataclass(frozen=True, slots=True)

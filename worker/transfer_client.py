@@ -23,6 +23,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ from kvmesh.errors import (
     ConfigError,
     DeadlineExceeded,
     InvalidInput,
+    InvariantViolation,
     KVMeshError,
     MessageTooLarge,
     PageFormatError,
@@ -46,13 +48,14 @@ from kvmesh.errors import (
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import DTYPES, checksum
-from kvmesh.worker.page_service import IncomingPage, PageService, check_hash
+from kvmesh.worker.page_service import IncomingPage, PageService, Reservation, check_hash
 from kvmesh.worker.transfer_server import (
     ERROR_METADATA_KEY,
     SERVICE_NAME,
     PageAssembler,
     chunk_size,
     decode_chunk,
+    grpc_tuning_options,
     iter_page_chunks,
     read_pem,
 )
@@ -139,7 +142,7 @@ def _channel_options(config: TransferConfig) -> list[tuple[str, Any]]:
         ("grpc.enable_retries", 0),  # retries are ours: bounded, idempotent calls only
         ("grpc.use_local_subchannel_pool", 1),  # one connection per channel
     ]
-    options += [tuple(o) for o in __import__("json").loads(__import__("os").environ.get("KVMESH_EXP_OPTS", "[]"))]
+    options.extend(grpc_tuning_options(config))
     if config.tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     return options
@@ -547,15 +550,367 @@ async def pull_into(
         return await client.pull_into(service, hashes, deadline_s=deadline_s)
 
 
-class SyncPeerClient:
-    """Blocking wrapper: a `PeerClient` on a private event loop in a daemon thread.
+@dataclass(frozen=True, slots=True)
+class _Landed:
+    """A page checked and copied into a reserved pool page by its stream; to be committed."""
 
-    For sync callers (Ray actor methods, benchmarks, tests). Thread-safe: calls
-    from several threads are serialized onto that loop.
+    reservation: Reservation
+    page: IncomingPage
+
+
+_Item = IncomingPage | _Landed
+
+
+class _Ordered:
+    """Hands pages to `deliver` in request order as concurrent streams finish them.
+
+    Thread-safe; `deliver` runs under the lock, so one call at a time, in order.
+    A page whose predecessors are still on the way waits here. Once closed (an
+    error, or the end of the fetch) nothing more is delivered, and the reserved
+    pool pages of waiting pages are given back.
     """
 
-    def __init__(self, address: str, config: TransferConfig | None = None) -> None:
+    __slots__ = ("_lock", "closed", "deliver", "missing", "next", "pages", "ready", "service")
+
+    def __init__(self, deliver: Callable[[int, _Item], None], service: PageService | None) -> None:
+        self.deliver = deliver
+        self.service = service
+        self._lock = threading.Lock()
+        self.ready: dict[int, _Item | None] = {}
+        self.next = 0
+        self.missing: list[PageHash] = []
+        self.pages = 0
+        self.closed = False
+
+    def put(self, index: int, item: _Item | None, page_hash: PageHash) -> None:
+        with self._lock:
+            if self.closed:
+                self._drop([item])
+                return
+            if item is None:
+                self.missing.append(page_hash)
+            self.ready[index] = item
+            while self.next in self.ready:
+                got = self.ready.pop(self.next)
+                if got is not None:
+                    try:
+                        self.deliver(self.next, got)
+                    except BaseException:
+                        self.closed = True
+                        self._drop([got, *self.ready.values()])
+                        self.ready.clear()
+                        raise
+                    self.pages += 1
+                self.next += 1
+
+    def todo(self, n: int) -> list[int]:
+        """The indices below `n` that no stream has handed in yet."""
+        with self._lock:
+            return [i for i in range(self.next, n) if i not in self.ready]
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._drop(list(self.ready.values()))
+            self.ready.clear()
+
+    def _drop(self, items: Sequence[_Item | None]) -> None:
+        held = [it.reservation for it in items if isinstance(it, _Landed)]
+        if held and self.service is not None:
+            self.service.release(held)
+
+
+class _Calls:
+    """The live calls of one fetch attempt, so that a failing stream can cancel the others."""
+
+    __slots__ = ("_calls", "_lock", "failed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[Any] = []
+        self.failed = False
+
+    def add(self, call: Any) -> None:
+        with self._lock:
+            self._calls.append(call)
+            if not self.failed:
+                return
+        call.cancel()
+
+    def fail(self) -> None:
+        with self._lock:
+            self.failed = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+
+class SyncFetcher:
+    """Blocking FetchPages over a pool of sync gRPC channels, one thread per stream.
+
+    Why not the asyncio client: grpcio's receive path copies every message
+    out of gRPC's buffers into Python bytes while holding the GIL, on the
+    event loop's one thread, so concurrent aio streams add no parallelism.
+    Blocking streams on their own threads and connections overlap that copy
+    with the others' copies, checksums and inserts (numpy copies and xxh3
+    release the GIL), and skip the event loop's per-message bookkeeping.
+
+    Pages are split over the streams interleaved (page i on stream i mod k)
+    and handed over strictly in request order (`_Ordered`). Deadlines,
+    retries (UNAVAILABLE only; a retry asks only for pages not yet received)
+    and error translation are the same as `PeerClient.fetch_pages`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: TransferConfig,
+        *,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.address = address
+        self.config = config
+        self._rng = rng if rng is not None else random.Random()
+        self._sleep = sleep
+        self._credentials = channel_credentials(config)
+        self._options = _channel_options(config)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else ()
+        )
+        self._chunk_bytes = chunk_size(config)
+        self._lock = threading.Lock()
+        self._channels: list[grpc.Channel] = []
+        self._closed = False
+
+    def _stub(self, i: int) -> Any:
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"the client for peer {self.address} is closed")
+            while len(self._channels) <= i:
+                if self._credentials is not None:
+                    ch = grpc.secure_channel(self.address, self._credentials, self._options)
+                else:
+                    ch = grpc.insecure_channel(self.address, self._options)
+                self._channels.append(ch)
+            channel = self._channels[i]
+        return channel.unary_stream(
+            _METHOD + "FetchPages",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=None,  # raw bytes: decode_chunk's errors stay kvmesh errors
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = self._channels, []
+        for ch in channels:
+            ch.close()
+
+    def _remaining(self, end: float) -> float:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(
+                f"FetchPages to peer {self.address} ran out of its deadline; "
+                f"{_HINTS[DeadlineExceeded]}"
+            )
+        return left
+
+    def fetch(
+        self,
+        hashes: Sequence[PageHash],
+        deliver: Callable[[int, _Item], None],
+        *,
+        service: PageService | None = None,
+        deadline_s: float | None = None,
+        streams: int | None = None,
+        with_checksum: bool = True,
+    ) -> FetchResult:
+        """Fetch `hashes`, handing each verified page to `deliver` in request order.
+
+        With `service` (a CPU store), pages land in reserved pool pages and
+        reach `deliver` as `_Landed` (checked: format, checksum, chain); the
+        rest as `IncomingPage`s (checked as `with_checksum` says). On failure
+        the error is raised; pages delivered before it are complete and valid,
+        none after the first gap is, and no reservation is left behind.
+        """
+        timeout = self.config.deadline_s if deadline_s is None else deadline_s
+        if timeout <= 0:
+            raise InvalidInput(f"deadline must be positive, got {timeout}")
+        end = time.monotonic() + timeout
+        wanted = [check_hash(h) for h in hashes]
+        order = _Ordered(deliver, service)
+        k = max(1, min(streams or self.config.fetch_streams, len(wanted) or 1))
+        todo = list(range(len(wanted)))
+        tries = 0
+        try:
+            while todo:
+                shards = [shard for shard in (todo[s::k] for s in range(k)) if shard]
+                err = self._attempt(shards, wanted, order, end, service, with_checksum)
+                if err is None:
+                    break
+                if not isinstance(err, grpc.RpcError):
+                    raise err
+                if err.code() != grpc.StatusCode.UNAVAILABLE or tries >= self.config.retries:
+                    raise translate(err, "FetchPages", self.address) from None
+                backoff = self.config.retry_backoff_s * (2**tries) * (0.5 + self._rng.random())
+                tries += 1
+                self._sleep(min(backoff, max(0.0, self._remaining(end) - 0.001)))
+                todo = order.todo(len(wanted))
+        finally:
+            order.close()
+        return FetchResult((), tuple(order.missing), order.pages)
+
+    def _attempt(
+        self,
+        shards: list[list[int]],
+        hashes: list[PageHash],
+        order: _Ordered,
+        end: float,
+        service: PageService | None,
+        with_checksum: bool,
+    ) -> BaseException | None:
+        """Run one stream per shard (the first on this thread); the first real error, if any."""
+        calls = _Calls()
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def run(stream: int, shard: list[int]) -> None:
+            try:
+                self._stream(stream, shard, hashes, order, end, calls, service, with_checksum)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                calls.fail()
+
+        threads = [
+            threading.Thread(target=run, args=(i, shard), name=f"kvmesh-fetch-{i}", daemon=True)
+            for i, shard in enumerate(shards[1:], start=1)
+        ]
+        for t in threads:
+            t.start()
+        run(0, shards[0])
+        for t in threads:
+            # Every call carries the deadline, so the threads end by then; the
+            # margin covers the cancellation itself.
+            t.join(max(0.0, end - time.monotonic()) + 5.0)
+        with lock:
+            if not errors:
+                return None
+            real = [e for e in errors if not _cancelled_by_us(e)]
+            return (real or errors)[0]
+
+    def _stream(
+        self,
+        stream: int,
+        indices: list[int],
+        hashes: list[PageHash],
+        order: _Ordered,
+        end: float,
+        calls: _Calls,
+        service: PageService | None,
+        with_checksum: bool,
+    ) -> None:
+        request = pb.FetchRequest(
+            page_hashes=[hashes[i] for i in indices], max_chunk_bytes=self._chunk_bytes
+        )
+        responses = self._stub(stream)(
+            request, timeout=self._remaining(end), metadata=self._metadata
+        )
+        calls.add(responses)
+        assembler = PageAssembler(
+            service.store.page_nbytes if service is not None else None, allow_missing=True
+        )
+        try:
+            for raw in responses:
+                got = assembler.add(decode_chunk(raw))
+                if got is None:
+                    continue
+                index = indices[assembler.next_index - 1]
+                if isinstance(got, IncomingPage):
+                    item = self._checked(got, hashes[index], service, with_checksum)
+                    order.put(index, item, got.page_hash)
+                else:
+                    if got != hashes[index]:
+                        raise InvalidInput(
+                            f"peer {self.address} reported {got.hex()[:16]} missing where "
+                            f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
+                        )
+                    order.put(index, None, got)
+            assembler.finish()
+            if assembler.next_index != len(indices):
+                raise TransportError(
+                    f"peer {self.address} ended FetchPages after {assembler.next_index} of "
+                    f"{len(indices)} pages; the peer is faulty"
+                )
+        finally:
+            responses.cancel()  # a no-op once the call is over
+
+    def _checked(
+        self,
+        page: IncomingPage,
+        expected: PageHash,
+        service: PageService | None,
+        with_checksum: bool,
+    ) -> _Item:
+        """Verify a received page; with `service`, check it for that pool and land it.
+
+        Landing = reserve a pool page and copy the bytes into its KV tensor
+        slot: the one copy a page costs on this side, done here, in parallel
+        with the other streams (numpy copies without the GIL). The checks come
+        first, so a refused page reserves, evicts and writes nothing. A page
+        the pool cannot reserve (cached, being received elsewhere, no room)
+        goes to `PageService.insert_many` in order instead.
+        """
+        if service is None:
+            verify_page(page, expected, self.address, with_checksum=with_checksum)
+            return page
+        verify_page(page, expected, self.address, with_checksum=False)
+        try:
+            service.check(page)  # format, checksum and hash chain
+        except ChecksumMismatch as exc:
+            raise ChecksumMismatch(f"page from peer {self.address}: {exc}") from None
+        store = service.store
+        if store.device.type != "cpu":
+            return page
+        res = service.reserve([page.page_hash])[0]
+        if res is None:
+            return page
+        try:
+            store.import_page(res.page_id, page.blob, verified=True)
+        except BaseException:
+            service.release([res])
+            raise
+        return _Landed(res, page)
+
+
+def _cancelled_by_us(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.CANCELLED
+
+
+class SyncPeerClient:
+    """Blocking client: fetches over `SyncFetcher`, other calls through a `PeerClient`.
+
+    The `PeerClient` runs on a private event loop in a daemon thread; calls
+    from several threads are serialized onto that loop. With
+    `TransferConfig.grpc_sync_fetch` off, fetches go through it as well.
+    `rng` and `sleep` are injectable for deterministic retry tests of fetches.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: TransferConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.config = config if config is not None else TransferConfig()
+        self._fetcher = (
+            SyncFetcher(address, self.config, rng=rng, sleep=sleep)
+            if self.config.grpc_sync_fetch
+            else None
+        )
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvmesh-peer-client", daemon=True
@@ -594,10 +949,26 @@ class SyncPeerClient:
         *,
         deadline_s: float | None = None,
         on_page: OnPage | None = None,
+        streams: int | None = None,
     ) -> FetchResult:
-        """See `PeerClient.fetch_pages`; `on_page` runs on the client's loop thread."""
-        coro = self._client.fetch_pages(hashes, deadline_s=deadline_s, on_page=on_page)
-        return self._run(coro, deadline_s)
+        """See `PeerClient.fetch_pages`. `on_page` is called one page at a time in
+        request order, on one of the fetch's threads (on the client's loop thread
+        when `grpc_sync_fetch` is off)."""
+        if self._fetcher is None:
+            coro = self._client.fetch_pages(
+                hashes, deadline_s=deadline_s, on_page=on_page, streams=streams
+            )
+            return self._run(coro, deadline_s)
+        kept: list[IncomingPage] = []
+        sink: OnPage = on_page if on_page is not None else (lambda _i, p: kept.append(p))
+
+        def deliver(index: int, item: _Item) -> None:
+            if isinstance(item, _Landed):  # pragma: no cover - only with a service
+                raise InvariantViolation(f"page {index} landed in a pool no one asked for")
+            sink(index, item)
+
+        result = self._fetcher.fetch(hashes, deliver, deadline_s=deadline_s, streams=streams)
+        return FetchResult(tuple(kept), result.missing, result.received)
 
     def push_pages(
         self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None
@@ -612,10 +983,34 @@ class SyncPeerClient:
     def pull_into(
         self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
     ) -> int:
-        return self._run(self._client.pull_into(service, hashes, deadline_s=deadline_s), deadline_s)
+        """See `PeerClient.pull_into`. Over `SyncFetcher` each page lands once, straight
+        in a reserved page of `service`'s KV store, is checked there by the stream
+        that received it, and is committed in request order."""
+        if self._fetcher is None:
+            return self._run(
+                self._client.pull_into(service, hashes, deadline_s=deadline_s), deadline_s
+            )
+        inserted = 0
+
+        def deliver(_index: int, item: _Item) -> None:
+            nonlocal inserted
+            if isinstance(item, _Landed):
+                inserted += service.commit([(item.reservation, item.page)])[0]
+                return
+            try:
+                inserted += service.insert_many([item])[0]
+            except ChecksumMismatch as exc:
+                raise ChecksumMismatch(f"page from peer {self.address}: {exc}") from None
+
+        self._fetcher.fetch(
+            hashes, deliver, service=service, deadline_s=deadline_s, with_checksum=False
+        )
+        return inserted
 
     def close(self) -> None:
         """Close the connections and stop the loop thread (idempotent)."""
+        if self._fetcher is not None:
+            self._fetcher.close()
         if not self._thread.is_alive():
             return
         try:

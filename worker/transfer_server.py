@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -204,7 +205,7 @@ class PageAssembler:
         self.allow_missing = allow_missing
         self._index = 0
         self._header: pb.PageHeader | None = None
-        self._buf: bytearray | None = None
+        self._buf: np.ndarray | None = None
         self._filled = 0
 
     @property
@@ -239,7 +240,7 @@ class PageAssembler:
                 self._index += 1
                 return _incoming(header, chunk.data)
             self._header = header
-            self._buf = bytearray(total)
+            self._buf = np.empty(total, dtype=np.uint8)
             self._filled = 0
         elif meta.page_index != self._index or meta.HasField("header") or meta.missing:
             raise InvalidInput(
@@ -255,14 +256,15 @@ class PageAssembler:
                 f"page {self._index}: chunk at offset {meta.offset} with {size} bytes does not "
                 f"continue the {self._filled} of {len(buf)} bytes received"
             )
-        buf[self._filled : self._filled + size] = chunk.data
+        # numpy copies without holding the GIL, so concurrent streams copy in parallel.
+        buf[self._filled : self._filled + size] = np.frombuffer(chunk.data, dtype=np.uint8)
         self._filled += size
         if self._filled < len(buf):
             return None
         header = self._header
         self._header, self._buf = None, None
         self._index += 1
-        return _incoming(header, memoryview(buf))
+        return _incoming(header, buf.data)
 
     def finish(self) -> None:
         """Raise if the stream ended inside a page."""
@@ -365,6 +367,47 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     return grpc.unary_unary_rpc_method_handler(abort)
 
 
+MIN_FRAME_BYTES = 16 * 1024
+MAX_FRAME_BYTES = 16 * 1024 * 1024 - 1
+"""HTTP/2's bounds on SETTINGS_MAX_FRAME_SIZE (RFC 9113 section 6.5.2)."""
+
+GRPC_TUNING: dict[str, str] = {
+    "grpc_frame_bytes": "grpc.http2.max_frame_size",
+    "grpc_window_bytes": "grpc.http2.lookahead_bytes",
+    "grpc_write_buffer_bytes": "grpc.http2.write_buffer_size",
+    "grpc_read_chunk_bytes": "grpc.experimental.tcp_read_chunk_size",
+    "grpc_min_read_chunk_bytes": "grpc.experimental.tcp_min_read_chunk_size",
+    "grpc_max_read_chunk_bytes": "grpc.experimental.tcp_max_read_chunk_size",
+    "grpc_socket_buffer_bytes": "grpc.tcp_receive_buffer_size",
+}
+"""`TransferConfig` field -> the gRPC channel argument it sets (0 leaves gRPC's default)."""
+
+
+def grpc_tuning_options(config: TransferConfig) -> list[tuple[str, int]]:
+    """The HTTP/2 and TCP channel arguments of `config`, for servers and clients alike.
+
+    Raises `ConfigError` for a negative size or a frame size HTTP/2 does not allow.
+    """
+    out: list[tuple[str, int]] = []
+    for field, arg in GRPC_TUNING.items():
+        value = getattr(config, field)
+        if value < 0:
+            raise ConfigError(
+                f"TransferConfig.{field} must be >= 0 (0: gRPC's default), got {value}"
+            )
+        if value:
+            out.append((arg, value))
+    frame = config.grpc_frame_bytes
+    if frame and not MIN_FRAME_BYTES <= frame <= MAX_FRAME_BYTES:
+        raise ConfigError(
+            f"TransferConfig.grpc_frame_bytes must be 0 or {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES} "
+            f"(HTTP/2's frame size bounds), got {frame}"
+        )
+    if not config.grpc_bdp_probe:
+        out.append(("grpc.http2.bdp_probe", 0))
+    return out
+
+
 def _options(config: TransferConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -375,7 +418,8 @@ def _options(config: TransferConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, config.keepalive_ms // 2)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
-    ] + [tuple(o) for o in __import__("json").loads(__import__("os").environ.get("KVMESH_EXP_OPTS", "[]"))]
+        *grpc_tuning_options(config),
+    ]
 
 
 def chunk_size(config: TransferConfig) -> int:
