@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -28,3 +30,31 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status[-1])
+
+
+@pytest.fixture(scope="module")
+def fresh_cluster() -> Iterator[Callable[..., Any]]:
+    """Start a `KVMesh` on a clean embedded Ray cluster: ``fresh_cluster(**connect_kwargs)``.
+
+    A module that needs a whole cluster of its own asks for it here; Ray
+    another module left running is shut down first, and every mesh started
+    is closed when the module ends (closing the one that started Ray stops it).
+    """
+    import ray
+
+    from kvmesh.client import KVMesh
+
+    started: list[Any] = []
+
+    def start(**kwargs: Any) -> Any:
+        if not started and ray.is_initialized():
+            ray.shutdown()
+        mesh = KVMesh.connect(**kwargs)
+        started.append(mesh)
+        return mesh
+
+    try:
+        yield start
+    finally:
+        for mesh in reversed(started):
+            mesh.close()

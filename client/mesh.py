@@ -61,6 +61,8 @@ T = TypeVar("T")
 Prompt = str | Sequence[int]
 
 DEFAULT_WORKER_CPUS = 0.5
+WORKER_START_TIMEOUT_S = 300.0
+"""How long `KVMesh.connect` waits for the workers it created to start and register."""
 """Ray CPUs per worker actor: small, so that 4 workers fit a 2-core laptop."""
 
 
@@ -642,6 +644,14 @@ def _create_workers(
 
     if not plan:
         raise ConfigError("no workers to start: give num_workers (or prefill and decode workers)")
+    need_cpus = num_cpus * len(plan)
+    total_cpus = float(ray.cluster_resources().get("CPU", 0.0))
+    if need_cpus > total_cpus:
+        raise ConfigError(
+            f"{len(plan)} workers of {num_cpus:g} CPUs need {need_cpus:g} CPUs but the Ray "
+            f"cluster has {total_cpus:g}: start fewer workers, lower worker_num_cpus, or give "
+            "Ray more CPUs (num_cpus= for an embedded cluster)"
+        )
     remote = ray.remote(WorkerActor)
     handles = []
     for wid, role in plan:
@@ -656,7 +666,20 @@ def _create_workers(
         if num_gpus:
             options["num_gpus"] = num_gpus
         handles.append((wid, role, remote.options(**options).remote(spec, coordinator)))
-    infos = ray.get([h.info.remote() for _, _, h in handles], timeout=300)  # type: ignore[attr-defined]
+    try:
+        infos = ray.get(
+            [h.info.remote() for _, _, h in handles],  # type: ignore[attr-defined]
+            timeout=WORKER_START_TIMEOUT_S,
+        )
+    except ray.exceptions.GetTimeoutError:
+        for _, _, h in handles:
+            ray.kill(h, no_restart=True)  # type: ignore[arg-type]
+        free = float(ray.available_resources().get("CPU", 0.0))
+        raise NoWorkers(
+            f"{len(plan)} workers did not start within {WORKER_START_TIMEOUT_S:g}s; the Ray "
+            f"cluster has {free:g} CPUs free and they need {need_cpus:g} (worker_num_cpus="
+            f"{num_cpus:g}): other actors hold the rest, or the nodes are too slow to start"
+        ) from None
     return {
         WorkerId(wid): _Worker(WorkerId(wid), role, info["address"], h)
         for (wid, role, h), info in zip(handles, infos, strict=True)

@@ -14,7 +14,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ from kvmesh.config import (
     PoolConfig,
     TransferConfig,
 )
-from kvmesh.errors import WorkerDied
+from kvmesh.errors import ConfigError, WorkerDied
 from kvmesh.worker.model import TinyTransformer
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -37,15 +37,9 @@ CONFIG = dataclasses.replace(ClusterConfig(), pool=PoolConfig(num_pages=256))
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[KVMesh]:
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():  # another module left Ray running: start from a clean cluster
-        ray.shutdown()
-    m = KVMesh.connect(num_workers=3, config=CONFIG, num_cpus=4)
-    try:
-        yield m
-    finally:
-        m.close()
+def mesh(fresh_cluster: Callable[..., KVMesh]) -> KVMesh:
+    # Logical CPUs for every worker the module starts: 3 + 2 disaggregated + 2 + 2 dist.
+    return fresh_cluster(num_workers=3, config=CONFIG, num_cpus=6)
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +163,11 @@ def test_stats_report_every_worker_and_the_cluster_hit_ratio(mesh: KVMesh) -> No
 
 
 @pytest.fixture(scope="module")
-def disaggregated(mesh: KVMesh) -> Iterator[KVMesh]:
+def disaggregated(mesh: KVMesh, fresh_cluster: Callable[..., KVMesh]) -> KVMesh:
     cfg = dataclasses.replace(
         CONFIG, coordinator=CoordinatorConfig(namespace="kvmesh-disaggregated")
     )
-    m = KVMesh.connect(config=cfg, prefill_workers=1, decode_workers=1)
-    try:
-        yield m
-    finally:
-        m.close()
+    return fresh_cluster(config=cfg, prefill_workers=1, decode_workers=1)
 
 
 def test_disaggregated_mode_gives_the_same_tokens(
@@ -203,6 +193,12 @@ def test_disaggregated_mode_reuses_the_decode_workers_pages(disaggregated: KVMes
     assert again.pages_hit_local >= 3
 
 
+def test_more_workers_than_the_cluster_has_cpus_for_is_a_clear_error(mesh: KVMesh) -> None:
+    cfg = dataclasses.replace(CONFIG, coordinator=CoordinatorConfig(namespace="kvmesh-too-big"))
+    with pytest.raises(ConfigError, match="need 40 CPUs but the Ray cluster has 6"):
+        KVMesh.connect(config=cfg, num_workers=40, worker_num_cpus=1)
+
+
 # -- torch.distributed transport -----------------------------------------------------------------
 
 
@@ -217,11 +213,8 @@ def dist_cluster(namespace: str, **workers: int) -> KVMesh:
 
 @pytest.fixture(scope="module")
 def dist_mesh(mesh: KVMesh) -> Iterator[KVMesh]:
-    m = dist_cluster("kvmesh-dist", num_workers=2)
-    try:
+    with dist_cluster("kvmesh-dist", num_workers=2) as m:
         yield m
-    finally:
-        m.close()
 
 
 def test_with_transport_dist_pulls_go_over_a_torch_distributed_link(
@@ -240,8 +233,7 @@ def test_with_transport_dist_pulls_go_over_a_torch_distributed_link(
 def test_with_transport_dist_prefill_pushes_over_a_link(
     dist_mesh: KVMesh, model: TinyTransformer
 ) -> None:
-    split = dist_cluster("kvmesh-dist-disaggregated", prefill_workers=1, decode_workers=1)
-    try:
+    with dist_cluster("kvmesh-dist-disaggregated", prefill_workers=1, decode_workers=1) as split:
         prompt = fresh_prompt(5)
         result = split.generate(prompt, max_tokens=4)
         assert (result.worker_id, result.pages_hit_local, result.pages_computed) == (
@@ -252,8 +244,6 @@ def test_with_transport_dist_prefill_pushes_over_a_link(
         assert list(result.tokens) == model.generate(prompt, 4)
         prefill = next(w for w in split.stats().workers if w.role == "prefill")
         assert (prefill.pages_pushed, prefill.pushes_dist, prefill.pushes_grpc) == (5, 1, 0)
-    finally:
-        split.close()
 
 
 # -- faults: these run last, they remove workers -----------------------------------------------

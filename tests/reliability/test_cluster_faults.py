@@ -19,7 +19,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,14 +76,8 @@ def all_hashes(mesh: KVMesh) -> list[PageHash]:
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[KVMesh]:
-    if ray.is_initialized():  # another module left Ray running: start from a clean cluster
-        ray.shutdown()
-    m = KVMesh.connect(num_workers=4, config=CONFIG, num_cpus=4)
-    try:
-        yield m
-    finally:
-        m.close()
+def mesh(fresh_cluster: Callable[..., KVMesh]) -> KVMesh:
+    return fresh_cluster(num_workers=4, config=CONFIG, num_cpus=4)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +80,9 @@ class SoakLog:
 
 
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[KVMesh]:
-    if ray.is_initialized():
-        ray.shutdown()
-    m = KVMesh.connect(num_workers=3, config=CONFIG, num_cpus=4, retries=2)
-    try:
-        yield m
-    finally:
-        m.close()  # stops Ray, and with it the replacement workers this test started
+def mesh(fresh_cluster: Callable[..., KVMesh]) -> KVMesh:
+    # Closing it stops Ray, and with it the replacement workers this test started.
+    return fresh_cluster(num_workers=3, config=CONFIG, num_cpus=4, retries=2)
 
 
 def coordinator() -> Any:
