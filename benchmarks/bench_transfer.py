@@ -78,6 +78,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="grpc: fetch over blocking channels, a thread per stream (sync), or the asyncio "
         "client (aio); default: TransferConfig.grpc_sync_fetch",
     )
+    parser.add_argument(
+        "--grpc-malloc-tune",
+        action="store_true",
+        help="grpc: TransferConfig.grpc_malloc_tune in both processes (glibc keeps freed "
+        "transfer buffers mapped; process-wide, off by default)",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for any one step")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per transport (tcp first)"
@@ -98,6 +104,7 @@ class Spec:
     grpc_streams: int | None
     grpc_chunk_bytes: int | None
     grpc_client: str | None
+    grpc_malloc_tune: bool
     batch_bytes: int | None
     gather: bool
 
@@ -124,6 +131,9 @@ class Figure:
     bytes: int
     rounds: int
     detail: str
+    load_before: float = 0.0
+    """The machine's 1-minute load average when the run started (others' work competes)."""
+    load_after: float = 0.0
 
 
 # --------------------------------------------------------------------------- both sides
@@ -168,6 +178,8 @@ def _transfer_config(spec: Spec) -> Any:
         )
     if spec.grpc_client is not None:
         extra["grpc_sync_fetch"] = spec.grpc_client == "sync"
+    if spec.grpc_malloc_tune:
+        extra["grpc_malloc_tune"] = True
     return from_env(TransferConfig, host="127.0.0.1", port=0, deadline_s=spec.timeout_s, **extra)
 
 
@@ -294,6 +306,9 @@ def _recv_tcp(sock: socket.socket, target: memoryview, nbytes: int) -> None:
 def measure(spec: Spec) -> list[Figure]:
     """Start the peer, run every transport `spec.rounds` times, return the figures (tcp first)."""
     import multiprocessing
+    import os
+
+    load_before = os.getloadavg()[0]
 
     from kvmesh.errors import TransportError
     from kvmesh.worker.dist_transfer import DistGroup
@@ -332,6 +347,7 @@ def measure(spec: Spec) -> list[Figure]:
             details["grpc"] = (
                 f"{'sync' if config.grpc_sync_fetch else 'aio'} client, "
                 f"fetch_streams={config.fetch_streams} chunk_bytes={config.chunk_bytes}"
+                + (" malloc_tune" if config.grpc_malloc_tune else "")
             )
 
         if spec.use_dist:
@@ -386,10 +402,15 @@ def measure(spec: Spec) -> list[Figure]:
         if peer.is_alive():
             peer.kill()
             peer.join(5)
-    return _figures(spec, times, details)
+    return _figures(spec, times, details, (load_before, os.getloadavg()[0]))
 
 
-def _figures(spec: Spec, times: dict[str, list[float]], details: dict[str, str]) -> list[Figure]:
+def _figures(
+    spec: Spec,
+    times: dict[str, list[float]],
+    details: dict[str, str],
+    load: tuple[float, float] = (0.0, 0.0),
+) -> list[Figure]:
     nbytes = spec.pages * spec.page_bytes
     best = {name: min(ts) for name, ts in times.items()}
     tcp_rate = nbytes / best["tcp"]
@@ -411,6 +432,8 @@ def _figures(spec: Spec, times: dict[str, list[float]], details: dict[str, str])
                 bytes=nbytes,
                 rounds=len(ts),
                 detail=details[name],
+                load_before=load[0],
+                load_after=load[1],
             )
         )
     return out
@@ -437,6 +460,7 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         grpc_streams=args.grpc_streams,
         grpc_chunk_bytes=args.grpc_chunk_bytes,
         grpc_client=args.grpc_client,
+        grpc_malloc_tune=args.grpc_malloc_tune,
         batch_bytes=args.batch_bytes,
         gather=args.gather,
     )
@@ -444,11 +468,19 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
 
 def render(spec: Spec, figures: list[Figure]) -> str:
     """The human-readable table (tcp first)."""
+    import os
+
     total = spec.pages * spec.page_bytes
+    load = (
+        f"; 1-min load {figures[0].load_before:.2f} before, {figures[0].load_after:.2f} after, "
+        f"{os.cpu_count()} cores"
+        if figures
+        else ""
+    )
     lines = [
         f"kvmesh bench transfer: {spec.pages} pages x {spec.page_bytes / 2**20:.2f} MiB = "
         f"{total / 2**30:.2f} GiB over loopback, best of {spec.rounds} rounds "
-        "(this process pulls from a spawned peer)",
+        f"(this process pulls from a spawned peer{load})",
         f"{'transport':<10}{'GB/s':>8}{'pages/s':>10}{'vs tcp':>8}{'median GB/s':>13}  detail",
     ]
     for fig in figures:

@@ -58,6 +58,7 @@ from kvmesh.worker.transfer_server import (
     grpc_tuning_options,
     iter_page_chunks,
     read_pem,
+    tune_malloc,
 )
 
 T = TypeVar("T")
@@ -241,6 +242,7 @@ class PeerClient:
         )
         self._chunk_bytes = chunk_size(self.config)
         self._channels: list[grpc.aio.Channel] = []
+        tune_malloc(self.config)
 
     # -- channels ---------------------------------------------------------------
 
@@ -682,6 +684,7 @@ class SyncFetcher:
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
         self._closed = False
+        tune_malloc(config)
 
     def _stub(self, i: int) -> Any:
         with self._lock:

