@@ -500,6 +500,7 @@ class TransferServer:
         self.page_delay_s = page_delay_s
         self._chunk_bytes = chunk_size(self.config)
         self._credentials = server_credentials(self.config)
+        grpc_tuning_options(self.config)  # refuse impossible settings before anything starts
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self.port = 0

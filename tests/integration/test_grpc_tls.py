@@ -181,15 +181,25 @@ def mtls_server(pki: PKI, service: PageService) -> Iterator[ServerThread]:
         yield server
 
 
+FETCH_MODES = pytest.mark.parametrize("sync_fetch", [True, False], ids=["sync-fetch", "aio-fetch"])
+
+
+@FETCH_MODES
 def test_a_client_with_a_cluster_certificate_and_the_token_is_served(
-    pki: PKI, service: PageService, mtls_server: ServerThread
+    pki: PKI, service: PageService, mtls_server: ServerThread, sync_fetch: bool
 ) -> None:
     assert mtls_server.server.tls
-    with SyncPeerClient(mtls_server.address, client_config(pki, pki.client)) as client:
+    cfg = dataclasses.replace(client_config(pki, pki.client), grpc_sync_fetch=sync_fetch)
+    receiver = PageService(
+        PagePool(16, page_size=PAGE), KVStore(16, 1, 1, 8, PAGE), PageHasher(PAGE)
+    )
+    with SyncPeerClient(mtls_server.address, cfg) as client:
         assert client.lookup(page_hashes(service)) == [True, True]
         result = client.fetch_pages(page_hashes(service))
         assert [p.page_hash for p in result.pages] == page_hashes(service)
+        assert client.pull_into(receiver, page_hashes(service)) == 2
         assert client.health() == "SERVING"
+    assert receiver.lookup(page_hashes(service)) == [True, True]
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(
@@ -202,21 +212,26 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
         client.lookup(page_hashes(service))
 
 
+@FETCH_MODES
 def test_mutual_tls_refuses_a_certificate_from_another_ca(
-    pki: PKI, service: PageService, mtls_server: ServerThread
+    pki: PKI, service: PageService, mtls_server: ServerThread, sync_fetch: bool
 ) -> None:
+    cfg = dataclasses.replace(client_config(pki, pki.foreign_client), grpc_sync_fetch=sync_fetch)
     with (
-        SyncPeerClient(mtls_server.address, client_config(pki, pki.foreign_client)) as client,
+        SyncPeerClient(mtls_server.address, cfg) as client,
         pytest.raises(TransportError, match="UNAVAILABLE"),
     ):
         client.fetch_pages(page_hashes(service))
 
 
+@FETCH_MODES
 @pytest.mark.parametrize("token", [None, "not-the-token"])
 def test_mutual_tls_with_a_missing_or_wrong_token_is_unauthenticated(
-    pki: PKI, service: PageService, mtls_server: ServerThread, token: str | None
+    pki: PKI, service: PageService, mtls_server: ServerThread, token: str | None, sync_fetch: bool
 ) -> None:
-    cfg = client_config(pki, pki.client, token=token)
+    cfg = dataclasses.replace(
+        client_config(pki, pki.client, token=token), grpc_sync_fetch=sync_fetch
+    )
     with SyncPeerClient(mtls_server.address, cfg) as client:
         with pytest.raises(Unauthenticated, match="bearer token"):
             client.lookup(page_hashes(service))

@@ -9,10 +9,12 @@ import importlib.util
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import grpc
 import pytest
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 from kvmesh.config import TransferConfig
 from kvmesh.errors import (
     ChecksumMismatch,
+    ConfigError,
     DeadlineExceeded,
     HashMismatch,
     InvalidInput,
@@ -643,3 +646,240 @@ def test_encode_then_decode_returns_the_same_chunk(
         missing,
     )
     assert bytes(decoded.data) == data and decoded.meta.header == header
+
+
+# ------------------------------------------- tuning, the sync fetcher, many streams
+
+TUNED = dataclasses.replace(
+    SMALL,
+    grpc_frame_bytes=1 << 20,
+    grpc_window_bytes=8 << 20,
+    grpc_bdp_probe=False,
+    grpc_read_chunk_bytes=256 << 10,
+    grpc_max_read_chunk_bytes=1 << 20,
+    grpc_socket_buffer_bytes=4 << 20,
+)
+TUNED_ARGS = {
+    ("grpc.http2.max_frame_size", 1 << 20),
+    ("grpc.http2.lookahead_bytes", 8 << 20),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.experimental.tcp_read_chunk_size", 256 << 10),
+    ("grpc.experimental.tcp_max_read_chunk_size", 1 << 20),
+    ("grpc.tcp_receive_buffer_size", 4 << 20),
+}
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[set[tuple[str, Any]]]:
+    """Record the options every call of `module.name` gets, and call the real one."""
+    real = getattr(module, name)
+    seen: list[set[tuple[str, Any]]] = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        options = kwargs["options"] if "options" in kwargs else args[-1]
+        seen.append({(str(k), v) for k, v in options})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
+@pytest.mark.parametrize("sync_fetch", [True, False])
+def test_tuning_settings_reach_the_server_and_every_client_channel(
+    monkeypatch: pytest.MonkeyPatch,
+    served: tuple[PageService, list[PageHash], ServerThread],
+    sync_fetch: bool,
+) -> None:
+    sender, hashes, _ = served
+    servers = spy(monkeypatch, grpc.aio, "server")
+    sync_channels = spy(monkeypatch, grpc, "insecure_channel")
+    aio_channels = spy(monkeypatch, grpc.aio, "insecure_channel")
+    cfg = dataclasses.replace(TUNED, grpc_sync_fetch=sync_fetch)
+    receiver = empty()
+    with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
+        assert client.pull_into(receiver, hashes) == len(hashes)  # grpc takes them all
+    assert servers[0] >= TUNED_ARGS
+    channels = sync_channels if sync_fetch else aio_channels
+    assert len(channels) == cfg.fetch_streams
+    for options in channels:
+        assert options >= TUNED_ARGS
+    for h in hashes:
+        assert page_bytes(receiver, h) == page_bytes(sender, h)
+
+
+def test_untuned_settings_leave_grpc_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    _, hashes, server = served
+    channels = spy(monkeypatch, grpc, "insecure_channel")
+    with SyncPeerClient(server.address, SMALL) as client:
+        assert len(client.fetch_pages(hashes).pages) == len(hashes)
+    tuned_names = {name for name, _ in TUNED_ARGS}
+    assert channels and all(not tuned_names & {name for name, _ in opts} for opts in channels)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"grpc_frame_bytes": 1000},  # below HTTP/2's 16 KiB
+        {"grpc_frame_bytes": 1 << 24},  # above 16 MiB - 1
+        {"grpc_window_bytes": -1},
+    ],
+)
+def test_impossible_tuning_is_refused_before_anything_starts(change: dict[str, Any]) -> None:
+    cfg = dataclasses.replace(SMALL, **change)
+    with pytest.raises(ConfigError, match="grpc_"):
+        TransferServer(empty(), cfg)
+    with pytest.raises(ConfigError, match="grpc_"):
+        SyncPeerClient("127.0.0.1:1", cfg)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20], ids=["two-chunk-pages", "one-chunk-pages"])
+def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
+    monkeypatch: pytest.MonkeyPatch, peer_module: tuple[ModuleType, Path], chunk_bytes: int
+) -> None:
+    sender, hashes, _ = build(peer_module, 96, 60)
+    in_use = sender.pin(hashes[5:8])  # a "request" holds some of them meanwhile
+    before = sender.ref_counts()
+    receiver = empty(96)
+    channels = spy(monkeypatch, grpc, "insecure_channel")
+    cfg = dataclasses.replace(SMALL, chunk_bytes=chunk_bytes, fetch_streams=3)
+    with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
+        assert client.pull_into(receiver, hashes) == 60
+        assert client.pull_into(receiver, hashes) == 0  # held already: nothing new
+    assert len(channels) == 3  # one connection per stream, reused by the second pull
+    assert receiver.lookup(hashes) == [True] * 60
+    for h in hashes:
+        assert page_bytes(receiver, h) == page_bytes(sender, h)
+    assert sender.ref_counts() == before
+    sender.unpin(in_use)
+    assert all(c == 0 for c in receiver.ref_counts())
+    receiver.check_invariants()
+
+
+@pytest.mark.parametrize("sync_fetch", [True, False])
+def test_both_clients_hand_pages_over_in_request_order_and_report_misses(
+    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
+) -> None:
+    sender, hashes, server = served
+    unknown = PageHash(b"\x07" * 32)
+    wanted = [*hashes[:10], unknown, *hashes[10:]]
+    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
+    order: list[int] = []
+    with SyncPeerClient(server.address, cfg) as client:
+        result = client.fetch_pages(wanted, on_page=lambda i, _p: order.append(i))
+    assert order == [i for i in range(len(wanted)) if i != 10]
+    assert result.missing == (unknown,) and result.received == len(hashes)
+    assert all(c == 0 for c in sender.ref_counts())
+
+
+def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts_as_they_were(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, _ = served
+    in_use = sender.pin(hashes[:2])
+    before = sender.ref_counts()
+    cfg = dataclasses.replace(SMALL, fetch_streams=3)
+
+    def refuse(index: int, _page: IncomingPage) -> None:
+        if index == 4:
+            raise PageFormatError("consumer refused page 4")
+
+    with ServerThread(sender, cfg, page_delay_s=0.02) as server:
+        with SyncPeerClient(server.address, cfg) as client, pytest.raises(PageFormatError):
+            client.fetch_pages(hashes, on_page=refuse)
+        assert wait_until(lambda: sender.ref_counts() == before)
+    sender.unpin(in_use)
+
+
+def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reservation(
+    served: tuple[PageService, list[PageHash], ServerThread],
+) -> None:
+    sender, hashes, server = served
+    before = sender.ref_counts()
+    receiver = empty()
+    cfg = dataclasses.replace(SMALL, fetch_streams=3)
+    with ServerThread(sender, cfg, page_delay_s=0.05) as slow:
+        with SyncPeerClient(slow.address, cfg) as client, pytest.raises(DeadlineExceeded):
+            client.pull_into(receiver, hashes, deadline_s=0.4)
+        assert wait_until(lambda: sender.ref_counts() == before)
+    got = receiver.lookup(hashes).count(True)
+    assert receiver.lookup(hashes) == [True] * got + [False] * (len(hashes) - got)
+    assert all(c == 0 for c in receiver.ref_counts())
+    receiver.check_invariants()
+    # Nothing is left "in flight": a second pull caches exactly the rest.
+    with SyncPeerClient(server.address, cfg) as client:
+        assert client.pull_into(receiver, hashes) == len(hashes) - got
+    for h in hashes:
+        assert page_bytes(receiver, h) == page_bytes(sender, h)
+
+
+def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_whole_pages(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    n = 40
+    proc = subprocess.Popen(
+        [sys.executable, str(peer_module[1]), str(n), "0.05"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        assert address, "peer process did not start"
+        expected, hashes, _ = build(peer_module, n + 8, n)
+        receiver = empty(n + 8)
+
+        def kill_after_five() -> None:
+            wait_until(lambda: receiver.lookup(hashes).count(True) >= 5, timeout_s=20)
+            proc.kill()
+
+        killer = threading.Thread(target=kill_after_five, daemon=True)
+        cfg = dataclasses.replace(SMALL, fetch_streams=3)
+        with (
+            SyncPeerClient(address, cfg) as client,
+            pytest.raises(TransportError, match=re.escape(address)) as err,
+        ):
+            killer.start()
+            client.pull_into(receiver, hashes, deadline_s=20)
+        killer.join(5)
+        assert not isinstance(err.value, DeadlineExceeded)  # it failed fast, not at the deadline
+        held = receiver.lookup(hashes)
+        got = held.count(True)
+        assert 5 <= got < n and held == [True] * got + [False] * (n - got)
+        for h in hashes[:got]:
+            assert page_bytes(receiver, h) == page_bytes(expected, h)
+        assert all(c == 0 for c in receiver.ref_counts())  # no reservation left behind
+        receiver.check_invariants()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_sync_fetcher_retries_unavailable_with_jittered_growing_backoff() -> None:
+    import random
+
+    sleeps: list[float] = []
+    cfg = dataclasses.replace(SMALL, retries=3, retry_backoff_s=0.1)
+    dead = "127.0.0.1:1"  # nothing listens on port 1
+    with (
+        SyncPeerClient(dead, cfg, rng=random.Random(5), sleep=sleeps.append) as client,
+        pytest.raises(TransportError, match=re.escape(dead)),
+    ):
+        client.fetch_pages([PageHash(b"\x01" * 32)], deadline_s=5)
+    assert len(sleeps) == 3
+    for i, s in enumerate(sleeps):
+        assert 0.1 * 2**i * 0.5 <= s <= 0.1 * 2**i * 1.5
+
+
+def test_malloc_tuning_is_opt_in_and_applies_once_per_process() -> None:
+    code = (
+        "import dataclasses\n"
+        "from kvmesh.config import TransferConfig\n"
+        "from kvmesh.worker.transfer_server import tune_malloc\n"
+        "off = TransferConfig()\n"
+        "on = dataclasses.replace(off, grpc_malloc_tune=True)\n"
+        "print(tune_malloc(off), tune_malloc(on), tune_malloc(on), tune_malloc(off))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["False", "True", "True", "True"]  # glibc (this machine)

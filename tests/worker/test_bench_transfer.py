@@ -75,3 +75,28 @@ def test_table_shows_every_transport_next_to_tcp() -> None:
 def test_impossible_sizes_are_refused_before_anything_starts(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         bench_transfer.spec_from_args(parse(argv))
+
+
+def test_grpc_flags_and_kvmesh_variables_reach_both_processes_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVMESH_GRPC_FRAME_BYTES", str(1 << 20))
+    monkeypatch.setenv("KVMESH_FETCH_STREAMS", "5")
+    spec = bench_transfer.spec_from_args(
+        parse([*TINY, "--grpc-client", "aio", "--grpc-malloc-tune", "--grpc-streams", "3"])
+    )
+    config = bench_transfer._transfer_config(spec)
+    assert config.grpc_frame_bytes == 1 << 20  # from the environment
+    assert config.fetch_streams == 3  # a flag wins over its variable
+    assert (config.grpc_sync_fetch, config.grpc_malloc_tune) == (False, True)
+    assert (config.host, config.port, config.deadline_s) == ("127.0.0.1", 0, 60.0)
+    default = bench_transfer._transfer_config(bench_transfer.spec_from_args(parse(TINY)))
+    assert (default.grpc_sync_fetch, default.grpc_malloc_tune) == (True, False)
+
+
+def test_the_table_header_names_the_machine_load() -> None:
+    spec = bench_transfer.spec_from_args(parse(TINY))
+    fig = bench_transfer.Figure("tcp", 2.0, 2e3, 1.0, 0.1, 2.0, 6, 4096, 24576, 2, "tcp", 1.25, 1.5)
+    assert (
+        "1-min load 1.25 before, 1.50 after" in bench_transfer.render(spec, [fig]).splitlines()[0]
+    )
