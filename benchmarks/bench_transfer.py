@@ -9,7 +9,12 @@ transport moves all the pages from the peer into the puller's pool:
   bytes straight from its KV tensor, the puller ``recv_into``\\s its own KV
   tensor. No framing, no checks, no pool: the ceiling of the machine.
 - ``grpc``: `SyncPeerClient.pull_into` against the peer's `TransferServer`
-  (chunked FetchPages streams, each page checked and inserted).
+  (chunked FetchPages streams, each page checked and inserted). Both
+  processes take their `TransferConfig` from ``KVMESH_*`` variables, then the
+  ``--grpc-*`` flags: ``--grpc-client sync|aio`` picks the fetch engine,
+  ``--grpc-malloc-tune`` the opt-in allocator tuning (see
+  `kvmesh.worker.transfer_server` for what bounds this path and what each
+  setting measured).
 - ``dist``: `DistPageTransport.pull` over a gloo process group of the two
   (batched tensors, each page checked and inserted).
 
@@ -17,7 +22,9 @@ Timed: from the pull's start until every page is in the puller's pool (for
 tcp: until the last byte is in its KV tensor). The pool is emptied between
 rounds; each transport runs ``--rounds`` times after one warm-up, and the
 best round counts (the machine is shared; the best is the least disturbed).
-``ratio_vs_tcp`` = a transport's GB/s / the tcp GB/s of the same run.
+``ratio_vs_tcp`` = a transport's GB/s / the tcp GB/s of the same run. The
+1-minute load average before and after the run is printed with the figures:
+on a shared machine, other work competes for the same cores.
 """
 
 from __future__ import annotations

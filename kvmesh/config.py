@@ -105,7 +105,7 @@ class TransferConfig:
     grpc_min_read_chunk_bytes: int = 0  # grpc.experimental.tcp_min_read_chunk_size
     grpc_max_read_chunk_bytes: int = 0  # grpc.experimental.tcp_max_read_chunk_size
     grpc_socket_buffer_bytes: int = 0  # grpc.tcp_receive_buffer_size (SO_RCVBUF)
-    grpc_sync_fetch: bool = True  # SyncPeerClient fetches over blocking channels, a thread each
+    grpc_sync_fetch: bool = False  # SyncPeerClient: blocking streams, a thread each (many cores)
     grpc_malloc_tune: bool = False  # glibc: keep freed transfer buffers mapped (process-wide)
 
 

@@ -711,11 +711,16 @@ def test_untuned_settings_leave_grpc_defaults(
     served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
     _, hashes, server = served
-    channels = spy(monkeypatch, grpc, "insecure_channel")
-    with SyncPeerClient(server.address, SMALL) as client:
-        assert len(client.fetch_pages(hashes).pages) == len(hashes)
+    sync_channels = spy(monkeypatch, grpc, "insecure_channel")
+    aio_channels = spy(monkeypatch, grpc.aio, "insecure_channel")
+    for sync_fetch in (True, False):
+        cfg = dataclasses.replace(SMALL, grpc_sync_fetch=sync_fetch)
+        with SyncPeerClient(server.address, cfg) as client:
+            assert len(client.fetch_pages(hashes).pages) == len(hashes)
     tuned_names = {name for name, _ in TUNED_ARGS}
-    assert channels and all(not tuned_names & {name for name, _ in opts} for opts in channels)
+    assert sync_channels and aio_channels
+    for opts in sync_channels + aio_channels:
+        assert not tuned_names & {name for name, _ in opts}
 
 
 @pytest.mark.parametrize(
@@ -743,7 +748,7 @@ def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
     before = sender.ref_counts()
     receiver = empty(96)
     channels = spy(monkeypatch, grpc, "insecure_channel")
-    cfg = dataclasses.replace(SMALL, chunk_bytes=chunk_bytes, fetch_streams=3)
+    cfg = dataclasses.replace(SMALL, chunk_bytes=chunk_bytes, fetch_streams=3, grpc_sync_fetch=True)
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
         assert client.pull_into(receiver, hashes) == 60
         assert client.pull_into(receiver, hashes) == 0  # held already: nothing new
@@ -773,13 +778,14 @@ def test_both_clients_hand_pages_over_in_request_order_and_report_misses(
     assert all(c == 0 for c in sender.ref_counts())
 
 
+@pytest.mark.parametrize("sync_fetch", [True, False])
 def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts_as_they_were(
-    served: tuple[PageService, list[PageHash], ServerThread],
+    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
 ) -> None:
     sender, hashes, _ = served
     in_use = sender.pin(hashes[:2])
     before = sender.ref_counts()
-    cfg = dataclasses.replace(SMALL, fetch_streams=3)
+    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
 
     def refuse(index: int, _page: IncomingPage) -> None:
         if index == 4:
@@ -792,13 +798,14 @@ def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts
     sender.unpin(in_use)
 
 
+@pytest.mark.parametrize("sync_fetch", [True, False])
 def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reservation(
-    served: tuple[PageService, list[PageHash], ServerThread],
+    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
 ) -> None:
     sender, hashes, server = served
     before = sender.ref_counts()
     receiver = empty()
-    cfg = dataclasses.replace(SMALL, fetch_streams=3)
+    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
     with ServerThread(sender, cfg, page_delay_s=0.05) as slow:
         with SyncPeerClient(slow.address, cfg) as client, pytest.raises(DeadlineExceeded):
             client.pull_into(receiver, hashes, deadline_s=0.4)
@@ -814,8 +821,9 @@ def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reserv
         assert page_bytes(receiver, h) == page_bytes(sender, h)
 
 
+@pytest.mark.parametrize("sync_fetch", [True, False])
 def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_whole_pages(
-    peer_module: tuple[ModuleType, Path],
+    peer_module: tuple[ModuleType, Path], sync_fetch: bool
 ) -> None:
     n = 40
     proc = subprocess.Popen(
@@ -833,7 +841,7 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
             proc.kill()
 
         killer = threading.Thread(target=kill_after_five, daemon=True)
-        cfg = dataclasses.replace(SMALL, fetch_streams=3)
+        cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
         with (
             SyncPeerClient(address, cfg) as client,
             pytest.raises(TransportError, match=re.escape(address)) as err,
@@ -858,7 +866,7 @@ def test_the_sync_fetcher_retries_unavailable_with_jittered_growing_backoff() ->
     import random
 
     sleeps: list[float] = []
-    cfg = dataclasses.replace(SMALL, retries=3, retry_backoff_s=0.1)
+    cfg = dataclasses.replace(SMALL, retries=3, retry_backoff_s=0.1, grpc_sync_fetch=True)
     dead = "127.0.0.1:1"  # nothing listens on port 1
     with (
         SyncPeerClient(dead, cfg, rng=random.Random(5), sleep=sleeps.append) as client,
