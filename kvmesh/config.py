@@ -96,7 +96,7 @@ class TransferConfig:
     dist_connect_timeout_s: float = 10.0  # torch.distributed: opening a link to a peer
     dist_idle_timeout_s: float = 3600.0  # torch.distributed: a link unused this long is closed
     # gRPC HTTP/2 and TCP tuning, set on servers and clients alike (0: gRPC's own default);
-    # see kvmesh.worker.transfer_server.grpc_tuning_options for what each one measured
+    # what each one measured: the kvmesh.worker.transfer_server module doc
     grpc_frame_bytes: int = 0  # grpc.http2.max_frame_size, 16 KiB .. 16 MiB - 1
     grpc_window_bytes: int = 0  # grpc.http2.lookahead_bytes: initial stream receive window
     grpc_bdp_probe: bool = True  # grpc.http2.bdp_probe: grow windows from the measured BDP

@@ -36,11 +36,14 @@ bytes:
   zero-copy receive is not in this release), then the page is checked (xxh3)
   and copied once into the receiver's KV tensor.
 
-That is 16 passes per byte against the raw socket's 4 (two kernel copies), so
-on a machine whose cores both ends share the bound is CPU per byte, not the
-protocol: measured on 2 cores, ~0.5 s (sender) + ~0.8-1.1 s (receiver) of CPU
-per GiB, against ~0.25 s for the raw socket: gRPC at 1.2-1.6 GB/s, 30-40% of
-the socket's 3.6-4.7 GB/s. What measured:
+That is 16 passes per byte against the raw socket's 4 (two kernel copies).
+Where both ends share the machine's cores, CPU per byte is the bound, not the
+protocol, and the ratio to the socket is roughly their CPU ratio. Measured on
+2 cores per GiB: sender ~0.5 s, receiver ~0.8-1.1 s, against ~0.2 s + ~0.15 s
+for the raw socket; gRPC at 1.0-1.6 GB/s, 28-38% of the socket's 3.2-4.7 GB/s.
+gRPC's own copies and the kernel's alone (10 passes) cost ~0.7 s per GiB, and
+our checks and the two copies into and out of the KV tensors another ~0.4 s,
+so half the socket's rate is out of reach on such a machine. What measured:
 
 - HTTP/2 frame size, stream windows, BDP probing, TCP read chunks and socket
   buffers (`grpc_tuning_options`, both ends): no difference beyond run-to-run
@@ -51,7 +54,7 @@ the socket's 3.6-4.7 GB/s. What measured:
 - preparing the next page's message on a helper thread while the loop writes
   (tried, dropped): no gain, more page faults on the helper thread's heap;
 - `tune_malloc` (opt-in, process-wide): glibc stops returning freed buffers
-  to the kernel between messages: ~150k fewer page faults per GiB received,
+  to the kernel between messages: 60k-150k fewer page faults per GiB received,
   +15-20% GB/s (e.g. 1.45 vs 1.22 GB/s, paired runs).
 """
 
