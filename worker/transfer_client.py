@@ -208,6 +208,43 @@ def verify_page(
         )
 
 
+def read_fetched(
+    assembler: PageAssembler,
+    raw: bytes,
+    indices: Sequence[int],
+    hashes: Sequence[PageHash],
+    address: str,
+) -> tuple[int, IncomingPage | None] | None:
+    """Feed one FetchPages message of a stream asking for ``hashes[i] for i in indices``.
+
+    None until a page is complete; then (its request index, the page, or None
+    when the peer reported it missing). A "missing" marker for another hash
+    than the one asked for is the peer's fault (`InvalidInput`).
+    """
+    got = assembler.add(decode_chunk(raw))
+    if got is None:
+        return None
+    index = indices[assembler.next_index - 1]
+    if isinstance(got, IncomingPage):
+        return index, got
+    if got != hashes[index]:
+        raise InvalidInput(
+            f"peer {address} reported {got.hex()[:16]} missing where "
+            f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
+        )
+    return index, None
+
+
+def end_fetch_stream(assembler: PageAssembler, asked: int, address: str) -> None:
+    """After a FetchPages stream's last message: every page asked for must have come."""
+    assembler.finish()
+    if assembler.next_index != asked:
+        raise TransportError(
+            f"peer {address} ended FetchPages after {assembler.next_index} of "
+            f"{asked} pages; the peer is faulty"
+        )
+
+
 class _Reorder:
     """Hands pages to the caller in request order as the streams deliver them."""
 
@@ -442,26 +479,16 @@ class PeerClient:
         assembler = PageAssembler(allow_missing=True)
         try:
             async for raw in responses:
-                got = assembler.add(decode_chunk(raw))
-                if got is None:
+                done = read_fetched(assembler, raw, indices, hashes, self.address)
+                if done is None:
                     continue
-                index = indices[assembler.next_index - 1]
-                if isinstance(got, IncomingPage):
-                    verify_page(got, hashes[index], self.address, with_checksum=with_checksum)
-                    order.put(index, got, got.page_hash)
+                index, page = done
+                if page is None:
+                    order.put(index, None, hashes[index])
                 else:
-                    if got != hashes[index]:
-                        raise InvalidInput(
-                            f"peer {self.address} reported {got.hex()[:16]} missing where "
-                            f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
-                        )
-                    order.put(index, None, got)
-            assembler.finish()
-            if assembler.next_index != len(indices):
-                raise TransportError(
-                    f"peer {self.address} ended FetchPages after {assembler.next_index} of "
-                    f"{len(indices)} pages; the peer is faulty"
-                )
+                    verify_page(page, hashes[index], self.address, with_checksum=with_checksum)
+                    order.put(index, page, page.page_hash)
+            end_fetch_stream(assembler, len(indices), self.address)
         finally:
             responses.cancel()
 
@@ -848,26 +875,16 @@ class SyncFetcher:
         )
         try:
             for raw in responses:
-                got = assembler.add(decode_chunk(raw))
-                if got is None:
+                done = read_fetched(assembler, raw, indices, hashes, self.address)
+                if done is None:
                     continue
-                index = indices[assembler.next_index - 1]
-                if isinstance(got, IncomingPage):
-                    item = self._checked(got, hashes[index], service, with_checksum)
-                    order.put(index, item, got.page_hash)
+                index, page = done
+                if page is None:
+                    order.put(index, None, hashes[index])
                 else:
-                    if got != hashes[index]:
-                        raise InvalidInput(
-                            f"peer {self.address} reported {got.hex()[:16]} missing where "
-                            f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
-                        )
-                    order.put(index, None, got)
-            assembler.finish()
-            if assembler.next_index != len(indices):
-                raise TransportError(
-                    f"peer {self.address} ended FetchPages after {assembler.next_index} of "
-                    f"{len(indices)} pages; the peer is faulty"
-                )
+                    item = self._checked(page, hashes[index], service, with_checksum)
+                    order.put(index, item, page.page_hash)
+            end_fetch_stream(assembler, len(indices), self.address)
         finally:
             responses.cancel()  # a no-op once the call is over
 

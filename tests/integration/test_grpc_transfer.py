@@ -463,10 +463,11 @@ def test_a_failing_consumer_ends_the_stream_and_pins_are_released(
     assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
 
 
-def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
-    peer_module: tuple[ModuleType, Path],
-) -> None:
-    n = 40
+@contextlib.contextmanager
+def slow_peer_process(
+    peer_module: tuple[ModuleType, Path], n: int
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A peer in its own process serving `n` pages, 50 ms each (so it can be killed mid-stream)."""
     proc = subprocess.Popen(
         [sys.executable, str(peer_module[1]), str(n), "0.05"], stdout=subprocess.PIPE, text=True
     )
@@ -474,6 +475,17 @@ def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
         assert proc.stdout is not None
         address = proc.stdout.readline().strip()
         assert address, "peer process did not start"
+        yield proc, address
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    n = 40
+    with slow_peer_process(peer_module, n) as (proc, address):
         expected, hashes, _ = build(peer_module, n + 8, n)
         receiver = empty(n + 8)
         received: list[int] = []
@@ -497,9 +509,6 @@ def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
             assert page_bytes(receiver, h) == page_bytes(expected, h)
         assert all(c == 0 for c in receiver.ref_counts())
         receiver.check_invariants()
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_unavailable_is_retried_for_fetches_but_never_for_pushes() -> None:
@@ -826,13 +835,7 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
     peer_module: tuple[ModuleType, Path], sync_fetch: bool
 ) -> None:
     n = 40
-    proc = subprocess.Popen(
-        [sys.executable, str(peer_module[1]), str(n), "0.05"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        address = proc.stdout.readline().strip()
-        assert address, "peer process did not start"
+    with slow_peer_process(peer_module, n) as (proc, address):
         expected, hashes, _ = build(peer_module, n + 8, n)
         receiver = empty(n + 8)
 
@@ -857,9 +860,6 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
             assert page_bytes(receiver, h) == page_bytes(expected, h)
         assert all(c == 0 for c in receiver.ref_counts())  # no reservation left behind
         receiver.check_invariants()
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def test_the_sync_fetcher_retries_unavailable_with_jittered_growing_backoff() -> None:
