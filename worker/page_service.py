@@ -23,8 +23,13 @@ tokens do not produce. The extra keys of a page (salt, media) cannot be
 re-derived from its tokens: for the first page of a salted request, or a
 page with multimodal input, the sender cannot prove the chain, sends no
 tokens, and the receiver trusts the checksum (integrity, not authenticity)
-and its transport's authentication. Whether such pages should be refused
-from unauthenticated peers is for the security work (issue 7) to decide.
+and its transport's authentication (docs/security.md, *Page identity*).
+
+Receiving in place (`reserve` / `commit` / `release`): a transport that
+writes bytes straight into the KV store (torch.distributed) holds uncached
+pages for them, checks the bytes where they landed with `check`, and only
+then caches them; a page being received is "in flight" and never reserved
+or inserted twice.
 """
 
 from __future__ import annotations
