@@ -482,8 +482,6 @@ class WorkerActor:
         Raises `TransportError` when it cannot be opened (no coordinator, the
         peer unknown or refusing, the rendezvous timing out).
         """
-        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
-
         with self._peers_lock:
             lock = self._link_locks.setdefault(address, threading.Lock())
         with lock:
@@ -501,18 +499,26 @@ class WorkerActor:
                     f"the coordinator could not open a link to {address}: "
                     f"{type(cause).__name__}: {cause}"
                 ) from exc
-            group = DistGroup.join(
-                rdv,
-                self.worker_id,
-                device=self.store.device,
-                timeout_s=self.config.transfer.dist_connect_timeout_s,
-                host=self._bind_host(),
-            )
-            group.timeout_s = self.config.transfer.dist_timeout_s
-            link = DistPageTransport.from_config(group, self.pages, self.config.transfer)
+            link = self._join_link(rdv)
             self._links[address] = link
             self._bump("links_opened")
             return link
+
+    def _join_link(self, rendezvous: Any) -> Any:
+        """Join a link's group (within the connect timeout) and wrap it in a transport whose
+        transfers wait up to `dist_timeout_s`. Raises `TransportError`."""
+        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
+
+        cfg = self.config.transfer
+        group = DistGroup.join(
+            rendezvous,
+            self.worker_id,
+            device=self.store.device,
+            timeout_s=cfg.dist_connect_timeout_s,
+            host=self._bind_host(),
+        )
+        group.timeout_s = cfg.dist_timeout_s
+        return DistPageTransport.from_config(group, self.pages, cfg)
 
     def _drop_link(self, address: str) -> None:
         """Forget the link to `address` (closed; the next use opens a fresh one)."""
@@ -547,27 +553,19 @@ class WorkerActor:
     def _serve_link(self, rendezvous: Any) -> None:
         """Join `rendezvous` as its serving rank and answer pulls/pushes until hang-up or failure."""
         from kvmesh.rendezvous import LINK_CLIENT_RANK
-        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
 
         client = rendezvous.worker_of(LINK_CLIENT_RANK)
-        cfg = self.config.transfer
         try:
-            group = DistGroup.join(
-                rendezvous,
-                self.worker_id,
-                device=self.store.device,
-                timeout_s=cfg.dist_connect_timeout_s,
-                host=self._bind_host(),
-            )
+            transport = self._join_link(rendezvous)
         except TransportError as exc:
             log.warning("link from %s was not joined: %s", client, exc)
             return
-        group.timeout_s = cfg.dist_timeout_s
+        group = transport.group
         self._served_links[rendezvous.prefix] = group
         self._bump("links_served")
         try:
-            transport = DistPageTransport.from_config(group, self.pages, cfg)
-            transport.serve_forever(LINK_CLIENT_RANK, idle_timeout_s=cfg.dist_idle_timeout_s)
+            idle = self.config.transfer.dist_idle_timeout_s
+            transport.serve_forever(LINK_CLIENT_RANK, idle_timeout_s=idle)
         except KVMeshError as exc:
             log.info("link from %s ended: %s", client, exc)
         finally:
