@@ -178,11 +178,13 @@ class KVStore:
                 f"got {data.dtype} of shape {list(data.shape)}"
             )
 
-    def check_blob(self, blob: PageBlob) -> None:
+    def check_blob(self, blob: PageBlob, *, with_checksum: bool = True) -> None:
         """Raise unless `blob` is one page of this store with a matching checksum.
 
         Cost: one xxh3-64 pass over the bytes. Order: format before checksum,
         so a wrong-model page is reported as such, not as corruption.
+        `with_checksum=False` checks the format only, for a receiver that
+        hashes the bytes as they arrive.
         """
         if blob.dtype != self.dtype_name or tuple(blob.shape) != self.page_shape:
             raise PageFormatError(
@@ -196,6 +198,8 @@ class KVStore:
                 f"page has {size} bytes but {self.dtype_name} {list(self.page_shape)} "
                 f"needs {self.page_nbytes}"
             )
+        if not with_checksum:
+            return
         actual = checksum(blob.data)
         if actual != blob.checksum:
             raise ChecksumMismatch(
@@ -235,6 +239,13 @@ class KVStore:
             self.kv[dst].copy_(self.kv[src])
 
     # -- bytes ----------------------------------------------------------------
+
+    def page_buffer(self, page_id: PageId) -> memoryview | None:
+        """A writable view of one page's bytes (CPU stores), for receiving straight into it."""
+        self._check_id(page_id)
+        if self._np_bytes is None:
+            return None
+        return memoryview(self._np_bytes[page_id])
 
     def page_bytes(self, page_id: PageId) -> memoryview:
         """The raw bytes of one page: a zero-copy view on CPU, a host copy on GPU."""

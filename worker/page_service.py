@@ -224,16 +224,17 @@ class PageService:
 
     # ---------------------------------------------------------------- insert
 
-    def check(self, page: IncomingPage) -> None:
+    def check(self, page: IncomingPage, *, with_checksum: bool = True) -> None:
         """Raise unless `page` may enter the pool: format, checksum, hash chain.
 
         `PageFormatError` / `ChecksumMismatch` from the store; `HashMismatch`
         when token ids are given and do not hash to `page_hash`.
+        `with_checksum=False`: all but the checksum, before the bytes arrive.
         """
         check_hash(page.page_hash)
         if page.parent_hash is not None:
             check_hash(page.parent_hash, "parent hash")
-        self.store.check_blob(page.blob)
+        self.store.check_blob(page.blob, with_checksum=with_checksum)
         if page.token_ids and not self._proves(
             page.page_hash, page.parent_hash, page.token_ids, page.lora_id
         ):

@@ -33,6 +33,7 @@ or ~5% faster (paired runs: 1.45 vs 1.39 GB/s), so it is the default.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import threading
@@ -42,12 +43,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
+import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import (
     ChecksumMismatch,
-    ConfigError,
     DeadlineExceeded,
     InvalidInput,
     InvariantViolation,
@@ -60,6 +62,7 @@ from kvmesh.errors import (
 )
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
+from kvmesh.worker.grpc_wire import WireCall, tls_context
 from kvmesh.worker.kv_store import DTYPES, checksum
 from kvmesh.worker.page_service import IncomingPage, PageService, Reservation, check_hash
 from kvmesh.worker.transfer_server import (
@@ -67,10 +70,11 @@ from kvmesh.worker.transfer_server import (
     SERVICE_NAME,
     PageAssembler,
     chunk_size,
+    client_tls_material,
     decode_chunk,
     grpc_tuning_options,
+    incoming_page,
     iter_page_chunks,
-    read_pem,
     tune_malloc,
 )
 
@@ -132,20 +136,12 @@ def translate(err: grpc.aio.AioRpcError | grpc.RpcError, what: str, address: str
 
 
 def channel_credentials(config: TransferConfig) -> grpc.ChannelCredentials | None:
-    """TLS credentials for dialing peers, or None for plaintext.
-
-    TLS is on when any of tls_root_ca, tls_ca or tls_cert is set; the client
-    presents tls_cert/tls_key (mutual TLS) when both are set.
-    """
-    root = read_pem(config.tls_root_ca or config.tls_ca, "TLS root CA")
-    if root is None and config.tls_cert is None:
+    """TLS credentials for dialing peers (`client_tls_material`), or None for plaintext."""
+    root, key, cert = client_tls_material(config)
+    if root is None and cert is None:
         return None
-    if (config.tls_cert is None) != (config.tls_key is None):
-        raise ConfigError("a client certificate needs both tls_cert and tls_key")
     return grpc.ssl_channel_credentials(
-        root_certificates=root,
-        private_key=read_pem(config.tls_key, "TLS key"),
-        certificate_chain=read_pem(config.tls_cert, "TLS certificate"),
+        root_certificates=root, private_key=key, certificate_chain=cert
     )
 
 
@@ -666,6 +662,162 @@ class _Ordered:
             self.service.release(held)
 
 
+class _Lander:
+    """Receives one zero-copy stream's pages straight into reserved pool pages (`WireCall`).
+
+    Each page's header is checked first (the hash asked for, dtype, shape and
+    size for this store, the hash chain when token ids come with it), so a
+    refused page reserves, evicts and writes nothing; then its data chunks are
+    read from the socket into the reserved page and hashed (xxh3, streaming)
+    while still in cache, and the checksum is compared when the page is
+    complete. A page the pool cannot reserve (held already, being received by
+    another transfer, no room) lands in a scratch buffer and goes to
+    `PageService.insert_many` in order instead.
+    """
+
+    __slots__ = (
+        "_dst",
+        "_filled",
+        "_hasher",
+        "_page",
+        "_res",
+        "address",
+        "hashes",
+        "indices",
+        "next",
+        "order",
+        "service",
+    )
+
+    def __init__(
+        self,
+        service: PageService,
+        indices: list[int],
+        hashes: list[PageHash],
+        order: _Ordered,
+        address: str,
+    ) -> None:
+        self.service = service
+        self.indices = indices
+        self.hashes = hashes
+        self.order = order
+        self.address = address
+        self.next = 0  # position in `indices` of the page on the way
+        self._page: IncomingPage | None = None
+        self._res: Reservation | None = None
+        self._dst = memoryview(b"")
+        self._filled = 0
+        self._hasher = xxhash.xxh3_64()
+
+    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
+        if self._page is None:
+            if not self._begin(meta):
+                if nbytes:
+                    raise InvalidInput(f"peer {self.address} sent data with a missing page")
+                return memoryview(bytearray())
+        elif meta.page_index != self.next or meta.HasField("header") or meta.missing:
+            raise InvalidInput(
+                f"page {self.next} from peer {self.address} is incomplete ({self._filled} of "
+                f"{len(self._dst)} bytes) but a chunk for page {meta.page_index} arrived"
+            )
+        if meta.offset != self._filled or self._filled + nbytes > len(self._dst):
+            raise InvalidInput(
+                f"page {self.next} from peer {self.address}: chunk at offset {meta.offset} with "
+                f"{nbytes} bytes does not continue the {self._filled} of {len(self._dst)} received"
+            )
+        return self._dst[self._filled : self._filled + nbytes]
+
+    def _begin(self, meta: pb.PageChunk) -> bool:
+        """Check a page's first chunk and pick where its bytes go; False for a missing page."""
+        if meta.page_index != self.next or self.next >= len(self.indices):
+            raise InvalidInput(
+                f"peer {self.address} sent page {meta.page_index} where page {self.next} of "
+                f"{len(self.indices)} was expected; the peer is faulty"
+            )
+        index = self.indices[self.next]
+        expected = self.hashes[index]
+        if meta.missing:
+            if check_hash(meta.header.page_hash) != expected:
+                raise InvalidInput(
+                    f"peer {self.address} reported {meta.header.page_hash.hex()[:16]} missing "
+                    f"where {expected.hex()[:16]} was asked for; the peer is faulty"
+                )
+            self.next += 1
+            self.order.put(index, None, expected)
+            return False
+        if not meta.HasField("header") or meta.offset != 0:
+            raise InvalidInput(f"page {meta.page_index} does not start with a header chunk")
+        store = self.service.store
+        nbytes = meta.header.nbytes
+        if nbytes != store.page_nbytes:
+            raise PageFormatError(
+                f"page {meta.page_index} declares {nbytes} bytes ({meta.header.dtype} "
+                f"{list(meta.header.shape)}) but this KV store's pages are {store.page_nbytes}: "
+                "sender and receiver must run the same model config"
+            )
+        probe = incoming_page(meta.header, _placeholder(nbytes))
+        verify_page(probe, expected, self.address, with_checksum=False)
+        self.service.check(probe, with_checksum=False)  # format and hash chain, no bytes yet
+        res = self.service.reserve([expected])[0]
+        dst = store.page_buffer(res.page.page_id) if res is not None else None
+        if dst is None:
+            dst = np.empty(nbytes, dtype=np.uint8).data
+        self._res = res
+        self._page = dataclasses.replace(probe, blob=dataclasses.replace(probe.blob, data=dst))
+        self._dst = dst
+        self._filled = 0
+        self._hasher.reset()
+        return True
+
+    def landed(self, _meta: pb.PageChunk, data: memoryview) -> None:
+        page = self._page
+        if page is None:
+            return
+        self._hasher.update(data)
+        self._filled += len(data)
+        if self._filled < len(self._dst):
+            return
+        res, self._page, self._res = self._res, None, None
+        index = self.indices[self.next]
+        self.next += 1
+        actual = self._hasher.intdigest()
+        if actual != page.blob.checksum:
+            if res is not None:
+                self.service.release([res])
+            raise ChecksumMismatch(
+                f"page {page.page_hash.hex()[:16]} from peer {self.address} hashes to "
+                f"{actual:#018x}, header says {page.blob.checksum:#018x}: corrupted in transit; "
+                "fetch it again"
+            )
+        self.order.put(index, _Landed(res, page) if res is not None else page, page.page_hash)
+
+    def finish(self) -> None:
+        """After the call's OK status: every page asked for must have come, whole."""
+        if self._page is not None or self.next != len(self.indices):
+            raise TransportError(
+                f"peer {self.address} ended FetchPages after {self.next} of "
+                f"{len(self.indices)} pages; the peer is faulty"
+            )
+
+    def abort(self) -> None:
+        """Give back the reserved page of a page left incomplete (idempotent)."""
+        res, self._res, self._page = self._res, None, None
+        if res is not None:
+            self.service.release([res])
+
+
+_PLACEHOLDERS: dict[int, bytes] = {}
+
+
+def _placeholder(nbytes: int) -> bytes:
+    """Stand-in bytes of a page's size for checks that look at the size only (never read:
+    zero pages the kernel maps on demand)."""
+    got = _PLACEHOLDERS.get(nbytes)
+    if got is None:
+        got = _PLACEHOLDERS[nbytes] = bytes(nbytes)
+    return got
+
+
 class _Calls:
     """The live calls of one fetch attempt, so that a failing stream can cancel the others."""
 
@@ -732,7 +884,17 @@ class SyncFetcher:
         self._lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
         self._closed = False
+        self._tls = tls_context(config) if config.grpc_zero_copy else None
         tune_malloc(config)
+
+    def zero_copy(self, service: PageService | None) -> bool:
+        """Whether fetches into `service` take the zero-copy path (`WireCall`): configured, and
+        a CPU store whose pages the socket can be read into."""
+        return (
+            self.config.grpc_zero_copy
+            and service is not None
+            and service.store.device.type == "cpu"
+        )
 
     def _stub(self, i: int) -> Any:
         with self._lock:
@@ -866,6 +1028,9 @@ class SyncFetcher:
         request = pb.FetchRequest(
             page_hashes=[hashes[i] for i in indices], max_chunk_bytes=self._chunk_bytes
         )
+        if service is not None and self.zero_copy(service):
+            self._wire_stream(request, indices, hashes, order, end, calls, service)
+            return
         responses = self._stub(stream)(
             request, timeout=self._remaining(end), metadata=self._metadata
         )
@@ -887,6 +1052,29 @@ class SyncFetcher:
             end_fetch_stream(assembler, len(indices), self.address)
         finally:
             responses.cancel()  # a no-op once the call is over
+
+    def _wire_stream(
+        self,
+        request: pb.FetchRequest,
+        indices: list[int],
+        hashes: list[PageHash],
+        order: _Ordered,
+        end: float,
+        calls: _Calls,
+        service: PageService,
+    ) -> None:
+        """One stream read by `WireCall`, its pages landed by a `_Lander`."""
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"the client for peer {self.address} is closed")
+        call = WireCall(self.address, self.config, self._tls, self.config.max_message_bytes)
+        calls.add(call)
+        lander = _Lander(service, indices, hashes, order, self.address)
+        try:
+            call.run(request, self._remaining(end), lander)
+            lander.finish()
+        finally:
+            lander.abort()
 
     def _checked(
         self,
@@ -951,7 +1139,7 @@ class SyncPeerClient:
         self.config = config if config is not None else TransferConfig()
         self._fetcher = (
             SyncFetcher(address, self.config, rng=rng, sleep=sleep)
-            if self.config.grpc_sync_fetch
+            if self.config.grpc_sync_fetch or self.config.grpc_zero_copy
             else None
         )
         self._loop = asyncio.new_event_loop()
@@ -997,7 +1185,7 @@ class SyncPeerClient:
         """See `PeerClient.fetch_pages`. `on_page` is called one page at a time in
         request order, on one of the fetch's threads (on the client's loop thread
         when `grpc_sync_fetch` is off)."""
-        if self._fetcher is None:
+        if self._fetcher is None or not self.config.grpc_sync_fetch:
             coro = self._client.fetch_pages(
                 hashes, deadline_s=deadline_s, on_page=on_page, streams=streams
             )
@@ -1029,7 +1217,8 @@ class SyncPeerClient:
         """See `PeerClient.pull_into`. Over `SyncFetcher` each page lands once, straight
         in a reserved page of `service`'s KV store, is checked there by the stream
         that received it, and is committed in request order."""
-        if self._fetcher is None:
+        fetcher = self._fetcher
+        if fetcher is None or not (self.config.grpc_sync_fetch or fetcher.zero_copy(service)):
             return self._run(
                 self._client.pull_into(service, hashes, deadline_s=deadline_s), deadline_s
             )
@@ -1045,9 +1234,7 @@ class SyncPeerClient:
             except ChecksumMismatch as exc:
                 raise ChecksumMismatch(f"page from peer {self.address}: {exc}") from None
 
-        self._fetcher.fetch(
-            hashes, deliver, service=service, deadline_s=deadline_s, with_checksum=False
-        )
+        fetcher.fetch(hashes, deliver, service=service, deadline_s=deadline_s, with_checksum=False)
         return inserted
 
     def close(self) -> None:

@@ -105,7 +105,8 @@ _DATA_TAG = b"\x7a"  # field 15 (PageChunk.data), wire type 2 (length-delimited)
 _DATA_FIELD = 15
 
 
-def _varint(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """A protobuf base-128 varint."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -142,7 +143,7 @@ def encode_chunk(
     head = meta.SerializeToString()
     if not len(data):
         return head
-    return b"".join((head, _DATA_TAG, _varint(memoryview(data).nbytes), data))
+    return b"".join((head, _DATA_TAG, encode_varint(memoryview(data).nbytes), data))
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +274,7 @@ class PageAssembler:
                 )
             if chunk.data.nbytes == total:
                 self._index += 1
-                return _incoming(header, chunk.data)
+                return incoming_page(header, chunk.data)
             self._header = header
             self._buf = np.empty(total, dtype=np.uint8)
             self._filled = 0
@@ -299,7 +300,7 @@ class PageAssembler:
         header = self._header
         self._header, self._buf = None, None
         self._index += 1
-        return _incoming(header, buf.data)
+        return incoming_page(header, buf.data)
 
     def finish(self) -> None:
         """Raise if the stream ended inside a page."""
@@ -310,7 +311,8 @@ class PageAssembler:
             )
 
 
-def _incoming(header: pb.PageHeader, data: memoryview) -> IncomingPage:
+def incoming_page(header: pb.PageHeader, data: bytes | memoryview) -> IncomingPage:
+    """The page a header chunk announces, with `data` as its bytes (dtype checked)."""
     if header.dtype not in DTYPES:
         raise PageFormatError(f"page has unknown dtype {header.dtype!r}; known: {sorted(DTYPES)}")
     return IncomingPage(
@@ -333,6 +335,20 @@ def read_pem(path: str | None, what: str) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror}") from None
+
+
+def client_tls_material(config: TransferConfig) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """(root CA, client key, client certificate) for dialing peers; all None: plaintext.
+
+    TLS is on when any of tls_root_ca, tls_ca or tls_cert is set; the client
+    presents tls_cert/tls_key (mutual TLS) when both are set.
+    """
+    root = read_pem(config.tls_root_ca or config.tls_ca, "TLS root CA")
+    if root is None and config.tls_cert is None:
+        return None, None, None
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("a client certificate needs both tls_cert and tls_key")
+    return root, read_pem(config.tls_key, "TLS key"), read_pem(config.tls_cert, "TLS certificate")
 
 
 def server_credentials(config: TransferConfig) -> grpc.ServerCredentials | None:

@@ -659,6 +659,14 @@ def test_encode_then_decode_returns_the_same_chunk(
 
 # ------------------------------------------- tuning, the sync fetcher, many streams
 
+PULL_ENGINES = {
+    "aio": {"grpc_sync_fetch": False, "grpc_zero_copy": False},
+    "sync": {"grpc_sync_fetch": True, "grpc_zero_copy": False},
+    "zero-copy": {"grpc_zero_copy": True},
+}
+"""The three ways `SyncPeerClient.pull_into` can fetch: grpcio asyncio, grpcio blocking
+streams, and `kvmesh.worker.grpc_wire` straight into the pool."""
+
 TUNED = dataclasses.replace(
     SMALL,
     grpc_frame_bytes=1 << 20,
@@ -667,6 +675,7 @@ TUNED = dataclasses.replace(
     grpc_read_chunk_bytes=256 << 10,
     grpc_max_read_chunk_bytes=1 << 20,
     grpc_socket_buffer_bytes=4 << 20,
+    grpc_zero_copy=False,  # these settings are for grpcio's channels
 )
 TUNED_ARGS = {
     ("grpc.http2.max_frame_size", 1 << 20),
@@ -723,7 +732,7 @@ def test_untuned_settings_leave_grpc_defaults(
     sync_channels = spy(monkeypatch, grpc, "insecure_channel")
     aio_channels = spy(monkeypatch, grpc.aio, "insecure_channel")
     for sync_fetch in (True, False):
-        cfg = dataclasses.replace(SMALL, grpc_sync_fetch=sync_fetch)
+        cfg = dataclasses.replace(SMALL, grpc_sync_fetch=sync_fetch, grpc_zero_copy=False)
         with SyncPeerClient(server.address, cfg) as client:
             assert len(client.fetch_pages(hashes).pages) == len(hashes)
     tuned_names = {name for name, _ in TUNED_ARGS}
@@ -757,7 +766,9 @@ def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
     before = sender.ref_counts()
     receiver = empty(96)
     channels = spy(monkeypatch, grpc, "insecure_channel")
-    cfg = dataclasses.replace(SMALL, chunk_bytes=chunk_bytes, fetch_streams=3, grpc_sync_fetch=True)
+    cfg = dataclasses.replace(
+        SMALL, chunk_bytes=chunk_bytes, fetch_streams=3, grpc_sync_fetch=True, grpc_zero_copy=False
+    )
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
         assert client.pull_into(receiver, hashes) == 60
         assert client.pull_into(receiver, hashes) == 0  # held already: nothing new
@@ -807,14 +818,14 @@ def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts
     sender.unpin(in_use)
 
 
-@pytest.mark.parametrize("sync_fetch", [True, False])
+@pytest.mark.parametrize("engine", sorted(PULL_ENGINES))
 def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reservation(
-    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
+    served: tuple[PageService, list[PageHash], ServerThread], engine: str
 ) -> None:
     sender, hashes, server = served
     before = sender.ref_counts()
     receiver = empty()
-    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
+    cfg = dataclasses.replace(SMALL, fetch_streams=3, **PULL_ENGINES[engine])
     with ServerThread(sender, cfg, page_delay_s=0.05) as slow:
         with SyncPeerClient(slow.address, cfg) as client, pytest.raises(DeadlineExceeded):
             client.pull_into(receiver, hashes, deadline_s=0.4)
@@ -830,9 +841,9 @@ def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reserv
         assert page_bytes(receiver, h) == page_bytes(sender, h)
 
 
-@pytest.mark.parametrize("sync_fetch", [True, False])
+@pytest.mark.parametrize("engine", sorted(PULL_ENGINES))
 def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_whole_pages(
-    peer_module: tuple[ModuleType, Path], sync_fetch: bool
+    peer_module: tuple[ModuleType, Path], engine: str
 ) -> None:
     n = 40
     with slow_peer_process(peer_module, n) as (proc, address):
@@ -844,7 +855,7 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
             proc.kill()
 
         killer = threading.Thread(target=kill_after_five, daemon=True)
-        cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
+        cfg = dataclasses.replace(SMALL, fetch_streams=3, **PULL_ENGINES[engine])
         with (
             SyncPeerClient(address, cfg) as client,
             pytest.raises(TransportError, match=re.escape(address)) as err,

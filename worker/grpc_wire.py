@@ -1,0 +1,567 @@
+"""Zero-copy FetchPages: a gRPC call read straight off the socket into the KV store.
+
+Why: grpcio 1.85 hands every received message to Python as a fresh ``bytes``
+built by two copies (each read slice into a ``bytes``, then a join; its
+zero-copy receive is an unreleased experiment), and the receiver then copies
+the page bytes once more into its KV tensor. On a machine where sender and
+receiver share the cores, those copies are the bound (see
+`kvmesh.worker.transfer_server`). This module speaks the same gRPC call,
+``/kvmesh.v1.KVWorker/FetchPages`` over HTTP/2, to the same standard grpc
+server, but reads it itself: the small fields of each ``PageChunk`` are
+parsed as they arrive and the page bytes are ``recv_into``'d straight into the
+destination the caller names (a reserved page of its KV store). Per byte that
+is the kernel's copy and the caller's checksum, the same work as a raw socket
+plus the xxh3.
+
+Scope, on purpose small: one unary-stream call per connection (stream 1),
+plaintext or TLS (ALPN ``h2``, mutual TLS with a client certificate), the
+bearer token, ``grpc-timeout`` and a socket deadline, HTTP/2 flow control
+(windows opened wide, topped up as bytes are consumed), SETTINGS / PING
+acknowledgements, padding, CONTINUATION, GOAWAY and RST_STREAM, and gRPC
+status trailers (including the server's ``kvmesh-error``). Header blocks are
+(de)compressed by `hpack` (python-hyper), the HPACK reference library for
+Python; everything else is a few fixed-layout frames. Lookup, PushPages and
+Health stay on grpcio.
+
+Failures raise `WireStatus`, a `grpc.RpcError` with the call's status code,
+details and trailing metadata, so callers translate and retry it exactly as
+they do grpcio's errors: connection refused, reset or closed mid-call is
+``UNAVAILABLE``; the deadline is ``DEADLINE_EXCEEDED``; `cancel` from another
+thread is ``CANCELLED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+import hpack
+
+from kvmesh.config import TransferConfig
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.worker.transfer_server import SERVICE_NAME, client_tls_material, encode_varint
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FETCH_PATH = f"/{SERVICE_NAME}/FetchPages"
+
+# HTTP/2 frame types and flags (RFC 9113, section 6)
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
+WINDOW_UPDATE, CONTINUATION = 8, 9
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x2, 0x4, 0x5
+MAX_WINDOW = 2**31 - 1
+MAX_FRAME = 2**24 - 1
+STREAM = 1  # the one call on a connection
+READ_BUFFER_BYTES = 1 << 20
+"""Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
+WINDOW_TOP_UP = 1 << 30
+"""Consumed DATA bytes after which both windows are topped up again."""
+
+_DATA_KEY = (15 << 3) | 2  # PageChunk.data, length-delimited
+
+
+class WireStatus(grpc.RpcError):
+    """A FetchPages call over `WireCall` ended with a non-OK gRPC status."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]] = ()
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._metadata = tuple(metadata)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+class ChunkSink(Protocol):
+    """Where a call's ``PageChunk``\\s go: the caller picks each chunk's data destination."""
+
+    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
+        """A writable view of exactly `nbytes` for this chunk's data (meta has no data)."""
+
+    def landed(self, meta: pb.PageChunk, data: memoryview) -> None:
+        """The chunk's data is in the view `target` returned."""
+
+
+_STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream)
+
+
+def _timeout_header(seconds: float) -> str:
+    """``grpc-timeout``: at most 8 digits and a unit."""
+    ms = max(1, int(seconds * 1000))
+    return f"{ms}m" if ms < 10**8 else f"{min(int(seconds), 10**8 - 1)}S"
+
+
+def tls_context(config: TransferConfig) -> ssl.SSLContext | None:
+    """The client TLS context for `client_tls_material` (what grpcio's channels use), or None."""
+    root, key, cert = client_tls_material(config)
+    if root is None and cert is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if root is not None:
+        ctx.load_verify_locations(cadata=root.decode())
+    if key is not None and cert is not None and config.tls_cert and config.tls_key:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)  # the files read_pem just read
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+class WireCall:
+    """One FetchPages call on its own connection, read by the thread that calls `run`.
+
+    `cancel` may be called from any thread: the connection is shut down and
+    `run` raises ``CANCELLED``. The server sees the connection close and
+    cancels the call (its pins are released as for any cancelled stream).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        config: TransferConfig,
+        tls: ssl.SSLContext | None,
+        max_message_bytes: int,
+    ) -> None:
+        self.address = address
+        self.config = config
+        self._tls = tls
+        self._max_message = max_message_bytes
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._buf = bytearray(READ_BUFFER_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._frame_left = 0  # DATA payload bytes of the current frame not yet read
+        self._pad_left = 0  # its padding, skipped after the payload
+        self._frame_ends = False  # the current DATA frame carries END_STREAM
+        self._ended = False
+        self._consumed = 0
+        self._decoder = hpack.Decoder()
+        self._headers: list[tuple[str, str]] = []
+        self._trailers: list[tuple[str, str]] | None = None
+        self._end_time = 0.0
+
+    # ------------------------------------------------------------ lifecycle
+
+    def cancel(self) -> None:
+        """Abort the call from any thread (a no-op once it is over)."""
+        with self._lock:
+            self._cancelled = True
+            sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed: nothing to abort
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _close(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _fail(self, code: grpc.StatusCode, details: str) -> WireStatus:
+        if self._cancelled:
+            return WireStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
+        return WireStatus(code, details)
+
+    def _connect(self, timeout: float) -> socket.socket:
+        host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+        except TimeoutError:
+            raise self._fail(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"connecting to {self.address} timed out"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise self._fail(
+                grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc}"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is not None:
+            name = self.config.tls_server_name or host
+            try:
+                sock = self._tls.wrap_socket(sock, server_hostname=name)
+            except (OSError, ssl.SSLError) as exc:
+                sock.close()
+                raise self._fail(
+                    grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}"
+                ) from None
+        return sock
+
+    # ------------------------------------------------------------ the call
+
+    def run(self, request: pb.FetchRequest, timeout_s: float, sink: ChunkSink) -> None:
+        """Make the call and feed every chunk to `sink`; returns on status OK, else raises."""
+        self._end_time = time.monotonic() + timeout_s
+        sock = self._connect(timeout_s)
+        with self._lock:
+            if self._cancelled:
+                sock.close()
+                raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+            self._sock = sock
+        try:
+            self._send_request(sock, request, timeout_s)
+            while self._message(sink):
+                pass
+            self._finish()
+        except TimeoutError:
+            raise self._fail(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} in time"
+            ) from None
+        except (ConnectionError, ssl.SSLError, OSError) as exc:
+            raise self._fail(
+                grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}"
+            ) from None
+        finally:
+            self._close()
+
+    def _send_request(self, sock: socket.socket, request: pb.FetchRequest, timeout: float) -> None:
+        settings = struct.pack(
+            ">HIHIHI",
+            SETTINGS_ENABLE_PUSH,
+            0,
+            SETTINGS_INITIAL_WINDOW_SIZE,
+            MAX_WINDOW,
+            SETTINGS_MAX_FRAME_SIZE,
+            MAX_FRAME,
+        )
+        headers = [
+            (":method", "POST"),
+            (":scheme", "https" if self._tls is not None else "http"),
+            (":path", FETCH_PATH),
+            (":authority", self.config.tls_server_name or self.address),
+            ("te", "trailers"),
+            ("content-type", "application/grpc"),
+            ("user-agent", "kvmesh-wire"),
+            ("grpc-timeout", _timeout_header(timeout)),
+        ]
+        if self.config.auth_token:
+            headers.append(("authorization", f"Bearer {self.config.auth_token}"))
+        block = hpack.Encoder().encode(headers)
+        body = request.SerializeToString()
+        message = b"\x00" + struct.pack(">I", len(body)) + body
+        sock.sendall(
+            b"".join(
+                (
+                    PREFACE,
+                    _frame(SETTINGS, 0, 0, settings),
+                    settings,
+                    _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 4)),
+                    struct.pack(">I", MAX_WINDOW - 65535),
+                    _frame(HEADERS, END_HEADERS, STREAM, block),
+                    block,
+                    _frame(DATA, END_STREAM, STREAM, message),
+                    message,
+                )
+            )
+        )
+
+    def _finish(self) -> None:
+        trailers = self._trailers if self._trailers is not None else self._headers
+        status = dict(trailers).get("grpc-status")
+        if status is None:
+            raise self._fail(
+                grpc.StatusCode.UNKNOWN,
+                f"{self.address} ended FetchPages without a gRPC status "
+                f"(HTTP status {dict(self._headers).get(':status', '?')})",
+            )
+        code = _STATUS_BY_VALUE.get(int(status), grpc.StatusCode.UNKNOWN)
+        if code != grpc.StatusCode.OK:
+            details = urllib.parse.unquote(dict(trailers).get("grpc-message", ""))
+            raise WireStatus(code, details, [(k, v) for k, v in trailers if not k.startswith(":")])
+
+    # ------------------------------------------------------------ gRPC messages
+
+    def _message(self, sink: ChunkSink) -> bool:
+        """Read one length-prefixed message into `sink`; False at the end of the stream."""
+        prefix = self._read(5, at_boundary=True)
+        if prefix is None:
+            return False
+        if prefix[0] != 0:
+            raise self._fail(grpc.StatusCode.INTERNAL, "compressed messages are not accepted")
+        length = int.from_bytes(prefix[1:5], "big")
+        if length > self._max_message:
+            raise self._fail(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a message of {length} bytes is over the limit of {self._max_message}",
+            )
+        meta = bytearray()
+        left = length
+        while left:
+            key, n = self._varint()
+            left -= n
+            if key == _DATA_KEY:
+                size, n = self._varint()
+                left -= n
+                if size > left:
+                    raise self._fail(
+                        grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end"
+                    )
+                if left != size:  # data is the last field of every protobuf encoder's output
+                    raise self._fail(
+                        grpc.StatusCode.INTERNAL, "PageChunk data is not the message's last field"
+                    )
+                chunk = self._parse(meta)
+                dst = sink.target(chunk, size)
+                self._read_into(dst)
+                sink.landed(chunk, dst)
+                return True
+            meta += encode_varint(key)
+            kind = key & 7
+            if kind == 0:
+                value, n = self._varint()
+                meta += encode_varint(value)
+            elif kind == 2:
+                size, n = self._varint()
+                meta += encode_varint(size)
+                if size > left - n:
+                    raise self._fail(
+                        grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end"
+                    )
+                meta += self._need_bytes(size)
+                n += size
+            elif kind in (1, 5):
+                n = 8 if kind == 1 else 4
+                meta += self._need_bytes(n)
+            else:
+                raise self._fail(grpc.StatusCode.INTERNAL, f"PageChunk has wire type {kind}")
+            left -= n
+            if left < 0:
+                raise self._fail(grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end")
+        chunk = self._parse(meta)
+        sink.landed(chunk, sink.target(chunk, 0))
+        return True
+
+    def _parse(self, meta: bytearray) -> pb.PageChunk:
+        try:
+            return pb.PageChunk.FromString(bytes(meta))
+        except Exception as exc:  # protobuf's DecodeError
+            raise self._fail(grpc.StatusCode.INTERNAL, f"malformed PageChunk: {exc}") from None
+
+    def _varint(self) -> tuple[int, int]:
+        result = shift = n = 0
+        while True:
+            b = self._need_bytes(1)[0]
+            n += 1
+            result |= (b & 0x7F) << shift
+            if b < 0x80:
+                return result, n
+            shift += 7
+            if shift > 63:
+                raise self._fail(grpc.StatusCode.INTERNAL, "overlong varint in a PageChunk")
+
+    def _need_bytes(self, n: int) -> bytes:
+        if n <= self._frame_left and n <= self._end - self._start:  # the common case
+            out = bytes(self._view[self._start : self._start + n])
+            self._start += n
+            self._frame_left -= n
+            if self._frame_left == 0:
+                self._skip(self._pad_left)
+                self._pad_left = 0
+                self._ended = self._ended or self._frame_ends
+            return out
+        got = self._read(n, at_boundary=False)
+        if got is None:  # pragma: no cover - _read raises inside a message
+            raise self._fail(grpc.StatusCode.INTERNAL, "stream ended inside a message")
+        return got
+
+    def _read(self, n: int, *, at_boundary: bool) -> bytes | None:
+        out = bytearray(n)
+        if not self._read_into(memoryview(out), at_boundary=at_boundary):
+            return None
+        return bytes(out)
+
+    # ------------------------------------------------------------ HTTP/2
+
+    def _read_into(self, dst: memoryview, *, at_boundary: bool = False) -> bool:
+        """Fill `dst` with the stream's DATA bytes; False if the stream ended first (only at
+        a message boundary: elsewhere that is an error)."""
+        pos, n = 0, len(dst)
+        sock = self._sock
+        while pos < n:
+            if self._frame_left == 0 and not self._next_data_frame():
+                if pos or not at_boundary:
+                    raise self._fail(
+                        grpc.StatusCode.INTERNAL,
+                        f"{self.address} ended the stream inside a message",
+                    )
+                return False
+            take = min(n - pos, self._frame_left)
+            have = self._end - self._start
+            if have:
+                k = min(take, have)
+                dst[pos : pos + k] = self._view[self._start : self._start + k]
+                self._start += k
+            else:  # straight from the socket into the destination
+                if sock is None:
+                    raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+                sock.settimeout(self._remaining())
+                k = sock.recv_into(dst[pos : pos + take])
+                if k == 0:
+                    raise ConnectionResetError("the peer closed the connection")
+            pos += k
+            self._frame_left -= k
+            if self._frame_left == 0:
+                self._skip(self._pad_left)
+                self._pad_left = 0
+                if self._frame_ends:
+                    self._ended = True
+        return True
+
+    def _remaining(self) -> float:
+        left = self._end_time - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        return left
+
+    def _fill(self, n: int) -> None:
+        """At least `n` bytes in the read buffer."""
+        if self._end - self._start >= n:
+            return
+        if n > READ_BUFFER_BYTES:
+            raise self._fail(grpc.StatusCode.INTERNAL, f"a {n}-byte frame is over the read buffer")
+        if self._start:
+            kept = self._end - self._start
+            self._view[:kept] = self._view[self._start : self._end]
+            self._start, self._end = 0, kept
+        sock = self._sock
+        if sock is None:
+            raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+        while self._end - self._start < n:
+            sock.settimeout(self._remaining())
+            got = sock.recv_into(self._view[self._end :])
+            if got == 0:
+                raise ConnectionResetError("the peer closed the connection")
+            self._end += got
+
+    def _skip(self, n: int) -> None:
+        while n:
+            self._fill(1)
+            k = min(n, self._end - self._start)
+            self._start += k
+            n -= k
+
+    def _payload(self, n: int) -> bytes:
+        self._fill(n)
+        out = bytes(self._view[self._start : self._start + n])
+        self._start += n
+        return out
+
+    def _next_data_frame(self) -> bool:
+        """Handle frames until a DATA frame with payload on our stream; False at its end."""
+        while not self._ended:
+            self._fill(9)
+            head = self._view[self._start : self._start + 9]
+            length = int.from_bytes(head[:3], "big")
+            kind, flags = head[3], head[4]
+            stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+            self._start += 9
+            if kind == DATA:
+                pad = 0
+                if flags & PADDED:
+                    pad = self._payload(1)[0]
+                    length -= 1 + pad
+                    if length < 0:
+                        raise self._fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
+                self._account(length + pad + (1 if flags & PADDED else 0))
+                if stream != STREAM:
+                    raise self._fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
+                self._frame_left, self._pad_left = length, pad
+                self._frame_ends = bool(flags & END_STREAM)
+                if length:
+                    return True
+                self._skip(pad)
+                self._pad_left = 0
+                if self._frame_ends:
+                    self._ended = True
+                continue
+            payload = self._payload(length)
+            self._control(kind, flags, stream, payload)
+        return False
+
+    def _account(self, n: int) -> None:
+        """Flow control: give the server back what it sent, in large steps."""
+        self._consumed += n
+        if self._consumed >= WINDOW_TOP_UP and self._sock is not None:
+            inc = struct.pack(">I", self._consumed)
+            self._consumed = 0
+            self._sock.sendall(
+                _frame(WINDOW_UPDATE, 0, 0, inc) + inc + _frame(WINDOW_UPDATE, 0, STREAM, inc) + inc
+            )
+
+    def _control(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        sock = self._sock
+        if sock is None:
+            raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+        if kind == SETTINGS and not flags & ACK:
+            sock.sendall(_frame(SETTINGS, ACK, 0))
+        elif kind == PING and not flags & ACK:
+            sock.sendall(_frame(PING, ACK, 0, payload) + payload)
+        elif kind == HEADERS:
+            self._header_block(flags, stream, payload)
+        elif kind == RST_STREAM and stream == STREAM:
+            code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else 0
+            raise self._fail(
+                grpc.StatusCode.CANCELLED if code == 8 else grpc.StatusCode.UNAVAILABLE,
+                f"{self.address} reset the stream (HTTP/2 error {code})",
+            )
+        elif kind == GOAWAY:
+            last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF if len(payload) >= 4 else 0
+            if last < STREAM:
+                raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
+        elif kind == PUSH_PROMISE:
+            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
+        # WINDOW_UPDATE, PRIORITY, unknown types: nothing to do for a reader
+
+    def _header_block(self, flags: int, stream: int, payload: bytes) -> None:
+        if flags & PADDED:
+            pad = payload[0]
+            payload = payload[1 : len(payload) - pad]
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        block = payload
+        while not flags & END_HEADERS:  # CONTINUATION frames follow directly
+            self._fill(9)
+            head = bytes(self._view[self._start : self._start + 9])
+            self._start += 9
+            if head[3] != CONTINUATION:
+                raise self._fail(grpc.StatusCode.INTERNAL, "header block without CONTINUATION")
+            flags = (flags & END_STREAM) | head[4]
+            block += self._payload(int.from_bytes(head[:3], "big"))
+        try:
+            fields = [(str(k), str(v)) for k, v in self._decoder.decode(block)]
+        except hpack.HPACKError as exc:
+            raise self._fail(grpc.StatusCode.INTERNAL, f"bad header block: {exc}") from None
+        if stream != STREAM:
+            return
+        if not self._headers:
+            self._headers = fields
+            if dict(fields).get(":status", "200") != "200":
+                raise self._fail(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{self.address} answered HTTP {dict(fields).get(':status')}",
+                )
+        else:
+            self._trailers = fields
+        if flags & END_STREAM:
+            self._ended = True
