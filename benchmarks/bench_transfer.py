@@ -11,7 +11,8 @@ transport moves all the pages from the peer into the puller's pool:
 - ``grpc``: `SyncPeerClient.pull_into` against the peer's `TransferServer`
   (chunked FetchPages streams, each page checked and inserted). Both
   processes take their `TransferConfig` from ``KVMESH_*`` variables, then the
-  ``--grpc-*`` flags: ``--grpc-client sync|aio`` picks the fetch engine,
+  ``--grpc-*`` flags: ``--grpc-client zero-copy|sync|aio`` picks the fetch
+  engine (zero-copy, the default, reads the calls straight into the pool),
   ``--grpc-malloc-tune`` the opt-in allocator tuning (see
   `kvmesh.worker.transfer_server` for what bounds this path and what each
   setting measured).
@@ -45,7 +46,7 @@ DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
 PAGE_SIZE = 16
 SEED = "bench-transfer"
 TRANSPORT_CHOICES = ("grpc", "dist", "both")
-GRPC_CLIENTS = ("sync", "aio")
+GRPC_CLIENTS = ("zero-copy", "sync", "aio")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -82,8 +83,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--grpc-client",
         choices=GRPC_CLIENTS,
         default=None,
-        help="grpc: fetch over blocking channels, a thread per stream (sync), or the asyncio "
-        "client (aio); default: TransferConfig.grpc_sync_fetch",
+        help="grpc: read the calls straight into the pool (zero-copy), grpcio blocking "
+        "channels with a thread per stream (sync), or grpcio's asyncio client (aio); "
+        "default: TransferConfig.grpc_zero_copy / grpc_sync_fetch",
     )
     parser.add_argument(
         "--grpc-malloc-tune",
@@ -184,6 +186,7 @@ def _transfer_config(spec: Spec) -> Any:
             TransferConfig().max_message_bytes, spec.grpc_chunk_bytes + (1 << 20)
         )
     if spec.grpc_client is not None:
+        extra["grpc_zero_copy"] = spec.grpc_client == "zero-copy"
         extra["grpc_sync_fetch"] = spec.grpc_client == "sync"
     if spec.grpc_malloc_tune:
         extra["grpc_malloc_tune"] = True
@@ -351,8 +354,13 @@ def measure(spec: Spec) -> list[Figure]:
             client = SyncPeerClient(where["grpc"], config)
             cleanup.append(client.close)
             pulls["grpc"] = lambda some: client.pull_into(service, some)
+            engine = (
+                "zero-copy"
+                if client.pulls_in_place(service)
+                else ("sync" if config.grpc_sync_fetch else "aio")
+            )
             details["grpc"] = (
-                f"{'sync' if config.grpc_sync_fetch else 'aio'} client, "
+                f"{engine} client, "
                 f"fetch_streams={config.fetch_streams} chunk_bytes={config.chunk_bytes}"
                 + (" malloc_tune" if config.grpc_malloc_tune else "")
             )

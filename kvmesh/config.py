@@ -76,7 +76,7 @@ class TransferConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     max_message_bytes: int = 64 * 1024 * 1024
-    chunk_bytes: int = 4 * 1024 * 1024
+    chunk_bytes: int = 1024 * 1024  # page bytes per FetchPages message (bench: 1-2 MiB best)
     deadline_s: float = 10.0
     keepalive_ms: int = 10_000
     transport: str = "grpc"  # or "dist"

@@ -407,19 +407,28 @@ class WorkerActor:
     def _pull(self, ask: Any) -> Any:
         """The engine's `pull_fn`: the peer's pages for `ask`, in order, up to its first miss.
 
-        Over gRPC each page was verified by the transfer client (framing,
-        format, checksum, the hash asked for); the engine checks again and
-        inserts. Over torch.distributed the pages are checked and cached as
+        Over gRPC with `TransferConfig.grpc_zero_copy` (CPU pools) the pages
+        are received, checked and cached in place (`PulledInPlace`); otherwise
+        each page was verified by the transfer client (framing, format,
+        checksum, the hash asked for) and the engine checks again and inserts. Over torch.distributed the pages are checked and cached as
         they arrive (`PulledInPlace`), falling back to gRPC with a logged reason.
         """
         if self._dist:
             return self._pull_in_place(ask)
+        from kvmesh.worker.serving import PulledInPlace
+
+        client = self._peer(ask.peer)
         try:
-            fetched = self._peer(ask.peer).fetch_pages(list(ask.page_hashes))
+            if client.pulls_in_place(self.pages):  # zero-copy: into reserved pool pages
+                client.pull_into(self.pages, list(ask.page_hashes))
+                self._bump("pulls_grpc")
+                return PulledInPlace(tuple(ask.page_hashes), "grpc")
+            fetched = client.fetch_pages(list(ask.page_hashes))
         except KVMeshError:
             raise
         except Exception as exc:  # a transport bug must not fail the request: compute instead
             raise TransportError(f"pull from {ask.peer} failed: {exc}") from exc
+        self._bump("pulls_grpc")
         out: list[tuple[PageHash, Any]] = []
         got = iter(fetched.pages)
         page = next(got, None)

@@ -17,17 +17,22 @@ over so far are complete and valid, and none after the first gap is.
 `pull_into` inserts them into a local `PageService` as they come, one copy
 each (message -> KV tensor), checked before anything in the pool changes.
 
-Two fetch engines, one contract. `PeerClient` (grpc.aio) does all the
+Three fetch engines, one contract. `PeerClient` (grpc.aio) does all the
 Python-side work of every stream on its event loop's one thread: grpcio's
 copies out of its buffers, the checks, the inserts. `SyncFetcher`
 (``TransferConfig.grpc_sync_fetch``, for `SyncPeerClient`) runs each stream
 as a blocking call on its own thread and channel and lands each checked page
 in a reserved pool page from that thread (numpy copies and xxh3 release the
-GIL), so on a machine with cores to spare the receiver is no longer bound by
-one thread. On the 2-core machine the benchmark runs on, sender and receiver
-already share both cores and CPU per byte is the bound (see
-`kvmesh.worker.transfer_server`): there the asyncio client measured as fast
-or ~5% faster (paired runs: 1.45 vs 1.39 GB/s), so it is the default.
+GIL). With ``TransferConfig.grpc_zero_copy`` (the default), a pull into a CPU
+pool (`SyncPeerClient.pull_into`) reads each stream with
+`kvmesh.worker.grpc_wire.WireCall` instead: the same gRPC call to the same
+server, but each page's bytes go from the socket straight into a reserved
+pool page (`_Lander`: header checked first, bytes hashed as they land, the
+checksum compared at the page's end), so the receiver does the kernel's copy
+and one xxh3 pass per byte instead of grpcio's five passes. On the 2-core
+benchmark machine that moved `kvmesh bench transfer` from 28-38% of the raw
+socket to 48-66% (1.6-1.9 GB/s); see `kvmesh.worker.transfer_server` for the
+sender's side, which is now the bound.
 """
 
 from __future__ import annotations
@@ -1200,6 +1205,10 @@ class SyncPeerClient:
 
         result = self._fetcher.fetch(hashes, deliver, deadline_s=deadline_s, streams=streams)
         return FetchResult(tuple(kept), result.missing, result.received)
+
+    def pulls_in_place(self, service: PageService) -> bool:
+        """Whether `pull_into(service, ...)` receives straight into its pool (zero-copy)."""
+        return self._fetcher is not None and self._fetcher.zero_copy(service)
 
     def push_pages(
         self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None

@@ -23,39 +23,43 @@ byte-exact protobuf encoding (any protobuf client can parse it), but costs one
 copy (memoryview of the KV tensor -> message) instead of three. Decoding
 returns the data as a memoryview into the received message.
 
-Throughput (``kvmesh bench transfer``, 256 x 4 MiB pages on loopback). The
-fast path is the shortest one grpcio allows, counted in passes over a page's
-bytes:
+Throughput (``kvmesh bench transfer``, 256 x 4 MiB pages on loopback, 2 cores
+shared by both ends, where CPU per byte is the bound and the ratio to the raw
+socket is roughly the ratio of the two paths' CPU cost). Counted in passes
+over a page's bytes:
 
 - sender: xxh3 over the pinned page in the KV tensor (the checksum; a pinned
   page is never written, so reading it in place is safe), ONE copy from the
   tensor into the message (`encode_chunk`: grpcio sends only ``bytes``), then
   grpcio copies the message into its own slice and the kernel into the socket;
-- receiver: the kernel copies into gRPC's read buffers, grpcio 1.85 copies each
-  64 KiB slice into a Python ``bytes`` and joins them (two copies; its
-  zero-copy receive is not in this release), then the page is checked (xxh3)
-  and copied once into the receiver's KV tensor.
+- receiver with grpcio: the kernel copies into gRPC's read buffers, grpcio
+  1.85 copies each slice into a Python ``bytes`` and joins them (two copies;
+  its zero-copy receive is an unreleased experiment), then the page is
+  checked (xxh3) and copied once more into the receiver's KV tensor. 16
+  passes per byte in all against the raw socket's 4: 1.0-1.6 GB/s, 28-38% of
+  the socket's 3.2-4.7 GB/s. Per GiB: sender ~0.5 s of CPU, receiver
+  ~0.8-1.1 s, against ~0.2 s + ~0.15 s for the socket.
+- receiver with `kvmesh.worker.grpc_wire` (``grpc_zero_copy``, the default
+  for pulls into a CPU pool): the kernel copies straight into the reserved
+  pool page and xxh3 reads it while it is in cache: 1.6-2.0 GB/s, 48-66% of
+  the socket in the same runs. The sender is now the bound.
 
-That is 16 passes per byte against the raw socket's 4 (two kernel copies).
-Where both ends share the machine's cores, CPU per byte is the bound, not the
-protocol, and the ratio to the socket is roughly their CPU ratio. Measured on
-2 cores per GiB: sender ~0.5 s, receiver ~0.8-1.1 s, against ~0.2 s + ~0.15 s
-for the raw socket; gRPC at 1.0-1.6 GB/s, 28-38% of the socket's 3.2-4.7 GB/s.
-gRPC's own copies and the kernel's alone (10 passes) cost ~0.7 s per GiB, and
-our checks and the two copies into and out of the KV tensors another ~0.4 s,
-so half the socket's rate is out of reach on such a machine. What measured:
+What else measured:
 
+- message size: 1-2 MiB per message is the sweet spot (the default
+  ``chunk_bytes`` is 1 MiB): 4 MiB messages cost the sender more (44% of the
+  socket against 59-66% at 1-2 MiB, zero-copy receiver); 256 KiB and below
+  pay grpcio's per-message overhead;
 - HTTP/2 frame size, stream windows, BDP probing, TCP read chunks and socket
   buffers (`grpc_tuning_options`, both ends): no difference beyond run-to-run
-  noise (1.0-1.3 GB/s either way); settable for other machines, gRPC's
-  defaults otherwise;
-- chunk sizes 0.5-4 MiB: within noise; the default keeps a 4 MiB page in one
-  message, so the receiver copies it once;
+  noise (1.0-1.3 GB/s either way, grpcio receiver); settable for other
+  machines, gRPC's defaults otherwise;
 - preparing the next page's message on a helper thread while the loop writes
   (tried, dropped): no gain, more page faults on the helper thread's heap;
 - `tune_malloc` (opt-in, process-wide): glibc stops returning freed buffers
-  to the kernel between messages: 60k-150k fewer page faults per GiB received,
-  +15-20% GB/s (e.g. 1.45 vs 1.22 GB/s, paired runs).
+  to the kernel between messages: 60k-150k fewer page faults per GiB received
+  by grpcio, +15-20% GB/s there (e.g. 1.45 vs 1.22 GB/s, paired runs); with
+  the zero-copy receiver, within noise.
 """
 
 from __future__ import annotations

@@ -151,7 +151,23 @@ def test_a_worker_pulls_the_pages_a_named_peer_holds_over_grpc(
     result = w1.generate(request(tokens, 4, promised_pull=6, peer_address=w0.address))
     assert (result.pages_pulled, result.pages_hit_local, result.pull_error) == (6, 0, None)
     assert list(result.tokens) == model.generate(list(tokens), 4)
-    assert w1.stats().pages_pulled == 6
+    assert (w1.stats().pages_pulled, w1.stats().pulls_grpc) == (6, 1)
+    assert w1._peer(w0.address).pulls_in_place(w1.pages)  # zero-copy, straight into the pool
+
+
+def test_with_zero_copy_off_a_pull_goes_through_grpcio_and_the_engine_inserts(
+    link: Link, model: TinyTransformer
+) -> None:
+    transfer = dataclasses.replace(CONFIG.transfer, grpc_zero_copy=False)
+    with two_workers(dataclasses.replace(CONFIG, transfer=transfer), link) as (w0, w1):
+        shared = prompt(6)
+        w0.generate(request(shared))
+        tokens = shared + tuple(prompt(1))
+        result = w1.generate(request(tokens, 4, promised_pull=6, peer_address=w0.address))
+        assert (result.pages_pulled, result.pull_error) == (6, None)
+        assert list(result.tokens) == model.generate(list(tokens), 4)
+        assert not w1._peer(w0.address).pulls_in_place(w1.pages)
+        assert w1.stats().pulls_grpc == 1
 
 
 def test_a_pull_from_an_unreachable_peer_computes_instead(
