@@ -16,7 +16,8 @@ plus the xxh3.
 Scope, on purpose small: one unary-stream call per connection (stream 1),
 plaintext or TLS (ALPN ``h2``, mutual TLS with a client certificate), the
 bearer token, ``grpc-timeout`` and a socket deadline, HTTP/2 flow control
-(windows opened wide, topped up as bytes are consumed), SETTINGS / PING
+(our windows opened wide, topped up as bytes are consumed; the request sent in
+frames and windows the server allows, however many hashes), SETTINGS / PING
 acknowledgements, padding, CONTINUATION, GOAWAY and RST_STREAM, and gRPC
 status trailers (including the server's ``kvmesh-error``). Header blocks are
 (de)compressed by `hpack` (python-hyper), the HPACK reference library for
@@ -59,6 +60,7 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x2, 0x4, 0x5
 MAX_WINDOW = 2**31 - 1
 MAX_FRAME = 2**24 - 1
+DEFAULT_WINDOW, DEFAULT_FRAME = 65535, 16384  # a peer's limits until its SETTINGS say otherwise
 STREAM = 1  # the one call on a connection
 READ_BUFFER_BYTES = 1 << 20
 """Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
@@ -160,6 +162,10 @@ class WireCall:
         self._headers: list[tuple[str, str]] = []
         self._trailers: list[tuple[str, str]] | None = None
         self._end_time = 0.0
+        # What the server accepts from us (the request message): RFC 9113 sections 4.2, 6.9
+        self._send_frame = DEFAULT_FRAME
+        self._send_initial = DEFAULT_WINDOW
+        self._send_conn = self._send_stream = DEFAULT_WINDOW
 
     # ------------------------------------------------------------ lifecycle
 
@@ -260,21 +266,42 @@ class WireCall:
         block = hpack.Encoder().encode(headers)
         body = request.SerializeToString()
         message = b"\x00" + struct.pack(">I", len(body)) + body
-        sock.sendall(
-            b"".join(
-                (
-                    PREFACE,
-                    _frame(SETTINGS, 0, 0, settings),
-                    settings,
-                    _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 4)),
-                    struct.pack(">I", MAX_WINDOW - 65535),
-                    _frame(HEADERS, END_HEADERS, STREAM, block),
-                    block,
-                    _frame(DATA, END_STREAM, STREAM, message),
-                    message,
-                )
-            )
-        )
+        out = [
+            PREFACE,
+            _frame(SETTINGS, 0, 0, settings),
+            settings,
+            _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 4)),
+            struct.pack(">I", MAX_WINDOW - 65535),
+            _frame(HEADERS, END_HEADERS, STREAM, block),
+            block,
+        ]
+        # The message goes in DATA frames no larger than the server accepts and within its
+        # flow-control windows: a large request (hundreds of hashes) waits for its SETTINGS
+        # and WINDOW_UPDATEs rather than break the connection (FRAME_SIZE_ERROR).
+        pos = 0
+        while pos < len(message):
+            n = min(len(message) - pos, self._send_frame, self._send_conn, self._send_stream)
+            if n <= 0:
+                sock.sendall(b"".join(out))
+                out = []
+                self._await_window()
+                if self._ended:  # the server answered without the rest (e.g. refused the call)
+                    return
+                continue
+            part = message[pos : pos + n]
+            pos += n
+            self._send_conn -= n
+            self._send_stream -= n
+            out += (_frame(DATA, END_STREAM if pos == len(message) else 0, STREAM, part), part)
+        sock.sendall(b"".join(out))
+
+    def _await_window(self) -> None:
+        """Handle the server's frames until it lets us send more of the request."""
+        while min(self._send_frame, self._send_conn, self._send_stream) <= 0 and not self._ended:
+            length, kind, flags, stream = self._frame_header()
+            if kind == DATA:
+                raise self._fail(grpc.StatusCode.INTERNAL, "DATA before the request was sent")
+            self._control(kind, flags, stream, self._payload(length))
 
     def _finish(self) -> None:
         trailers = self._trailers if self._trailers is not None else self._headers
@@ -467,15 +494,18 @@ class WireCall:
         self._start += n
         return out
 
+    def _frame_header(self) -> tuple[int, int, int, int]:
+        """The next frame's (payload length, type, flags, stream id)."""
+        self._fill(9)
+        head = self._view[self._start : self._start + 9]
+        self._start += 9
+        stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+        return int.from_bytes(head[:3], "big"), head[3], head[4], stream
+
     def _next_data_frame(self) -> bool:
         """Handle frames until a DATA frame with payload on our stream; False at its end."""
         while not self._ended:
-            self._fill(9)
-            head = self._view[self._start : self._start + 9]
-            length = int.from_bytes(head[:3], "big")
-            kind, flags = head[3], head[4]
-            stream = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-            self._start += 9
+            length, kind, flags, stream = self._frame_header()
             if kind == DATA:
                 pad = 0
                 if flags & PADDED:
@@ -514,7 +544,20 @@ class WireCall:
         if sock is None:
             raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
         if kind == SETTINGS and not flags & ACK:
+            for i in range(0, len(payload) - 5, 6):
+                key, value = struct.unpack_from(">HI", payload, i)
+                if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                    self._send_stream += value - self._send_initial
+                    self._send_initial = value
+                elif key == SETTINGS_MAX_FRAME_SIZE:
+                    self._send_frame = value
             sock.sendall(_frame(SETTINGS, ACK, 0))
+        elif kind == WINDOW_UPDATE and len(payload) >= 4:
+            inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
+            if stream == 0:
+                self._send_conn += inc
+            elif stream == STREAM:
+                self._send_stream += inc
         elif kind == PING and not flags & ACK:
             sock.sendall(_frame(PING, ACK, 0, payload) + payload)
         elif kind == HEADERS:
@@ -531,7 +574,7 @@ class WireCall:
                 raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
         elif kind == PUSH_PROMISE:
             raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
-        # WINDOW_UPDATE, PRIORITY, unknown types: nothing to do for a reader
+        # PRIORITY, unknown types: nothing to do for a reader
 
     def _header_block(self, flags: int, stream: int, payload: bytes) -> None:
         if flags & PADDED:
