@@ -420,8 +420,12 @@ class WorkerActor:
         client = self._peer(ask.peer)
         try:
             if client.pulls_in_place(self.pages):  # zero-copy: into reserved pool pages
-                client.pull_into(self.pages, list(ask.page_hashes))
                 self._bump("pulls_grpc")
+                try:
+                    client.pull_into(self.pages, list(ask.page_hashes))
+                except KVMeshError as exc:  # the whole pages cached before it still count
+                    error = f"{type(exc).__name__}: {exc}"
+                    return PulledInPlace(tuple(ask.page_hashes), "grpc", error)
                 return PulledInPlace(tuple(ask.page_hashes), "grpc")
             fetched = client.fetch_pages(list(ask.page_hashes))
         except KVMeshError:

@@ -90,6 +90,9 @@ class PulledInPlace:
 
     page_hashes: tuple[PageHash, ...]
     transport: str
+    error: str | None = None
+    """Set when the pull failed part-way: the pages cached before it count, the error is
+    reported as the result's `pull_error`."""
 
 
 PullFn = Callable[[PullRequest], Sequence[PulledPage] | PulledInPlace]
@@ -425,6 +428,9 @@ class ServingEngine:
             pages = pull_fn(ask)
             if isinstance(pages, PulledInPlace):
                 progress.in_place = frozenset(pages.page_hashes)
+                if pages.error is not None:
+                    progress.pull_error = pages.error
+                    log.warning("pull from %s failed part-way: %s", hint.peer, pages.error)
                 return (), start
             for want, (got, blob) in zip(ask.page_hashes, pages, strict=False):
                 if got != want:

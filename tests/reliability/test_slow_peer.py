@@ -117,10 +117,12 @@ def test_a_pull_from_a_slow_peer_fails_with_deadline_exceeded_and_the_request_is
     assert result.pull_error is not None
     assert result.pull_error.startswith("DeadlineExceeded")
     assert server.address in result.pull_error
-    assert (result.pages_pulled, result.pages_hit_local, result.pages_computed) == (0, 0, PAGES + 1)
+    # Pages that landed whole before the deadline are used (and counted as pulled).
+    assert result.pages_hit_local == 0 and result.pages_pulled < PAGES
+    assert result.pages_pulled + result.pages_computed == PAGES + 1
     assert list(result.tokens) == puller.compute_from_scratch(tokens, 8)
     print(f"\npull gave up after {result.timings.pull_ms:.0f} ms (deadline {DEADLINE_S * 1e3:.0f})")
-    # The puller's pool: every page computed by it, none half-pulled, nothing held.
+    # The puller's pool: every page pulled whole or computed by it, nothing held.
     puller.check_invariants()
     assert all_unpinned(puller.pages)
     assert puller.pages.prefix_length(hashes) == PAGES

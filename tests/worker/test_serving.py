@@ -18,8 +18,10 @@ from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_service import PageService
 from kvmesh.worker.serving import (
     GenerationResult,
+    PulledInPlace,
     PulledPage,
     PullFn,
     PullRequest,
@@ -231,6 +233,28 @@ def test_a_failed_pull_is_computed_instead_and_reported(model: TinyTransformer) 
     assert result.pull_error is not None and "unreachable" in result.pull_error
     assert (result.pages_pulled, result.pages_computed) == (0, 4)
     assert list(result.tokens) == engine.compute_from_scratch(p, 3)
+    assert_idle_and_consistent(engine)
+
+
+def test_an_in_place_pull_failing_part_way_counts_the_whole_pages_it_cached(
+    model: TinyTransformer,
+) -> None:
+    peer, engine = make_engine(model), make_engine(model)
+    p = prompt(6 * PAGE + 1, seed=17)
+    peer.serve("warm", p, 1)
+    into = PageService(engine.pool, engine.kv_store, engine.hasher, lock=engine.lock)
+
+    def lands_three_then_times_out(req: PullRequest) -> PulledInPlace:
+        """A transport that caches pages straight into the pool (zero-copy gRPC, dist)."""
+        for h, blob in copying_pull_fn(peer, [])(req)[:3]:
+            into.insert(h, None, (), blob)
+        return PulledInPlace(req.page_hashes, "grpc", "DeadlineExceeded: peer-0 too slow")
+
+    hint = RouteHint(promised_pull=6, peer="peer-0")
+    result = engine.serve("r", p, 4, hint=hint, pull_fn=lands_three_then_times_out)
+    assert result.pull_error == "DeadlineExceeded: peer-0 too slow"
+    assert (result.pages_hit_local, result.pages_pulled, result.pages_computed) == (0, 3, 4)
+    assert list(result.tokens) == engine.compute_from_scratch(p, 4)
     assert_idle_and_consistent(engine)
 
 
