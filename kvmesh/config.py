@@ -107,8 +107,8 @@ class TransferConfig:
     grpc_socket_buffer_bytes: int = 0  # grpc.tcp_receive_buffer_size (SO_RCVBUF)
     grpc_sync_fetch: bool = False  # SyncPeerClient: blocking streams, a thread each (many cores)
     grpc_malloc_tune: bool = False  # glibc: keep freed transfer buffers mapped (process-wide)
-    # pulls into a CPU pool read FetchPages off the socket straight into reserved KV pages
-    # (kvmesh.worker.grpc_wire; same gRPC call and server, ~2x grpcio's receive rate)
+    # pulls read FetchPages off the socket straight into reserved KV pages (GPU pools: via
+    # host memory); kvmesh.worker.grpc_wire: same gRPC call and server, ~2x grpcio's receive
     grpc_zero_copy: bool = True
 
 

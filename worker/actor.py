@@ -407,7 +407,7 @@ class WorkerActor:
     def _pull(self, ask: Any) -> Any:
         """The engine's `pull_fn`: the peer's pages for `ask`, in order, up to its first miss.
 
-        Over gRPC with `TransferConfig.grpc_zero_copy` (CPU pools) the pages
+        Over gRPC with `TransferConfig.grpc_zero_copy` (the default) the pages
         are received, checked and cached in place (`PulledInPlace`); otherwise
         each page was verified by the transfer client (framing, format,
         checksum, the hash asked for) and the engine checks again and inserts. Over torch.distributed the pages are checked and cached as

@@ -23,15 +23,16 @@ copies out of its buffers, the checks, the inserts. `SyncFetcher`
 (``TransferConfig.grpc_sync_fetch``, for `SyncPeerClient`) runs each stream
 as a blocking call on its own thread and channel and lands each checked page
 in a reserved pool page from that thread (numpy copies and xxh3 release the
-GIL). With ``TransferConfig.grpc_zero_copy`` (the default), a pull into a CPU
-pool (`SyncPeerClient.pull_into`) reads each stream with
+GIL). With ``TransferConfig.grpc_zero_copy`` (the default), a pull into a pool
+(`SyncPeerClient.pull_into`) reads each stream with
 `kvmesh.worker.grpc_wire.WireCall` instead: the same gRPC call to the same
 server, but each page's bytes go from the socket straight into a reserved
 pool page (`_Lander`: header checked first, bytes hashed as they land, the
 checksum compared at the page's end), so the receiver does the kernel's copy
-and one xxh3 pass per byte instead of grpcio's five passes. On the 2-core
+and one xxh3 pass per byte instead of grpcio's five passes (a GPU pool's
+pages land in host memory and are copied in once checked). On the 2-core
 benchmark machine that moved `kvmesh bench transfer` from 28-38% of the raw
-socket to 48-66% (1.6-1.9 GB/s); see `kvmesh.worker.transfer_server` for the
+socket to 48-66% (1.4-2.0 GB/s); see `kvmesh.worker.transfer_server` for the
 sender's side, which is now the bound.
 """
 
@@ -668,7 +669,8 @@ class _Ordered:
 
 
 class _Lander:
-    """Receives one zero-copy stream's pages straight into reserved pool pages (`WireCall`).
+    """Receives one zero-copy stream's pages straight into reserved pool pages (`WireCall`;
+    on a device store, into host memory, copied to the reserved page once checked).
 
     Each page's header is checked first (the hash asked for, dtype, shape and
     size for this store, the hash chain when token ids come with it), so a
@@ -686,6 +688,7 @@ class _Lander:
         "_hasher",
         "_page",
         "_res",
+        "_upload",
         "address",
         "hashes",
         "indices",
@@ -712,6 +715,7 @@ class _Lander:
         self._res: Reservation | None = None
         self._dst = memoryview(b"")
         self._filled = 0
+        self._upload = False
         self._hasher = xxhash.xxh3_64()
 
     def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
@@ -765,6 +769,7 @@ class _Lander:
         self.service.check(probe, with_checksum=False)  # format and hash chain, no bytes yet
         res = self.service.reserve([expected])[0]
         dst = store.page_buffer(res.page.page_id) if res is not None else None
+        self._upload = res is not None and dst is None  # a device store: copied in at the end
         if dst is None:
             dst = np.empty(nbytes, dtype=np.uint8).data
         self._res = res
@@ -786,7 +791,13 @@ class _Lander:
         index = self.indices[self.next]
         self.next += 1
         actual = self._hasher.intdigest()
-        if actual != page.blob.checksum:
+        if actual == page.blob.checksum and res is not None and self._upload:
+            try:
+                self.service.store.import_page(res.page.page_id, page.blob, verified=True)
+            except BaseException:
+                self.service.release([res])
+                raise
+        elif actual != page.blob.checksum:
             if res is not None:
                 self.service.release([res])
             raise ChecksumMismatch(
@@ -893,13 +904,10 @@ class SyncFetcher:
         tune_malloc(config)
 
     def zero_copy(self, service: PageService | None) -> bool:
-        """Whether fetches into `service` take the zero-copy path (`WireCall`): configured, and
-        a CPU store whose pages the socket can be read into."""
-        return (
-            self.config.grpc_zero_copy
-            and service is not None
-            and service.store.device.type == "cpu"
-        )
+        """Whether fetches into `service` take the zero-copy path (`WireCall`). A CPU store's
+        pages are read into from the socket; a device store's land in host memory first and
+        are copied in once checked (still two copies fewer than grpcio's receive)."""
+        return self.config.grpc_zero_copy and service is not None
 
     def _stub(self, i: int) -> Any:
         with self._lock:

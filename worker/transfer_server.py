@@ -40,7 +40,7 @@ over a page's bytes:
   the socket's 3.2-4.7 GB/s. Per GiB: sender ~0.5 s of CPU, receiver
   ~0.8-1.1 s, against ~0.2 s + ~0.15 s for the socket.
 - receiver with `kvmesh.worker.grpc_wire` (``grpc_zero_copy``, the default
-  for pulls into a CPU pool): the kernel copies straight into the reserved
+  for pulls into a pool): the kernel copies straight into the reserved
   pool page and xxh3 reads it while it is in cache: 1.6-2.0 GB/s, 48-66% of
   the socket in the same runs. The sender is now the bound.
 

@@ -171,6 +171,38 @@ def test_zero_copy_pull_lands_pages_bit_exact_over_the_wire_and_ref_counts_retur
     receiver.check_invariants()
 
 
+def test_a_store_the_socket_cannot_write_into_gets_checked_pages_copied_in(
+    monkeypatch: pytest.MonkeyPatch, wire: list[str]
+) -> None:
+    """A GPU store has no host view of its pages (`page_buffer` is None): pages land in host
+    memory, are checked there and copied into the reserved page; the same code as on a GPU."""
+    sender, receiver = service(24), service(24)
+    keys = fill(sender, 20)
+    imported: list[int] = []
+    real_import = KVStore.import_page
+
+    def import_page(self: KVStore, page_id: int, blob: PageBlob, **kw: Any) -> None:
+        imported.append(page_id)
+        real_import(self, page_id, blob, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KVStore, "page_buffer", lambda _self, _pid: None)
+    monkeypatch.setattr(KVStore, "import_page", import_page)
+    sender.corrupt.add(keys[12])
+    with (
+        ServerThread(sender, ONE_STREAM) as server,
+        SyncPeerClient(server.address, ONE_STREAM) as client,
+    ):
+        with pytest.raises(errors.ChecksumMismatch):
+            client.pull_into(receiver, keys)
+        assert receiver.lookup(keys) == [True] * 12 + [False] * 8
+        sender.corrupt.clear()
+        assert client.pull_into(receiver, keys) == 8
+    assert len(wire) == 2 and len(imported) == 20  # every page copied in once, after its check
+    assert same_bytes(sender, receiver, keys)
+    assert idle(receiver) and idle(sender)
+    receiver.check_invariants()
+
+
 def test_unknown_hashes_in_the_middle_are_missing_and_later_pages_still_land() -> None:
     sender, receiver, fresh = service(32), service(32), service(32)
     keys = fill(sender, 10)
