@@ -176,7 +176,7 @@ class FetchResult:
     """
 
     pages: tuple[IncomingPage, ...]
-    missing: tuple[PageHash, ...]
+    missing: tuple[PageHash, ...]  # in request order
     received: int
 
 
@@ -247,6 +247,11 @@ def end_fetch_stream(assembler: PageAssembler, asked: int, address: str) -> None
         )
 
 
+def _in_request_order(missing: list[tuple[int, PageHash]]) -> tuple[PageHash, ...]:
+    """Missing hashes as the caller asked for them (streams report them as they come)."""
+    return tuple(h for _, h in sorted(missing, key=lambda m: m[0]))
+
+
 class _Reorder:
     """Hands pages to the caller in request order as the streams deliver them."""
 
@@ -256,12 +261,12 @@ class _Reorder:
         self.deliver = deliver
         self.ready: dict[int, IncomingPage | None] = {}
         self.next = 0
-        self.missing: list[PageHash] = []
+        self.missing: list[tuple[int, PageHash]] = []  # (request index, hash)
         self.pages = 0
 
     def put(self, index: int, page: IncomingPage | None, page_hash: PageHash) -> None:
         if page is None:
-            self.missing.append(page_hash)
+            self.missing.append((index, page_hash))
         self.ready[index] = page
         while self.next in self.ready:
             got = self.ready.pop(self.next)
@@ -457,7 +462,7 @@ class PeerClient:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             todo = []
-        return FetchResult(tuple(kept), tuple(order.missing), order.pages)
+        return FetchResult(tuple(kept), _in_request_order(order.missing), order.pages)
 
     async def _fetch_stream(
         self,
@@ -626,7 +631,7 @@ class _Ordered:
         self._lock = threading.Lock()
         self.ready: dict[int, _Item | None] = {}
         self.next = 0
-        self.missing: list[PageHash] = []
+        self.missing: list[tuple[int, PageHash]] = []  # (request index, hash)
         self.pages = 0
         self.closed = False
 
@@ -636,7 +641,7 @@ class _Ordered:
                 self._drop([item])
                 return
             if item is None:
-                self.missing.append(page_hash)
+                self.missing.append((index, page_hash))
             self.ready[index] = item
             while self.next in self.ready:
                 got = self.ready.pop(self.next)
@@ -986,7 +991,7 @@ class SyncFetcher:
                 todo = order.todo(len(wanted))
         finally:
             order.close()
-        return FetchResult((), tuple(order.missing), order.pages)
+        return FetchResult((), _in_request_order(order.missing), order.pages)
 
     def _attempt(
         self,
