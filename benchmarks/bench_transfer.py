@@ -356,7 +356,7 @@ def measure(spec: Spec) -> list[Figure]:
             pulls["grpc"] = lambda some: client.pull_into(service, some)
             engine = (
                 "zero-copy"
-                if client.pulls_in_place(service)
+                if client.pulls_in_place(service, spec.pages)
                 else ("sync" if config.grpc_sync_fetch else "aio")
             )
             details["grpc"] = (

@@ -419,7 +419,7 @@ class WorkerActor:
 
         client = self._peer(ask.peer)
         try:
-            if client.pulls_in_place(self.pages):  # zero-copy: into reserved pool pages
+            if client.pulls_in_place(self.pages, len(ask.page_hashes)):  # zero-copy, in place
                 self._bump("pulls_grpc")
                 try:
                     client.pull_into(self.pages, list(ask.page_hashes))

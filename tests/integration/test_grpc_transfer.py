@@ -662,7 +662,7 @@ def test_encode_then_decode_returns_the_same_chunk(
 PULL_ENGINES = {
     "aio": {"grpc_sync_fetch": False, "grpc_zero_copy": False},
     "sync": {"grpc_sync_fetch": True, "grpc_zero_copy": False},
-    "zero-copy": {"grpc_zero_copy": True},
+    "zero-copy": {"grpc_zero_copy": True, "grpc_zero_copy_min_bytes": 0},
 }
 """The three ways `SyncPeerClient.pull_into` can fetch: grpcio asyncio, grpcio blocking
 streams, and `kvmesh.worker.grpc_wire` straight into the pool."""

@@ -38,7 +38,10 @@ from kvmesh.worker.transfer_client import SyncFetcher, SyncPeerClient, _Landed, 
 from kvmesh.worker.transfer_server import ServerThread, encode_chunk
 
 PAGE = 16
-CFG = TransferConfig(chunk_bytes=4096, deadline_s=10.0, retries=0, fetch_streams=2)
+# grpc_zero_copy_min_bytes=0: these pulls of small test pages take the zero-copy path too
+CFG = TransferConfig(
+    chunk_bytes=4096, deadline_s=10.0, retries=0, fetch_streams=2, grpc_zero_copy_min_bytes=0
+)
 ONE_STREAM = dataclasses.replace(CFG, fetch_streams=1)  # "pages before the fault" is exact
 
 

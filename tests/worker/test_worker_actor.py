@@ -28,6 +28,7 @@ from kvmesh.errors import ConfigError, TransportError
 from kvmesh.events import decode_batch
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor, WorkerSpec
+from kvmesh.worker.grpc_wire import WireCall
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.transfer_client import SyncPeerClient
 
@@ -152,13 +153,32 @@ def test_a_worker_pulls_the_pages_a_named_peer_holds_over_grpc(
     assert (result.pages_pulled, result.pages_hit_local, result.pull_error) == (6, 0, None)
     assert list(result.tokens) == model.generate(list(tokens), 4)
     assert (w1.stats().pages_pulled, w1.stats().pulls_grpc) == (6, 1)
-    assert w1._peer(w0.address).pulls_in_place(w1.pages)  # zero-copy, straight into the pool
 
 
-def test_with_zero_copy_off_a_pull_goes_through_grpcio_and_the_engine_inserts(
-    link: Link, model: TinyTransformer
+@pytest.mark.parametrize(
+    ("zero_copy", "min_bytes", "in_place"),
+    [(True, 0, True), (True, 1 << 30, False), (False, 0, False)],
+    ids=["zero-copy", "small-pull-on-grpcio", "zero-copy-off"],
+)
+def test_a_pull_lands_in_place_over_the_zero_copy_reader_or_goes_through_grpcio(
+    monkeypatch: pytest.MonkeyPatch,
+    link: Link,
+    model: TinyTransformer,
+    zero_copy: bool,
+    min_bytes: int,
+    in_place: bool,
 ) -> None:
-    transfer = dataclasses.replace(CONFIG.transfer, grpc_zero_copy=False)
+    calls: list[str] = []
+    real_run = WireCall.run
+
+    def run(self: WireCall, *args: Any, **kwargs: Any) -> None:
+        calls.append(self.address)
+        real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(WireCall, "run", run)
+    transfer = dataclasses.replace(
+        CONFIG.transfer, grpc_zero_copy=zero_copy, grpc_zero_copy_min_bytes=min_bytes
+    )
     with two_workers(dataclasses.replace(CONFIG, transfer=transfer), link) as (w0, w1):
         shared = prompt(6)
         w0.generate(request(shared))
@@ -166,7 +186,8 @@ def test_with_zero_copy_off_a_pull_goes_through_grpcio_and_the_engine_inserts(
         result = w1.generate(request(tokens, 4, promised_pull=6, peer_address=w0.address))
         assert (result.pages_pulled, result.pull_error) == (6, None)
         assert list(result.tokens) == model.generate(list(tokens), 4)
-        assert not w1._peer(w0.address).pulls_in_place(w1.pages)
+        assert w1._peer(w0.address).pulls_in_place(w1.pages, 6) == in_place
+        assert bool(calls) == in_place and set(calls) <= {w0.address}
         assert w1.stats().pulls_grpc == 1
 
 
