@@ -276,6 +276,62 @@ def test_a_pull_of_thousands_of_pages_on_one_stream_sends_its_request_as_the_ser
     assert same_bytes(sender, receiver, keys[::7]) and idle(sender) and idle(receiver)
 
 
+def test_windows_are_topped_up_with_exactly_what_was_consumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Streams longer than WINDOW_TOP_UP (1 GiB) give the server back what it sent, no more:
+    windows stay at most 2**31 - 1. Topped up every 64 KiB here, so a 1 MiB pull sends many
+    WINDOW_UPDATEs; each is checked against the DATA bytes received before it."""
+    monkeypatch.setattr(h2, "WINDOW_TOP_UP", 64 * 1024)
+    received = [0]  # flow-controlled DATA bytes the call has read
+    updates: list[tuple[int, int, int]] = []  # (stream, increment, bytes received by then)
+    real_account = WireCall._account
+
+    def account(self: WireCall, n: int) -> None:
+        received[0] += n
+        real_account(self, n)
+
+    class Recording:
+        """The call's socket, noting every WINDOW_UPDATE it sends after the request."""
+
+        def __init__(self, sock: socket.socket) -> None:
+            self._sock = sock
+
+        def sendall(self, data: bytes) -> None:
+            at = 0
+            while received[0] and at < len(data):  # frames sent after the request
+                length = int.from_bytes(data[at : at + 3], "big")
+                if data[at + 3] == h2.WINDOW_UPDATE:
+                    stream = int.from_bytes(data[at + 5 : at + 9], "big")
+                    inc = int.from_bytes(data[at + 9 : at + 13], "big")
+                    updates.append((stream, inc, received[0]))
+                at += 9 + length
+            self._sock.sendall(data)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._sock, name)
+
+    real_connect = WireCall._connect
+    monkeypatch.setattr(WireCall, "_account", account)
+    monkeypatch.setattr(WireCall, "_connect", lambda self, t: Recording(real_connect(self, t)))
+    sender, receiver = service(160), service(160)
+    keys = fill(sender, 128)  # 8 KiB pages: 1 MiB in all
+    with (
+        ServerThread(sender, ONE_STREAM) as server,
+        SyncPeerClient(server.address, ONE_STREAM) as client,
+    ):
+        assert client.pull_into(receiver, keys) == 128
+    for stream in (0, 1):
+        given = [(inc, by) for s, inc, by in updates if s == stream]
+        assert len(given) >= 10
+        total = 0
+        for inc, by in given:
+            total += inc
+            assert total <= by  # never more back than was received
+        assert by - total < 64 * 1024
+    assert same_bytes(sender, receiver, keys) and idle(sender) and idle(receiver)
+
+
 def test_a_wrong_or_missing_bearer_token_is_unauthenticated_over_the_wire(
     wire: list[str],
 ) -> None:
