@@ -82,6 +82,7 @@ from kvmesh.worker.transfer_server import (
     chunk_size,
     client_tls_material,
     decode_chunk,
+    first_chunk_header,
     grpc_tuning_options,
     incoming_page,
     iter_page_chunks,
@@ -239,6 +240,27 @@ def read_fetched(
             f"{hashes[index].hex()[:16]} was asked for; the peer is faulty"
         )
     return index, None
+
+
+def take_fetched(
+    assembler: PageAssembler,
+    raw: bytes,
+    indices: Sequence[int],
+    hashes: Sequence[PageHash],
+    address: str,
+    order: _Reorder | _Ordered,
+    check: Callable[[IncomingPage, PageHash], Any],
+) -> None:
+    """One FetchPages message of a grpcio stream: a finished page, `check`ed (what it returns
+    is handed on), or a missing marker goes to `order`; an unfinished page waits for more."""
+    done = read_fetched(assembler, raw, indices, hashes, address)
+    if done is None:
+        return
+    index, page = done
+    if page is None:
+        order.put(index, None, hashes[index])
+    else:
+        order.put(index, check(page, hashes[index]), page.page_hash)
 
 
 def end_fetch_stream(assembler: PageAssembler, asked: int, address: str) -> None:
@@ -489,16 +511,13 @@ class PeerClient:
         responses = call(request, timeout=timeout, metadata=self._metadata)
         assembler = PageAssembler(allow_missing=True)
         try:
+
+            def check(page: IncomingPage, expected: PageHash) -> IncomingPage:
+                verify_page(page, expected, self.address, with_checksum=with_checksum)
+                return page
+
             async for raw in responses:
-                done = read_fetched(assembler, raw, indices, hashes, self.address)
-                if done is None:
-                    continue
-                index, page = done
-                if page is None:
-                    order.put(index, None, hashes[index])
-                else:
-                    verify_page(page, hashes[index], self.address, with_checksum=with_checksum)
-                    order.put(index, page, page.page_hash)
+                take_fetched(assembler, raw, indices, hashes, self.address, order, check)
             end_fetch_stream(assembler, len(indices), self.address)
         finally:
             responses.cancel()
@@ -763,17 +782,10 @@ class _Lander:
             self.next += 1
             self.order.put(index, None, expected)
             return False
-        if not meta.HasField("header") or meta.offset != 0:
-            raise InvalidInput(f"page {meta.page_index} does not start with a header chunk")
         store = self.service.store
-        nbytes = meta.header.nbytes
-        if nbytes != store.page_nbytes:
-            raise PageFormatError(
-                f"page {meta.page_index} declares {nbytes} bytes ({meta.header.dtype} "
-                f"{list(meta.header.shape)}) but this KV store's pages are {store.page_nbytes}: "
-                "sender and receiver must run the same model config"
-            )
-        probe = incoming_page(meta.header, _placeholder(nbytes))
+        header = first_chunk_header(meta, store.page_nbytes)
+        nbytes = header.nbytes
+        probe = incoming_page(header, _placeholder(nbytes))
         verify_page(probe, expected, self.address, with_checksum=False)
         self.service.check(probe, with_checksum=False)  # format and hash chain, no bytes yet
         res = self.service.reserve([expected])[0]
@@ -1067,16 +1079,12 @@ class SyncFetcher:
             service.store.page_nbytes if service is not None else None, allow_missing=True
         )
         try:
+
+            def check(page: IncomingPage, expected: PageHash) -> _Item:
+                return self._checked(page, expected, service, with_checksum)
+
             for raw in responses:
-                done = read_fetched(assembler, raw, indices, hashes, self.address)
-                if done is None:
-                    continue
-                index, page = done
-                if page is None:
-                    order.put(index, None, hashes[index])
-                else:
-                    item = self._checked(page, hashes[index], service, with_checksum)
-                    order.put(index, item, page.page_hash)
+                take_fetched(assembler, raw, indices, hashes, self.address, order, check)
             end_fetch_stream(assembler, len(indices), self.address)
         finally:
             responses.cancel()  # a no-op once the call is over

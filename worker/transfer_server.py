@@ -228,6 +228,21 @@ def iter_page_chunks(
         yield encode_chunk(index, off, data[off : off + chunk_bytes])
 
 
+def first_chunk_header(meta: pb.PageChunk, expect_nbytes: int | None) -> pb.PageHeader:
+    """The header a page's first chunk must carry, checked against the receiver's page size
+    (None: any) before anything is allocated for the page."""
+    if not meta.HasField("header") or meta.offset != 0:
+        raise InvalidInput(f"page {meta.page_index} does not start with a header chunk")
+    header = meta.header
+    if expect_nbytes is not None and header.nbytes != expect_nbytes:
+        raise PageFormatError(
+            f"page {meta.page_index} declares {header.nbytes} bytes ({header.dtype} "
+            f"{list(header.shape)}) but this KV store's pages are {expect_nbytes}: "
+            "sender and receiver must run the same model config"
+        )
+    return header
+
+
 class PageAssembler:
     """Rebuilds pages from a stream of `WireChunk`s, checking the framing as it goes.
 
@@ -266,16 +281,8 @@ class PageAssembler:
                     raise InvalidInput(f"page {meta.page_index} is marked missing in a push")
                 self._index += 1
                 return check_hash(meta.header.page_hash)
-            if not meta.HasField("header") or meta.offset != 0:
-                raise InvalidInput(f"page {meta.page_index} does not start with a header chunk")
-            header = meta.header
+            header = first_chunk_header(meta, self.expect_nbytes)
             total = header.nbytes
-            if self.expect_nbytes is not None and total != self.expect_nbytes:
-                raise PageFormatError(
-                    f"page {meta.page_index} declares {total} bytes ({header.dtype} "
-                    f"{list(header.shape)}) but this KV store's pages are {self.expect_nbytes}: "
-                    "sender and receiver must run the same model config"
-                )
             if chunk.data.nbytes == total:
                 self._index += 1
                 return incoming_page(header, chunk.data)
