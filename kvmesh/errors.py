@@ -111,6 +111,21 @@ class WorkerDied(TransportError):
     """The worker serving a request died before answering."""
 
 
+class RequestCancelled(KVMeshError):
+    """The caller gave up on a request (cancelled it, or its process went away); the worker
+    stopped its work at the next prefill chunk or decode step and released its pages."""
+
+    grpc_code = "CANCELLED"
+
+
+class RequestExpired(RequestCancelled):
+    """A request's deadline passed before its answer was ready (waiting for a compute slot
+    or computing); the worker stopped it as if cancelled. Raise `request_timeout_s` for
+    longer answers, or send fewer requests at once."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
 class Unauthenticated(KVMeshError):
     """A call carried no credentials or wrong ones."""
 

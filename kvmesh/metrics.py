@@ -17,3 +17,10 @@ TRANSFER_REFUSED = Counter(
     "pin cap, stream deadline, idle stream, push eviction cap, ...)",
     ["worker", "reason"],
 )
+
+REQUESTS_CANCELLED = Counter(
+    "kvmesh_requests_cancelled",
+    "Requests a worker stopped before answering, by reason: the caller cancelled it "
+    "(ray.cancel), its deadline passed, or the caller's process went away",
+    ["worker", "reason"],
+)

@@ -23,7 +23,7 @@ holds no per-request state: concurrent calls from several threads are safe.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -192,7 +192,12 @@ class TinyTransformer:
 
     @torch.inference_mode()
     def decode(
-        self, token_id: int, kv: Tensor, num_filled: int, max_new: int = 1
+        self,
+        token_id: int,
+        kv: Tensor,
+        num_filled: int,
+        max_new: int = 1,
+        stop: Callable[[], bool] | None = None,
     ) -> tuple[list[int], Tensor]:
         """Greedy decoding of `max_new` tokens after `token_id`, in a request's KV buffer.
 
@@ -200,12 +205,16 @@ class TinyTransformer:
         `token_id` (the last sampled token) goes to position `num_filled`, and each
         step writes its KV in place. Returns the `max_new` tokens that follow and
         the logits after the last of them. Needs ``capacity >= num_filled + max_new``.
+        `stop` is asked before every step; once it says True decoding ends there and
+        fewer tokens come back (how a cancelled request stops between steps).
         """
         self._check_buffer(kv, num_filled + max_new)
         out: list[int] = []
         tok = token_id
         logits = torch.empty(0)
         for pos in range(num_filled, num_filled + max_new):
+            if stop is not None and stop():
+                break
             logits = self._forward(self._tokens([tok], pos), kv[:, :, : pos + 1], pos)
             tok = int(torch.argmax(logits))
             out.append(tok)

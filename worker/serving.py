@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvmesh.errors import InvalidInput, KVMeshError, PoolExhausted
+from kvmesh.errors import (
+    InvalidInput,
+    KVMeshError,
+    PoolExhausted,
+    RequestCancelled,
+    RequestExpired,
+)
 from kvmesh.events import KVEvent
 from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes
 from kvmesh.types import PageHash, PageId, WorkerId
@@ -161,6 +167,59 @@ class _Progress:
     in_place: frozenset[PageHash] = frozenset()  # hashes a `PulledInPlace` pull cached
 
 
+CANCEL_POLL_S = 0.05
+"""How often a request waiting for a compute slot looks at its cancellation and deadline."""
+
+
+@dataclass(slots=True)
+class _Stop:
+    """When one request must stop: its caller's `cancelled` flag or its `deadline` on `clock`.
+
+    The first reason seen is kept (`reason`), so that the error raised names it even
+    when the flag it came from is asked again later. Each check costs one clock
+    read and one call of `cancelled`.
+    """
+
+    request_id: str
+    cancelled: Callable[[], bool] | None
+    deadline: float | None
+    clock: Callable[[], float]
+    reason: str | None = None  # "deadline" or "cancelled" once stopped
+
+    @property
+    def can_stop(self) -> bool:
+        return self.cancelled is not None or self.deadline is not None
+
+    @property
+    def stop_fn(self) -> Callable[[], bool] | None:
+        """What `TinyTransformer.decode` asks before each step (None: nothing to ask)."""
+        return self.stopped if self.can_stop else None
+
+    def stopped(self) -> bool:
+        if self.reason is None:
+            if self.deadline is not None and self.clock() >= self.deadline:
+                self.reason = "deadline"
+            elif self.cancelled is not None and self.cancelled():
+                self.reason = "cancelled"
+        return self.reason is not None
+
+    def check(self, where: str) -> None:
+        """Raise `RequestCancelled` / `RequestExpired` (saying `where`) when stopped."""
+        if self.stopped():
+            raise self.error(where)
+
+    def error(self, where: str) -> RequestCancelled:
+        if self.reason == "deadline":
+            return RequestExpired(
+                f"request {self.request_id!r} passed its deadline {where} and was stopped; "
+                "give it a longer request_timeout_s or send fewer requests at once"
+            )
+        return RequestCancelled(
+            f"request {self.request_id!r} was cancelled by its caller {where}; its work "
+            "stopped and its pages were released"
+        )
+
+
 class ServingEngine:
     """The request-serving logic of one worker over its pool, KV store and model.
 
@@ -227,6 +286,8 @@ class ServingEngine:
         hint: RouteHint = NO_HINT,
         pull_fn: PullFn | None = None,
         arrival_time: float | None = None,
+        cancelled: Callable[[], bool] | None = None,
+        deadline: float | None = None,
     ) -> GenerationResult:
         """Answer one request with `max_tokens` greedy tokens; see the module docstring.
 
@@ -235,7 +296,14 @@ class ServingEngine:
         `PoolExhausted` when the pool cannot hold the prompt's pages; in every
         failure the request's pages are released and nothing else changes. A
         failed pull is not an error: its pages are computed instead (`pull_error`).
+
+        Cancellation: `cancelled` (the caller gave up) and `deadline` (on `clock`)
+        are checked while the request waits for a slot (every `CANCEL_POLL_S`),
+        before each prefill chunk and before each decode step; a request stopped
+        there raises `RequestCancelled` (`RequestExpired` for the deadline) and
+        releases its pages. Pages of prompt chunks it computed are not cached.
         """
+        stop = _Stop(request_id, cancelled, deadline, self.clock)
         arrived = self.clock() if arrival_time is None else arrival_time
         tokens = self._check_request(token_ids, max_tokens)
         num_pages = -(-len(tokens) // self.page_size)
@@ -246,13 +314,14 @@ class ServingEngine:
                 "the pool (num_pages)"
             )
         request = Request(request_id, RequestHashes(self.hasher, tokens, extra_keys))
-        with self._admitted(request_id, len(tokens), max_tokens):
+        with self._admitted(request_id, len(tokens), max_tokens, stop):
+            stop.check("before it started")
             started = self.clock()
             progress = _Progress()
             try:
                 matched, new_pages = self._take_pages(request, hint, pull_fn, progress)
                 t0 = self.clock()
-                kv, logits = self._prefill(request, matched, new_pages, max_tokens)
+                kv, logits = self._prefill(request, matched, new_pages, max_tokens, stop)
                 with self.lock:
                     self.cache_manager.cache_pages(request, len(tokens))
                 answer: list[int] = []
@@ -260,8 +329,12 @@ class ServingEngine:
                     answer.append(int(torch.argmax(logits)))
                 first = self.clock()
                 if max_tokens > 1:
-                    rest, _ = self.model.decode(answer[0], kv, len(tokens), max_tokens - 1)
+                    rest, _ = self.model.decode(
+                        answer[0], kv, len(tokens), max_tokens - 1, stop.stop_fn
+                    )
                     answer.extend(rest)
+                    if len(answer) < max_tokens:
+                        raise stop.error(f"after {len(answer)} of {max_tokens} answer tokens")
             finally:
                 with self.lock:
                     self.cache_manager.free(request)
@@ -335,8 +408,13 @@ class ServingEngine:
         return tokens
 
     @contextmanager
-    def _admitted(self, request_id: str, num_tokens: int, max_tokens: int) -> Iterator[None]:
-        """Register the request, wait for a compute slot, run, unregister."""
+    def _admitted(
+        self, request_id: str, num_tokens: int, max_tokens: int, stop: _Stop
+    ) -> Iterator[None]:
+        """Register the request, wait for a compute slot, run, unregister.
+
+        A request that can be stopped leaves the queue once it is (`RequestCancelled`).
+        """
         with self._state:
             if request_id in self._active:
                 raise InvalidInput(f"request id {request_id!r} is already being served")
@@ -344,11 +422,18 @@ class ServingEngine:
             self._waiting += 1
         admitted = False
         try:
-            with self._slots:
+            if stop.can_stop:
+                while not self._slots.acquire(timeout=CANCEL_POLL_S):
+                    stop.check("while waiting for a compute slot")
+            else:
+                self._slots.acquire()
+            try:
                 with self._state:
                     self._waiting -= 1
                     admitted = True
                 yield
+            finally:
+                self._slots.release()
         finally:
             with self._state:
                 if not admitted:
@@ -476,12 +561,18 @@ class ServingEngine:
         return pages
 
     def _prefill(
-        self, request: Request, matched: list[KVPage], new_pages: list[KVPage], max_tokens: int
+        self,
+        request: Request,
+        matched: list[KVPage],
+        new_pages: list[KVPage],
+        max_tokens: int,
+        stop: _Stop,
     ) -> tuple[Tensor, Tensor]:
         """Compute the uncached tokens chunk by chunk; returns the KV buffer and last logits.
 
         The buffer holds the whole prompt's KV (cached pages copied in) and room
-        to decode; each computed chunk's pages are written to the KV store.
+        to decode; each computed chunk's pages are written to the KV store. `stop`
+        is checked before every chunk.
         """
         model, store, ps = self.model, self.kv_store, self.page_size
         tokens = request.token_ids
@@ -496,6 +587,7 @@ class ServingEngine:
         logits = torch.empty(0)
         step = self.chunk_pages * ps
         for lo in range(start, n, step):
+            stop.check(f"after {lo - start} of {n - start} prompt tokens to compute")
             hi = min(lo + step, n)
             logits = model.prefill_into(kv, lo, tokens[lo:hi])
             first_page, end_page = lo // ps, -(-hi // ps)

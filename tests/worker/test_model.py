@@ -99,6 +99,26 @@ def test_greedy_decode_is_the_argmax_of_a_full_recompute(model: TinyTransformer)
         seq.append(tok)
 
 
+def test_decode_asked_to_stop_ends_early_with_the_tokens_decoded_so_far(
+    model: TinyTransformer,
+) -> None:
+    prompt = _prompt(20, seed=7)
+    expected = model.generate(prompt, 12)
+    asked = 0
+
+    def stop_after_four_steps() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked > 4
+
+    buf = model.empty_kv(len(prompt) + 11)
+    logits = model.prefill_into(buf, 0, prompt)
+    first = int(logits.argmax())
+    rest, _ = model.decode(first, buf, len(prompt), 11, stop=stop_after_four_steps)
+    assert [first, *rest] == expected[:5]
+    assert asked == 5  # asked before every step, and no step ran after the first yes
+
+
 def test_generate_zero_tokens_returns_nothing(model: TinyTransformer) -> None:
     assert model.generate(_prompt(5), 0) == []
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
 from kvmesh.config import ModelConfig
-from kvmesh.errors import InvalidInput, PoolExhausted, TransportError
+from kvmesh.errors import (
+    InvalidInput,
+    PoolExhausted,
+    RequestCancelled,
+    RequestExpired,
+    TransportError,
+)
 from kvmesh.events import PagesStored
 from kvmesh.hashing import ExtraKeys, PageHasher, RequestHashes
 from kvmesh.types import PageHash
@@ -437,3 +445,156 @@ def test_parts_that_disagree_are_refused(model: TinyTransformer) -> None:
     store = KVStore(16, CFG.num_layers + 1, CFG.num_kv_heads, CFG.head_dim, PAGE)
     with pytest.raises(InvalidInput, match="KV store pages"):
         ServingEngine(model, KVCacheManager(pool, PAGE), store, PageHasher(PAGE))
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+def count_prefill_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+    model: TinyTransformer,
+    before_chunk: Callable[[str, int], None] = lambda thread, n: None,
+) -> Counter[str]:
+    """Count the model's prefill chunks by the name of the thread computing them.
+
+    `before_chunk(thread, n)` runs before that thread's `n`-th chunk (from 1) is computed.
+    """
+    chunks: Counter[str] = Counter()
+    compute = model.prefill_into
+
+    def counted(kv: torch.Tensor, num_past: int, token_ids: Sequence[int]) -> torch.Tensor:
+        name = threading.current_thread().name
+        chunks[name] += 1
+        before_chunk(name, chunks[name])
+        return compute(kv, num_past, token_ids)
+
+    monkeypatch.setattr(model, "prefill_into", counted)
+    return chunks
+
+
+def run_in_thread(name: str, fn: Callable[[], GenerationResult]) -> Future[GenerationResult]:
+    """Run `fn` in a thread called `name`; its outcome (result or error) lands in the future."""
+    future: Future[GenerationResult] = Future()
+
+    def body() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return future
+
+
+def test_a_request_cancelled_mid_prefill_stops_frees_its_pages_and_spares_a_concurrent_one(
+    model: TinyTransformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(model, num_pages=128, chunk_tokens=PAGE, max_concurrent=2)
+    long_prompt = prompt(12 * PAGE + 3, seed=40)  # 13 chunks of one page
+    other = prompt(5 * PAGE + 2, seed=41)
+    expected = engine.compute_from_scratch(other, 6)
+    cancel, other_started = threading.Event(), threading.Event()
+
+    def cancel_during_second_chunk(thread: str, n: int) -> None:
+        if thread == "other":
+            other_started.set()
+        elif thread == "cancelled" and n == 2:
+            assert other_started.wait(timeout=60)  # both requests are computing now
+            cancel.set()
+
+    chunks = count_prefill_chunks(monkeypatch, model, cancel_during_second_chunk)
+    doomed = run_in_thread(
+        "cancelled", lambda: engine.serve("c", long_prompt, 4, cancelled=cancel.is_set)
+    )
+    survivor = run_in_thread("other", lambda: engine.serve("o", other, 6))
+
+    with pytest.raises(RequestCancelled, match="cancelled by its caller after 16 of 99") as err:
+        doomed.result(timeout=120)
+    assert not isinstance(err.value, RequestExpired)
+    assert chunks["cancelled"] == 2  # the chunk being computed finished, no other started
+    assert list(survivor.result(timeout=120).tokens) == expected
+    assert_idle_and_consistent(engine)
+    # the chunks it computed were never cached: nobody can hit a cancelled request's pages
+    assert not any(engine.pool.get_cached_page(h) for h in engine.hasher.hash_prompt(long_prompt))
+    assert engine.load().running == engine.load().waiting == 0
+
+
+def test_a_request_cancelled_mid_decode_stops_at_the_next_step_and_keeps_its_prompt_pages(
+    model: TinyTransformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(model)
+    p = prompt(2 * PAGE + 3, seed=42)  # one prefill chunk
+    steps = 0
+    forward = model._forward
+
+    def counted(tokens: torch.Tensor, window: torch.Tensor, n_past: int) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return forward(tokens, window, n_past)
+
+    monkeypatch.setattr(model, "_forward", counted)
+    with pytest.raises(RequestCancelled, match="after 4 of 20 answer tokens"):
+        engine.serve("c", p, 20, cancelled=lambda: steps >= 1 + 3)
+    assert steps == 1 + 3  # the prefill and three decode steps of the 19 asked
+    assert_idle_and_consistent(engine)
+    monkeypatch.undo()
+    again = engine.serve("again", p, 20)  # its prompt was whole: those pages were cached
+    assert again.pages_hit_local == 2
+    assert list(again.tokens) == engine.compute_from_scratch(p, 20)
+
+
+@pytest.mark.parametrize("why", ["deadline", "cancelled"])
+def test_a_request_stopped_while_waiting_for_a_slot_leaves_the_queue_and_never_starts(
+    model: TinyTransformer, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    now = [0.0]
+    engine = make_engine(model, max_concurrent=1, clock=lambda: now[0])
+    entered, release, cancel = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+        entered.set()
+        release.wait(timeout=60)
+        return []
+
+    chunks = count_prefill_chunks(monkeypatch, model)
+    p = prompt(3 * PAGE + 1, seed=43)
+    hint = RouteHint(promised_pull=2, peer="x")
+    first = run_in_thread("first", lambda: engine.serve("a", p, 3, hint=hint, pull_fn=slow_pull))
+    assert entered.wait(timeout=60)  # "a" holds the only slot
+    queued = run_in_thread(
+        "queued", lambda: engine.serve("b", p, 3, cancelled=cancel.is_set, deadline=10.0)
+    )
+    assert wait_for(lambda: engine.load().waiting == 1)
+    if why == "deadline":
+        now[0] = 10.0
+        stopped: type[RequestCancelled] = RequestExpired
+    else:
+        cancel.set()
+        stopped = RequestCancelled
+    with pytest.raises(stopped, match="while waiting for a compute slot"):
+        queued.result(timeout=60)
+    assert engine.load().waiting == 0 and engine.load().running == 1
+    release.set()
+    assert list(first.result(timeout=60).tokens) == engine.compute_from_scratch(p, 3)
+    assert chunks["queued"] == 0
+    assert_idle_and_consistent(engine)
+
+
+def test_a_request_whose_deadline_passed_before_it_was_served_is_refused_untouched(
+    model: TinyTransformer,
+) -> None:
+    engine = make_engine(model, clock=lambda: 5.0)
+    with pytest.raises(RequestExpired, match="before it started"):
+        engine.serve("late", prompt(2 * PAGE), 3, deadline=5.0)
+    assert_idle_and_consistent(engine)
+    assert engine.take_events() == []
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Poll `cond` until it holds or `timeout_s` passes (a bound on state, not a timing)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
