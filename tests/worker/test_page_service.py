@@ -1,4 +1,10 @@
-"""PageService: lookup, pin/unpin, export, checked insert over a real pool and KV store."""
+"""PageService: lookup, pin/unpin, export, proven insert over a real pool and KV store.
+
+Every page a receiver takes proves its hash against the receiver's own
+`ProofBook` (built here with `proofs_for`, from the test's tokens and extra
+keys, as a worker builds it from the request it serves); pushes come with a
+grant (`PushGrants`) and are charged to the pusher's `EvictionBudget`.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
+from worker_kit import proofs_for
 
 from kvmesh.errors import (
     ChecksumMismatch,
     HashMismatch,
     InvalidInput,
     PageFormatError,
+    PermissionDenied,
     PoolExhausted,
 )
 from kvmesh.events import PagesStored
@@ -21,17 +30,25 @@ from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import IncomingPage, PageService
+from kvmesh.worker.page_service import (
+    NO_PROOFS,
+    EvictionBudget,
+    IncomingPage,
+    PageProof,
+    PageService,
+    ProofBook,
+    PushGrants,
+)
 
 PAGE = 4
 
 
-def make_service(num_pages: int = 16, dtype: str = "float32") -> PageService:
+def make_service(num_pages: int = 16, dtype: str = "float32", **kw: Any) -> PageService:
     pool = PagePool(num_pages, page_size=PAGE)
     store = KVStore(
         num_pages, num_layers=2, num_kv_heads=2, head_dim=4, page_size=PAGE, dtype=dtype
     )
-    return PageService(pool, store, PageHasher(PAGE, seed="test-seed"))
+    return PageService(pool, store, PageHasher(PAGE, seed="test-seed"), **kw)
 
 
 def tokens_for(n_pages: int, start: int = 0) -> list[int]:
@@ -54,6 +71,21 @@ def fill(
     pool.free_pages(list(reversed(pages)))
     service.take_events()
     return hashes, tokens
+
+
+def book(service: PageService, tokens: list[int], keys: ExtraKeys = NO_EXTRA) -> ProofBook:
+    """The receiver's own proofs for the pages of `tokens` (the request it serves)."""
+    return proofs_for(service.hasher, tokens, keys)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def incoming(
@@ -146,7 +178,7 @@ def test_inserted_pages_are_bit_exact_cached_and_evictable(dtype: str) -> None:
     sender, receiver = make_service(dtype=dtype), make_service(dtype=dtype)
     hashes, tokens = fill(sender, 3)
     pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
-    assert receiver.insert_many(pages) == [True, True, True]
+    assert receiver.insert_many(pages, book(receiver, tokens)) == [True, True, True]
     assert receiver.lookup(hashes) == [True, True, True]
     assert all(c == 0 for c in receiver.ref_counts())
     for h in hashes:
@@ -168,36 +200,65 @@ def test_a_page_already_held_is_skipped_not_overwritten() -> None:
     hashes, tokens = fill(sender, 1)
     fill(receiver, 1)  # same tokens, same hash, different random bytes
     before = state(receiver)
-    assert (
-        receiver.insert(hashes[0], None, tokens[:PAGE], incoming(sender, hashes, tokens, 0).blob)
-        is False
-    )
+    blob = incoming(sender, hashes, tokens, 0).blob
+    assert receiver.insert(hashes[0], blob, book(receiver, tokens)) is False
     assert_unchanged(receiver, before)
 
 
-def test_tokens_that_do_not_hash_to_the_page_are_refused_and_change_nothing() -> None:
+def test_proof_tokens_that_do_not_hash_to_the_page_are_refused_and_change_nothing() -> None:
+    """The receiver's proof is recomputed: wrong tokens, a wrong parent, or a book hashed
+    under another seed (a misconfigured cluster) cannot prove the page."""
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 2)
     page = incoming(sender, hashes, tokens, 1)
+    own = tuple(tokens[PAGE:])
+    wrong = (own[0] + 1, *own[1:])
     before = state(receiver)
-    wrong = (page.token_ids[0] + 1, *page.token_ids[1:])
-    with pytest.raises(HashMismatch, match="do not hash"):
-        receiver.insert_many([dataclasses.replace(page, token_ids=wrong)])
-    with pytest.raises(HashMismatch):
-        receiver.insert_many([dataclasses.replace(page, parent_hash=hashes[1])])
+    for proof in (PageProof(hashes[0], wrong), PageProof(hashes[1], own), PageProof(None, own)):
+        with pytest.raises(HashMismatch, match="do not hash"):
+            receiver.insert_many([page], ProofBook({hashes[1]: proof}))
     assert_unchanged(receiver, before)
+    pool, store = receiver.pool, receiver.store
+    foreign = PageService(pool, store, PageHasher(PAGE, seed="another-seed"))
+    first = incoming(sender, hashes, tokens, 0)  # chained to the root, which the seed makes
+    with pytest.raises(HashMismatch, match="another seed"):
+        foreign.insert_many([first], book(receiver, tokens))
+    assert_unchanged(receiver, before)
+
+
+def test_what_a_sender_says_of_a_page_is_never_its_proof() -> None:
+    """Token ids, parent and LoRA that travel with a page are the sender's word: a lie in them
+    neither gets a page in nor keeps a provable one out, and the page is cached with the
+    receiver's own tokens and parent."""
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 2)
+    page = incoming(sender, hashes, tokens, 1)
+    lying = dataclasses.replace(page, parent_hash=hashes[1], token_ids=(9,) * PAGE, lora_id=3)
+    before = state(receiver)
+    with pytest.raises(HashMismatch, match="refused without proof"):
+        receiver.insert_many([page], NO_PROOFS)  # true claims, no proof of the receiver's own
+    assert_unchanged(receiver, before)
+    assert receiver.insert_many([lying], book(receiver, tokens)) == [True]
+    (stored,) = [e for e in receiver.take_events() if isinstance(e, PagesStored)]
+    assert (stored.parent_hash, stored.token_ids, stored.lora_id) == (
+        hashes[0],
+        tuple(tokens[PAGE:]),
+        None,
+    )
 
 
 def test_corrupted_or_misshapen_pages_are_refused_and_change_nothing() -> None:
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 1)
     page = incoming(sender, hashes, tokens, 0)
+    proofs = book(receiver, tokens)
     flipped = bytearray(page.blob.data)
     flipped[3] ^= 0x80
     before = state(receiver)
     with pytest.raises(ChecksumMismatch):
         receiver.insert_many(
-            [dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(flipped)))]
+            [dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(flipped)))],
+            proofs,
         )
     half = make_service(dtype="float16")
     fill(half, 1)
@@ -205,9 +266,9 @@ def test_corrupted_or_misshapen_pages_are_refused_and_change_nothing() -> None:
         assert pid is not None
         f16 = half.store.export_page(pid, copy=True)
     with pytest.raises(PageFormatError):
-        receiver.insert_many([dataclasses.replace(page, blob=f16)])
+        receiver.insert_many([dataclasses.replace(page, blob=f16)], proofs)
     with pytest.raises(InvalidInput, match="page hash"):
-        receiver.insert_many([dataclasses.replace(page, page_hash=PageHash(b""))])
+        receiver.insert_many([dataclasses.replace(page, page_hash=PageHash(b""))], proofs)
     assert_unchanged(receiver, before)
 
 
@@ -218,7 +279,7 @@ def test_one_bad_page_in_a_batch_inserts_none_of_it() -> None:
     pages[2] = dataclasses.replace(pages[2], blob=dataclasses.replace(pages[2].blob, checksum=0))
     before = state(receiver)
     with pytest.raises(ChecksumMismatch):
-        receiver.insert_many(pages)
+        receiver.insert_many(pages, book(receiver, tokens))
     assert_unchanged(receiver, before)
 
 
@@ -228,7 +289,7 @@ def test_a_full_pool_refuses_the_insert_and_changes_nothing() -> None:
     held = receiver.pool.get_new_pages(3)
     before = state(receiver)
     with pytest.raises(PoolExhausted):
-        receiver.insert_many([incoming(sender, hashes, tokens, 0)])
+        receiver.insert_many([incoming(sender, hashes, tokens, 0)], book(receiver, tokens))
     assert_unchanged(receiver, before)
     receiver.pool.free_pages(held)
 
@@ -237,7 +298,8 @@ def test_insert_evicts_the_least_recently_used_free_page_when_needed() -> None:
     sender, receiver = make_service(num_pages=32), make_service(num_pages=4)
     old, _ = fill(receiver, 3, start=50)
     hashes, tokens = fill(sender, 1)
-    assert receiver.insert_many([incoming(sender, hashes, tokens, 0)]) == [True]
+    page = incoming(sender, hashes, tokens, 0)
+    assert receiver.insert_many([page], book(receiver, tokens)) == [True]
     # fill() freed its pages tail-first, so the old prefix lost its tail, not its head.
     assert receiver.lookup(old) == [True, True, False]
     receiver.check_invariants()
@@ -247,32 +309,42 @@ def test_duplicates_within_one_batch_are_inserted_once() -> None:
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 1)
     page = incoming(sender, hashes, tokens, 0)
-    assert receiver.insert_many([page, page]) == [True, False]
+    assert receiver.insert_many([page, page], book(receiver, tokens)) == [True, False]
     assert receiver.pool.get_num_free_pages() == receiver.pool.num_pages - 1
     assert len(receiver.pool.get_cached_pages(hashes[0])) == 1
 
 
-def test_pages_without_tokens_are_trusted_on_their_checksum() -> None:
+def test_a_page_without_proof_is_refused_however_good_its_checksum() -> None:
+    """Flipped by issue 12: a page that came without token ids (the salted first page) was
+    cached on its checksum alone. Now it is refused unless the receiver's own book proves
+    it; a book without the tenant's salt cannot, the one with it can."""
     sender, receiver = make_service(), make_service()
-    hashes, tokens = fill(sender, 2, keys=ExtraKeys(cache_salt="tenant-a"))
+    salted = ExtraKeys(cache_salt="tenant-a")
+    hashes, tokens = fill(sender, 2, keys=salted)
     page = dataclasses.replace(incoming(sender, hashes, tokens, 0), token_ids=())
-    assert receiver.insert_many([page]) == [True]
-    with pytest.raises(HashMismatch):  # salt not derivable from tokens: tokens cannot prove it
-        receiver.insert_many([incoming(sender, hashes, tokens, 0)])
+    before = state(receiver)
+    with pytest.raises(HashMismatch, match="refused without proof"):
+        receiver.insert_many([page], NO_PROOFS)
+    unsalted = ProofBook.for_pages(hashes, tokens, NO_EXTRA, PAGE)  # right tokens, no salt
+    with pytest.raises(HashMismatch, match="do not hash"):
+        receiver.insert_many([page], unsalted)
+    assert_unchanged(receiver, before)
+    assert receiver.insert_many([page], book(receiver, tokens, salted)) == [True]
+    assert receiver.lookup(hashes) == [True, False]
 
 
 def test_lora_pages_are_proven_with_the_lora_id_as_extra_key() -> None:
     sender, receiver = make_service(), make_service()
-    hashes, tokens = fill(sender, 2, keys=ExtraKeys(lora_id=7))
-    assert receiver.insert_many(
-        [incoming(sender, hashes, tokens, i, lora=7) for i in range(2)]
-    ) == [
-        True,
-        True,
-    ]
+    lora = ExtraKeys(lora_id=7)
+    hashes, tokens = fill(sender, 2, keys=lora)
+    pages = [incoming(sender, hashes, tokens, i, lora=7) for i in range(2)]
+    assert receiver.insert_many(pages, book(receiver, tokens, lora)) == [True, True]
+    stored = [e for e in receiver.take_events() if isinstance(e, PagesStored)]
+    assert [e.lora_id for e in stored] == [7, 7]  # the proof's LoRA, cached with the page
     other = make_service()
-    with pytest.raises(HashMismatch):
-        other.insert_many([incoming(sender, hashes, tokens, 0, lora=None)])
+    with pytest.raises(HashMismatch):  # a book without the adapter cannot prove its pages
+        other.insert_many(pages[:1], ProofBook.for_pages(hashes, tokens, NO_EXTRA, PAGE))
+    assert other.pool.cached_hashes() == set()
 
 
 def test_page_info_offers_tokens_only_when_they_prove_the_hash() -> None:
@@ -314,13 +386,14 @@ def test_concurrent_inserts_of_the_same_pages_cache_each_hash_once() -> None:
     sender, receiver = make_service(num_pages=32), make_service(num_pages=32)
     hashes, tokens = fill(sender, 8)
     pages = [incoming(sender, hashes, tokens, i) for i in range(8)]
+    proofs = book(receiver, tokens)
     results: list[list[bool]] = []
     errors: list[BaseException] = []
 
     def worker() -> None:
         try:
             for page in pages:
-                results.append(receiver.insert_many([page]))
+                results.append(receiver.insert_many([page], proofs))
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -343,28 +416,30 @@ def test_blob_from_bytes_round_trips_through_insert() -> None:
     blob = PageBlob.from_bytes(
         memoryview(bytearray(page.blob.data)), page.blob.dtype, page.blob.shape
     )
-    assert receiver.insert(hashes[0], None, tokens[:PAGE], blob) is True
+    assert receiver.insert(hashes[0], blob, book(receiver, tokens)) is True
 
 
-def receive_in_place(receiver: PageService, res: Any, page: IncomingPage) -> None:
+def receive_in_place(
+    receiver: PageService, res: Any, page: IncomingPage, proofs: ProofBook
+) -> None:
     """What an in-place transport does: write the bytes into the reserved page, check them."""
     receiver.store.import_page(res.page_id, page.blob, verified=False)
-    receiver.check(page)
+    receiver.check(page, proofs)
 
 
 def test_reserved_pages_are_cached_on_commit_bit_exact_and_evictable() -> None:
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 3)
+    proofs = book(receiver, tokens)
     reserved = receiver.reserve(hashes)
     assert all(r is not None for r in reserved)
     assert receiver.pool.cached_hashes() == set()  # held, not yet hit-able
     pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
     for res, page in zip(reserved, pages, strict=True):
         assert res is not None
-        receive_in_place(receiver, res, page)
-    assert (
-        receiver.commit([(r, p) for r, p in zip(reserved, pages, strict=True) if r]) == [True] * 3
-    )
+        receive_in_place(receiver, res, page, proofs)
+    passed = [(r, p) for r, p in zip(reserved, pages, strict=True) if r]
+    assert receiver.commit(passed, proofs) == [True] * 3
     assert receiver.lookup(hashes) == [True, True, True]
     assert receiver.ref_counts() == [0] * 16  # released: cached but evictable
     with receiver.pinned(hashes[:1]) as (pid,):
@@ -376,7 +451,7 @@ def test_reserved_pages_are_cached_on_commit_bit_exact_and_evictable() -> None:
 def test_cached_repeated_and_in_flight_hashes_get_no_reservation() -> None:
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 3)
-    receiver.insert_many([incoming(sender, hashes, tokens, 0)])
+    receiver.insert_many([incoming(sender, hashes, tokens, 0)], book(receiver, tokens))
     first = receiver.reserve([hashes[0], hashes[1], hashes[1]])
     assert [r is None for r in first] == [True, False, True]  # cached, new, repeated
     assert receiver.reserve([hashes[1]]) == [None]  # another transfer is receiving it
@@ -391,14 +466,15 @@ def test_cached_repeated_and_in_flight_hashes_get_no_reservation() -> None:
 def test_a_failed_check_or_a_release_frees_the_reservation_and_caches_nothing() -> None:
     sender, receiver = make_service(), make_service()
     hashes, tokens = fill(sender, 2)
+    proofs = book(receiver, tokens)
     free_before = receiver.pool.get_num_free_pages()
     reserved = receiver.reserve(hashes)
     assert receiver.pool.get_num_free_pages() == free_before - 2
     good = incoming(sender, hashes, tokens, 0)
     ok, bad = reserved
     assert ok is not None and bad is not None
-    receive_in_place(receiver, ok, good)
-    assert receiver.commit([(ok, good)], failed=[bad]) == [True]
+    receive_in_place(receiver, ok, good, proofs)
+    assert receiver.commit([(ok, good)], proofs, failed=[bad]) == [True]
     assert receiver.lookup(hashes) == [True, False]
     assert receiver.pool.get_num_free_pages() == free_before
     assert receiver.reserve([hashes[1]])[0] is not None  # not stuck "in flight"
@@ -420,6 +496,210 @@ def test_committing_a_page_into_another_hashs_reservation_is_refused() -> None:
     res = receiver.reserve(hashes[:1])[0]
     assert res is not None
     with pytest.raises(InvalidInput, match="reserved for"):
-        receiver.commit([(res, incoming(sender, hashes, tokens, 1))])
+        receiver.commit([(res, incoming(sender, hashes, tokens, 1))], book(receiver, tokens))
     receiver.release([res])
     receiver.check_invariants()
+
+
+def test_a_commit_the_book_cannot_prove_is_refused_whole_and_caches_nothing() -> None:
+    """Bytes already in reserved pages are still refused without proof: nothing is cached,
+    the reservations stay the caller's to release, and then the pool is as before."""
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 2)
+    before = state(receiver)
+    reserved = receiver.reserve(hashes)
+    pages = [incoming(sender, hashes, tokens, i) for i in range(2)]
+    passed = [(r, p) for r, p in zip(reserved, pages, strict=True) if r]
+    half = ProofBook.for_pages(hashes[:1], tokens, NO_EXTRA, PAGE)  # proves the first only
+    with pytest.raises(HashMismatch):
+        receiver.commit(passed, half)
+    assert receiver.pool.cached_hashes() == set()
+    receiver.release([r for r, _ in passed])
+    after = state(receiver)
+    assert after[:3] == before[:3]  # the written bytes stay in free, uncached pages
+    assert receiver.reserve(hashes[:1])[0] is not None  # not stuck "in flight"
+
+
+# ------------------------------------------------------------------ receivers
+
+
+def test_a_receiver_reserves_only_for_hashes_its_book_proves_and_evicts_nothing_else() -> None:
+    """`PageReceiver.reserve` holds (and so evicts) pool pages only for provable hashes: a
+    page that will be refused costs the pool nothing."""
+    sender, receiver = make_service(), make_service(num_pages=6)
+    own, _ = fill(receiver, 5, start=60)  # every usable page cached and evictable
+    hashes, tokens = fill(sender, 3)
+    before = state(receiver)
+    nothing = receiver.receiving(NO_PROOFS)
+    assert nothing.reserve(hashes) == [None, None, None]
+    assert_unchanged(receiver, before)
+    stranger = make_service().hasher.hash_prompt(tokens_for(1, start=200))[0]
+    first = receiver.receiving(ProofBook.for_pages(hashes[:1], tokens, NO_EXTRA, PAGE))
+    got = first.reserve([stranger, hashes[0], hashes[1]])
+    assert [r is None for r in got] == [True, False, True]
+    assert receiver.lookup(own) == [True] * 4 + [False]  # one page evicted, for hashes[0] only
+    page = incoming(sender, hashes, tokens, 0)
+    res = got[1]
+    assert res is not None
+    receiver.store.import_page(res.page_id, page.blob, verified=False)
+    first.check(page)
+    assert first.commit([(res, page)]) == [True]
+    assert receiver.lookup(hashes) == [True, False, False]
+    receiver.check_invariants()
+
+
+def test_a_receiver_proves_every_insert_against_its_own_book() -> None:
+    sender, receiver = make_service(), make_service()
+    hashes, tokens = fill(sender, 3)
+    pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
+    into = receiver.receiving(ProofBook.for_pages(hashes[:2], tokens, NO_EXTRA, PAGE))
+    assert into.insert_many(pages[:2]) == [True, True]
+    receiver.take_events()
+    before = state(receiver)
+    with pytest.raises(HashMismatch, match="refused without proof"):
+        into.insert_many(pages[2:])
+    assert_unchanged(receiver, before)
+    assert into.store is receiver.store and into.pusher is None
+
+
+def test_proof_books_need_the_tokens_of_every_page_they_prove() -> None:
+    hashes, tokens = fill(make_service(), 2)
+    with pytest.raises(InvalidInput, match="cannot prove 2 pages"):
+        ProofBook.for_pages(hashes, tokens[:-1], NO_EXTRA, PAGE)
+    later = ProofBook.for_pages(
+        hashes[1:], tokens[PAGE:], NO_EXTRA, PAGE, first_page=1, parent=hashes[0]
+    )
+    proof = later.get(hashes[1])
+    assert proof is not None and proof.parent_hash == hashes[0]
+    assert later.hashes == (hashes[1],) and len(later) == 1 and hashes[0] not in later
+
+
+# ------------------------------------------------------------------ push grants
+
+
+def no_grant_refusals(name: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "kvmesh_transfer_refused_total", {"worker": name, "reason": "no_grant"}
+    )
+    return value or 0.0
+
+
+def test_a_push_ticket_admits_its_book_once() -> None:
+    sender, receiver = make_service(), make_service(name="decode-0")
+    hashes, tokens = fill(sender, 2)
+    ticket = receiver.grants.grant(book(receiver, tokens))
+    assert len(ticket) == 16 and len(receiver.grants) == 1
+    into = receiver.receiving_push(ticket, "prefill-0")
+    assert into.pusher == "prefill-0" and set(into.proofs.hashes) == set(hashes)
+    assert len(receiver.grants) == 0  # consumed
+    refused = no_grant_refusals("decode-0")
+    with pytest.raises(PermissionDenied, match="unknown, used or expired"):
+        receiver.receiving_push(ticket, "prefill-0")
+    assert no_grant_refusals("decode-0") == refused + 1
+
+
+@pytest.mark.parametrize(
+    "ticket", [b"", b"\x00" * 16, b"not-a-ticket"], ids=["none", "zeros", "junk"]
+)
+def test_a_push_without_a_live_ticket_is_permission_denied(ticket: bytes) -> None:
+    receiver = make_service(name="decode-1")
+    receiver.grants.grant(book(receiver, tokens_for(2)))  # a grant exists, for another ticket
+    refused = no_grant_refusals("decode-1")
+    with pytest.raises(PermissionDenied, match=r"grant|ticket"):
+        receiver.receiving_push(ticket, "prefill-0")
+    assert no_grant_refusals("decode-1") == refused + 1
+    assert len(receiver.grants) == 1  # a bad ticket consumes nobody else's
+
+
+def test_a_push_ticket_expires_after_its_time_to_live() -> None:
+    clock = Clock()
+    receiver = make_service(grants=PushGrants(ttl_s=5.0, clock=clock))
+    proofs = book(receiver, tokens_for(1))
+    early, late = receiver.grants.grant(proofs), receiver.grants.grant(proofs)
+    clock.now += 4.9
+    assert receiver.grants.take(early) is proofs
+    clock.now += 0.1
+    with pytest.raises(PermissionDenied, match="expired"):
+        receiver.grants.take(late)
+    receiver.grants.grant(proofs)  # granting drops the expired ones
+    assert len(receiver.grants) == 1
+
+
+def test_open_grants_are_capped_and_the_oldest_goes_first() -> None:
+    grants = PushGrants(max_grants=2)
+    tickets = [grants.grant(NO_PROOFS) for _ in range(3)]
+    assert len(grants) == 2
+    with pytest.raises(PermissionDenied):
+        grants.take(tickets[0])
+    assert grants.take(tickets[1]) is NO_PROOFS and grants.take(tickets[2]) is NO_PROOFS
+    for bad in ({"ttl_s": 0.0}, {"max_grants": 0}):
+        with pytest.raises(InvalidInput, match="push grants need"):
+            PushGrants(**bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ eviction budgets
+
+
+def test_an_eviction_budget_refills_at_capacity_per_window_up_to_capacity() -> None:
+    clock = Clock()
+    budget = EvictionBudget(10, 20.0, clock=clock)  # 0.5 pages a second
+    assert budget.available("a") == 10
+    budget.spend("a", 7)
+    assert (budget.available("a"), budget.available("b")) == (3, 10)  # per peer
+    clock.now += 3.0  # +1.5
+    assert budget.available("a") == 4  # 4.5 pages, whole pages only
+    clock.now += 1.0  # +0.5
+    assert budget.available("a") == 5
+    budget.spend("a", 9)
+    assert budget.available("a") == 0  # never below zero
+    budget.spend("a", 0)
+    clock.now += 1.9
+    assert budget.available("a") == 0
+    clock.now += 0.1
+    assert budget.available("a") == 1
+    clock.now += 1000.0
+    assert budget.available("a") == 10  # never above capacity
+    for bad in ((-1, 1.0), (1, 0.0)):
+        with pytest.raises(InvalidInput, match="eviction budget needs"):
+            EvictionBudget(*bad)
+
+
+def test_pushed_pages_that_would_evict_more_than_the_budget_are_refused_and_evict_nothing() -> None:
+    clock = Clock()
+    sender = make_service()
+    receiver = make_service(num_pages=6, evictions=EvictionBudget(2, 10.0, clock=clock))
+    own, _ = fill(receiver, 5, start=60)  # every usable page cached and evictable
+    hashes, tokens = fill(sender, 3)
+    pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
+    proofs = book(receiver, tokens)
+    push = receiver.receiving_push(receiver.grants.grant(proofs), "greedy")
+    before = state(receiver)
+    with pytest.raises(
+        PoolExhausted, match="would evict 3 cached pages; pusher greedy may evict 2"
+    ):
+        push.insert_many(pages)
+    assert push.reserve(hashes) == [None, None, None]  # the in-place path keeps the same cap
+    assert_unchanged(receiver, before)
+    assert receiver.evictions.available("greedy") == 2  # a refusal costs nothing
+    assert push.insert_many(pages[:2]) == [True, True]
+    assert receiver.lookup(own).count(True) == 3 and receiver.evictions.available("greedy") == 0
+    with pytest.raises(PoolExhausted, match="may evict 0 more"):
+        push.insert_many(pages[2:])
+    assert receiver.evictions.available("someone-else") == 2  # budgets are per pusher
+    clock.now += 5.0  # half a window: one page back
+    assert push.insert_many(pages[2:]) == [True]
+    assert receiver.lookup(hashes) == [True] * 3 and receiver.lookup(own).count(True) == 2
+    receiver.check_invariants()
+
+
+def test_only_pushes_are_charged_and_only_for_the_cached_pages_they_evict() -> None:
+    sender = make_service()
+    hashes, tokens = fill(sender, 3)
+    pages = [incoming(sender, hashes, tokens, i) for i in range(3)]
+    empty = make_service(num_pages=6, evictions=EvictionBudget(0, 10.0))
+    push = empty.receiving_push(empty.grants.grant(book(empty, tokens)), "prefill-0")
+    assert push.insert_many(pages) == [True] * 3  # free, uncached pages: nothing evicted
+    full = make_service(num_pages=6, evictions=EvictionBudget(0, 10.0))
+    fill(full, 5, start=60)
+    assert full.receiving(book(full, tokens)).insert_many(pages) == [True] * 3  # a pull
+    assert full.evictions.available("prefill-0") == 0

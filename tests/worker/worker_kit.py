@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.page_service import ProofBook
 
 BASE = dataclasses.replace(
     ClusterConfig(),
@@ -24,6 +25,13 @@ BASE = dataclasses.replace(
 )
 PAGE = BASE.hash.page_size
 HASHER = PageHasher.from_config(BASE.hash)
+
+
+def proofs_for(hasher: PageHasher, tokens: Sequence[int], keys: ExtraKeys = NO_EXTRA) -> ProofBook:
+    """What a receiver serving a request for `tokens` (with `keys`: salt, LoRA, media) can
+    prove: every full page of it, from its own tokens, never from what a sender says."""
+    hashes = hasher.hash_prompt(tokens, keys)
+    return ProofBook.for_pages(hashes, tokens, keys, hasher.page_size)
 
 
 class Prompts:
@@ -54,10 +62,12 @@ def check_pull_from_nowhere_computes(worker: WorkerActor, prompts: Prompts, mode
 def check_push_then_decode(
     prefill: WorkerActor, decode: WorkerActor, prompts: Prompts, model: Any
 ) -> None:
-    """Prefill pushes a 5-page prompt; once `prefill` returns the decode worker holds the
-    pages and continues from them (only the partial page computed), with the right answer."""
+    """Prefill pushes a 5-page prompt under the ticket the decode worker granted for it; once
+    `prefill` returns the decode worker holds the pages and continues from them (only the
+    partial page computed), with the right answer."""
     tokens = prompts.prompt(5)
-    done = prefill.prefill(prompts.request(tokens), decode.address)
+    request = prompts.request(tokens)
+    done = prefill.prefill(request, decode.address, decode.expect_push(request))
     assert (done.pages_pushed, done.push_error) == (5, None)
     assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
     result = decode.generate(prompts.request(tokens, 6, promised_local=5))
