@@ -84,6 +84,7 @@ from kvmesh.errors import (
     ConfigError,
     InvalidInput,
     KVMeshError,
+    PermissionDenied,
     TransportError,
 )
 from kvmesh.rendezvous import DistRendezvous, LinkBook, assign_ranks
@@ -91,9 +92,12 @@ from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.kv_store import DTYPES, PageBlob
 from kvmesh.worker.page_service import (
     MAX_HASH_BYTES,
+    NO_PROOFS,
     IncomingPage,
     PageInfo,
+    PageReceiver,
     PageService,
+    ProofBook,
     Reservation,
     check_hash,
 )
@@ -118,7 +122,7 @@ DTYPE_CODES: dict[str, int] = {
 _DTYPE_NAMES: dict[int, str] = {code: name for name, code in DTYPE_CODES.items()}
 
 MAGIC = 0x6B766D657368  # "kvmesh"
-VERSION = 2
+VERSION = 3
 PREAMBLE_WORDS = 16
 MAX_NDIM = 6
 SERVE_TAG = 1
@@ -543,8 +547,12 @@ class WirePage:
 
 
 def encode_page_meta(
-    pages: Sequence[WirePage], missing: Sequence[PageHash], batch_counts: Sequence[int]
+    pages: Sequence[WirePage],
+    missing: Sequence[PageHash],
+    batch_counts: Sequence[int],
+    ticket: bytes = b"",
 ) -> bytes:
+    """The meta of a PAGES transfer; a push carries the receiver's grant `ticket`."""
     rows = [
         [
             p.page_hash,
@@ -555,15 +563,19 @@ def encode_page_meta(
         ]
         for p in pages
     ]
-    return bytes(msgpack.packb([rows, list(missing), list(batch_counts)], use_bin_type=True))
+    meta = [rows, list(missing), list(batch_counts), bytes(ticket)]
+    return bytes(msgpack.packb(meta, use_bin_type=True))
 
 
 def decode_page_meta(
     raw: bytes, count: int, max_batch_pages: int
-) -> tuple[list[WirePage], list[PageHash], list[int]]:
-    """Pages, missing hashes and pages per batch from a PAGES meta; `InvalidInput` if malformed."""
+) -> tuple[list[WirePage], list[PageHash], list[int], bytes]:
+    """Pages, missing hashes, pages per batch and push ticket from a PAGES meta;
+    `InvalidInput` if malformed."""
     try:
-        rows, missing, counts = msgpack.unpackb(raw, raw=False, use_list=True)
+        rows, missing, counts, ticket = msgpack.unpackb(raw, raw=False, use_list=True)
+        if not isinstance(ticket, bytes) or len(ticket) > 64:
+            raise TypeError("push ticket")
         pages = []
         for page_hash, parent, tokens, lora, tier in rows:
             if lora is not None and not isinstance(lora, int):
@@ -589,7 +601,7 @@ def decode_page_meta(
             f"transfer meta lists {len(pages)} pages in batches of {sum(counts)}, "
             f"its preamble {count}"
         )
-    return pages, gone, counts
+    return pages, gone, counts, ticket
 
 
 def plan_batches(
@@ -780,8 +792,9 @@ class DistPageTransport:
 
     # -- public calls ------------------------------------------------------
 
-    def pull(self, src: int, hashes: Sequence[PageHash]) -> ReceiveResult:
-        """Fetch `hashes` from rank `src`'s serving loop and insert them here (checked).
+    def pull(self, src: int, hashes: Sequence[PageHash], proofs: ProofBook) -> ReceiveResult:
+        """Fetch `hashes` from rank `src`'s serving loop and insert them here (checked and
+        proven against `proofs`, the book of the request being served).
 
         Raises `TransportError` when the group fails; pages checked and
         inserted before the failure stay.
@@ -794,17 +807,18 @@ class DistPageTransport:
         request = encode_request([check_hash(h) for h in hashes])
         with self._peer_lock(src):
             self._send_small(src, SERVE_TAG, Preamble(Kind.REQUEST, len(hashes)), request)
-            return self._receive_pages(src, REPLY_TAG, None)
+            return self._receive_pages(src, REPLY_TAG, None, self.service.receiving(proofs))
 
-    def push(self, dst: int, hashes: Sequence[PageHash]) -> SendResult:
-        """Send the pages for `hashes` (those held here) to rank `dst`'s serving loop.
+    def push(self, dst: int, hashes: Sequence[PageHash], ticket: bytes) -> SendResult:
+        """Send the pages for `hashes` (those held here) to rank `dst`'s serving loop, under
+        the push grant `ticket` the receiver handed out for them.
 
         Returns once the receiver has checked and cached them and said so (its
         ack fills `stored` / `refused`), so the receiver can serve from them
         at once. Raises `TransportError` when the group fails.
         """
         with self._peer_lock(dst):
-            sent = self._send_pages(dst, SERVE_TAG, [check_hash(h) for h in hashes])
+            sent = self._send_pages(dst, SERVE_TAG, [check_hash(h) for h in hashes], ticket)
             ack, _ = self._recv_preamble(dst, REPLY_TAG, self.timeout_s)
             if ack.kind != Kind.ACK:
                 raise self._protocol_error(
@@ -828,7 +842,7 @@ class DistPageTransport:
 
     def _take_push(self, src: int, pre: Preamble) -> ReceiveResult:
         """Receive a push and acknowledge it (pages held now, pages refused)."""
-        result = self._receive_pages(src, SERVE_TAG, pre)
+        result = self._receive_pages(src, SERVE_TAG, pre, None)
         ack = Preamble(Kind.ACK, len(result.cached), batch_pages=len(result.rejected))
         self._send_small(src, REPLY_TAG, ack, b"")
         return result
@@ -877,7 +891,9 @@ class DistPageTransport:
             payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
             self.group.send(self._dev(payload), dst, tag, self.timeout_s)
 
-    def _send_pages(self, dst: int, tag: int, hashes: Sequence[PageHash]) -> SendResult:
+    def _send_pages(
+        self, dst: int, tag: int, hashes: Sequence[PageHash], ticket: bytes = b""
+    ) -> SendResult:
         service, store = self.service, self.service.store
         with service.pinned(hashes) as ids:
             held: list[tuple[PageHash, PageId]] = []
@@ -912,7 +928,7 @@ class DistPageTransport:
                 batch_pages=max(counts, default=0),
                 layout=layout,
             )
-            self._send_small(dst, tag, pre, encode_page_meta(wire, missing, counts))
+            self._send_small(dst, tag, pre, encode_page_meta(wire, missing, counts, ticket))
             with self._send_guard:
                 if layout == Layout.PAGES:
                     nbytes = self._send_page_messages(dst, tag, plan, page_ids)
@@ -1032,19 +1048,30 @@ class DistPageTransport:
         self.group.recv(t, src, tag, self.timeout_s)
         return t.cpu().numpy().tobytes()
 
-    def _receive_pages(self, src: int, tag: int, pre: Preamble | None) -> ReceiveResult:
+    def _receive_pages(
+        self, src: int, tag: int, pre: Preamble | None, receiver: PageReceiver | None
+    ) -> ReceiveResult:
+        """Receive one PAGES transfer into `receiver` (None: a push, received against the
+        grant its ticket names; without one every page is received and refused)."""
         if pre is None:
             pre, _ = self._recv_preamble(src, tag, self.timeout_s)
         if pre.kind != Kind.PAGES:
             raise self._protocol_error(f"expected pages from rank {src}, got kind {pre.kind}")
         raw = self._recv_meta(src, tag, pre.meta_nbytes)
         try:
-            pages, missing, counts = decode_page_meta(raw, pre.count, pre.batch_pages)
+            pages, missing, counts, ticket = decode_page_meta(raw, pre.count, pre.batch_pages)
         except InvalidInput as exc:
             # The payload that follows cannot be matched to hashes: the stream is lost.
             raise self._protocol_error(str(exc)) from exc
+        if receiver is None:
+            try:
+                receiver = self.service.receiving_push(ticket, f"dist-rank:{src}")
+            except PermissionDenied as exc:
+                # The bytes still follow: take them into spare rows and refuse every page.
+                log.warning("push from rank %d refused: %s", src, exc)
+                receiver = self.service.receiving(NO_PROOFS)
         with self._recv_guard:
-            return self._receive_batches(src, tag, pre, pages, tuple(missing), counts)
+            return self._receive_batches(src, tag, pre, pages, tuple(missing), counts, receiver)
 
     def _receive_batches(
         self,
@@ -1054,6 +1081,7 @@ class DistPageTransport:
         pages: list[WirePage],
         missing: tuple[PageHash, ...],
         counts: list[int],
+        receiver: PageReceiver,
     ) -> ReceiveResult:
         group = self.group
         firsts = np.cumsum([0, *counts]).tolist()
@@ -1073,7 +1101,7 @@ class DistPageTransport:
                 buf = self._recv_bufs.get(n % 2, count * pre.page_nbytes)
                 posted[n] = _Posted([], sums, [buf], [])
             else:
-                slots = self.service.reserve([p.page_hash for p in pages[first : first + count]])
+                slots = receiver.reserve([p.page_hash for p in pages[first : first + count]])
                 spares = sum(slot is None for slot in slots)
                 spare = torch.empty(
                     (spares, pre.page_nbytes), dtype=torch.uint8, device=group.device
@@ -1111,10 +1139,17 @@ class DistPageTransport:
                 batch.works = []
                 if rows is None:
                     self._insert_batch(
-                        pre, pages[first : first + count], batch.sums, batch.targets[0], outcome
+                        pre,
+                        pages[first : first + count],
+                        batch.sums,
+                        batch.targets[0],
+                        outcome,
+                        receiver,
                     )
                 else:
-                    self._commit_batch(pre, pages[first : first + count], batch, outcome)
+                    self._commit_batch(
+                        pre, pages[first : first + count], batch, outcome, receiver
+                    )
                 del posted[n]
         finally:
             self._release(posted, transport_failed)
@@ -1127,14 +1162,18 @@ class DistPageTransport:
         )
 
     def _commit_batch(
-        self, pre: Preamble, batch: Sequence[WirePage], posted: _Posted, outcome: _Outcome
+        self,
+        pre: Preamble,
+        batch: Sequence[WirePage],
+        posted: _Posted,
+        outcome: _Outcome,
+        receiver: PageReceiver,
     ) -> None:
         """Check each received page where it landed; cache the good ones, release the rest.
 
         The checks are `PageService.check` (the same as `insert` and the gRPC
         path run); a reserved page is cached only after its bytes passed.
         """
-        service = self.service
         checks = posted.sums.cpu().numpy().view(np.uint64).tolist()
         dtype, shape = pre.dtype_name, pre.shape
         status: list[str] = [""] * len(batch)
@@ -1145,23 +1184,21 @@ class DistPageTransport:
             blob = PageBlob(posted.targets[i].cpu().numpy().data, dtype, shape, checks[i])
             slot = posted.slots[i]
             try:
-                if slot is None:
-                    new = service.insert(
-                        page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
-                    )
-                    status[i] = "inserted" if new else "present"
-                    continue
                 incoming = IncomingPage(
                     page.page_hash, page.parent_hash, page.token_ids, blob, page.lora_id
                 )
-                service.check(incoming)
+                if slot is None:
+                    new = receiver.insert_many([incoming])[0]
+                    status[i] = "inserted" if new else "present"
+                    continue
+                receiver.check(incoming)
             except KVMeshError as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 if slot is not None:
                     bad.append(slot)
                 continue
             good.append((i, slot, incoming))
-        cached = service.commit([(slot, incoming) for _, slot, incoming in good], bad)
+        cached = receiver.commit([(slot, incoming) for _, slot, incoming in good], bad)
         for (i, _, _), new in zip(good, cached, strict=True):
             status[i] = "inserted" if new else "present"  # present: cached meanwhile
         posted.slots = []
@@ -1207,6 +1244,7 @@ class DistPageTransport:
         sums: Tensor,
         buf: Tensor,
         outcome: _Outcome,
+        receiver: PageReceiver,
     ) -> None:
         """Check and insert the pages of a received batch; a bad page is rejected alone.
 
@@ -1228,7 +1266,7 @@ class DistPageTransport:
             for i, p in enumerate(pages)
         ]
         try:
-            news = self.service.insert_many(incoming)
+            news = receiver.insert_many(incoming)
         except KVMeshError:
             news = None
         if news is not None:
@@ -1238,7 +1276,7 @@ class DistPageTransport:
         before = len(outcome.rejected)
         for page in incoming:
             try:
-                new = self.service.insert_many([page])[0]
+                new = receiver.insert_many([page])[0]
             except KVMeshError as exc:
                 outcome.rejected.append((page.page_hash, f"{type(exc).__name__}: {exc}"))
                 continue
@@ -1290,7 +1328,7 @@ class GrpcPuller(Protocol):
     """What the fallback needs of a gRPC client (`SyncPeerClient` to the peer has it)."""
 
     def pull_into(
-        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+        self, service: PageReceiver, hashes: Sequence[PageHash], *, deadline_s: float | None = None
     ) -> int: ...
 
 
@@ -1316,6 +1354,7 @@ class FetchOutcome:
 class _FetchArgs:
     service: PageService
     hashes: tuple[PageHash, ...]
+    proofs: ProofBook
     dist: DistSource
     peer_rank: int | None
     grpc: GrpcPuller | None
@@ -1330,14 +1369,15 @@ def _fetch_dist(a: _FetchArgs) -> FetchOutcome:
     transport = a.dist if isinstance(a.dist, DistPageTransport) else a.dist()
     if transport.service is not a.service:
         raise InvalidInput("the dist transport serves another PageService than the one to fill")
-    result = transport.pull(a.peer_rank, a.hashes)
+    result = transport.pull(a.peer_rank, a.hashes, a.proofs)
     return FetchOutcome("dist", len(result.inserted), None, result)
 
 
 def _fetch_grpc(a: _FetchArgs) -> FetchOutcome:
     if a.grpc is None:
         raise TransportError("no gRPC client for the peer")
-    return FetchOutcome("grpc", a.grpc.pull_into(a.service, a.hashes, deadline_s=a.deadline_s))
+    into = a.service.receiving(a.proofs)
+    return FetchOutcome("grpc", a.grpc.pull_into(into, a.hashes, deadline_s=a.deadline_s))
 
 
 FETCHERS: dict[str, Callable[[_FetchArgs], FetchOutcome]] = {
@@ -1353,6 +1393,7 @@ FALLBACK: dict[str, str] = {"dist": "grpc"}
 def fetch_with_fallback(
     service: PageService,
     hashes: Sequence[PageHash],
+    proofs: ProofBook,
     *,
     transport: str = "dist",
     dist: DistSource = None,
@@ -1360,7 +1401,8 @@ def fetch_with_fallback(
     grpc: GrpcPuller | None = None,
     deadline_s: float | None = None,
 ) -> FetchOutcome:
-    """Pull `hashes` from a peer into `service` over `transport`, falling back to gRPC.
+    """Pull `hashes` from a peer into `service` over `transport`, falling back to gRPC;
+    every page is proven against `proofs` (the book of the request being served).
 
     With ``transport="dist"``, any `TransportError` of torch.distributed (no
     group, the factory's rendezvous failing, the peer gone mid-transfer) is
@@ -1374,7 +1416,7 @@ def fetch_with_fallback(
         raise ConfigError(
             f"unknown transport {transport!r}; choose one of {sorted(FETCHERS)}"
         ) from None
-    args = _FetchArgs(service, tuple(hashes), dist, peer_rank, grpc, deadline_s)
+    args = _FetchArgs(service, tuple(hashes), proofs, dist, peer_rank, grpc, deadline_s)
     try:
         return fetch(args)
     except TransportError as exc:

@@ -148,6 +148,17 @@ class FreePageQueue:
         page = self._head.next_free
         return None if page is self._tail else page
 
+    def count_cached_in_head(self, n: int) -> int:
+        """How many of the next `n` pages `popleft_n` would hand out still hold a hash; O(n)."""
+        count = 0
+        page = self._head.next_free
+        tail = self._tail
+        while n > 0 and page is not None and page is not tail:
+            count += page.page_hash is not None
+            page = page.next_free
+            n -= 1
+        return count
+
     def get_all_free_pages(self) -> list[KVPage]:
         """Every free page from head (next to be evicted) to tail; O(n)."""
         out: list[KVPage] = []

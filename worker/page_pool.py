@@ -147,6 +147,10 @@ class PagePool:
         """Pages `get_new_pages` can hand out now (free, cached or not)."""
         return self.free_queue.num_free_pages
 
+    def evictions_for(self, n: int) -> int:
+        """How many cached pages `get_new_pages(n)` would evict now; O(n)."""
+        return self.free_queue.count_cached_in_head(n)
+
     @property
     def usage(self) -> float:
         """Fraction of the non-null pages that are held (0.0 idle, 1.0 full)."""

@@ -11,19 +11,22 @@ Streaming a page out::
     try:   ... service.export(id) ...
     finally: service.unpin(ids)      # ref -1: back to the free queue (cached)
 
-Taking a page in (`insert`): checked first (dtype, shape, size, checksum and,
-when token ids come with it, the hash chain), then a page is allocated, the
-bytes are written outside the lock, and the page is cached and freed, so it
-stays cached but evictable. A page already held is skipped, never
-overwritten. A refused page changes nothing.
+Taking a page in (`insert_many`): checked first (dtype, shape, size,
+checksum, and the proof of its hash), then a page is allocated, the bytes are
+written outside the lock, and the page is cached and freed, so it stays
+cached but evictable. A page already held is skipped, never overwritten. A
+refused page changes nothing.
 
-Trust: when token ids come with a page, ``hash(parent, tokens, lora) ==
-page_hash`` is checked, so a peer cannot cache bytes under a hash those
-tokens do not produce. The extra keys of a page (salt, media) cannot be
-re-derived from its tokens: for the first page of a salted request, or a
-page with multimodal input, the sender cannot prove the chain, sends no
-tokens, and the receiver trusts the checksum (integrity, not authenticity)
-and its transport's authentication (docs/security.md, *Page identity*).
+Trust: every page proves its hash before it is cached, whatever brought it.
+The proof is the receiver's own (`ProofBook`): the tokens and extra keys
+(LoRA, salt, media) of the request it is serving, from which it recomputes
+``hash(parent, tokens, extra) == page_hash``. What a sender says about a page
+(its parent, tokens, LoRA) is never taken as proof, so a peer cannot cache
+bytes under a hash the receiver did not ask for, and salted and multimodal
+pages prove like any other (the receiver knows its request's salt and media).
+A pull builds its book from the request it serves; a push is taken only
+against a grant (`grant_push`): the receiving worker made the book from the
+request routed to it and handed the pusher a one-use ticket.
 
 Receiving in place (`reserve` / `commit` / `release`): a transport that
 writes bytes straight into the KV store (torch.distributed) holds uncached
@@ -34,14 +37,18 @@ or inserted twice.
 
 from __future__ import annotations
 
+import secrets
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
-from kvmesh.errors import HashMismatch, InvalidInput, PoolExhausted
+from kvmesh.errors import HashMismatch, InvalidInput, PermissionDenied, PoolExhausted
 from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.metrics import TRANSFER_REFUSED
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import KVStore, PageBlob
@@ -52,13 +59,198 @@ MAX_HASH_BYTES = 64
 
 @dataclass(frozen=True, slots=True)
 class IncomingPage:
-    """A page offered to `PageService.insert_many`; empty `token_ids`: checksum-only trust."""
+    """A page offered to `PageService.insert_many`, as its sender describes it.
+
+    `parent_hash`, `token_ids` and `lora_id` are the sender's word (kept on the
+    wire for senders and tools); the receiver proves the page with its own
+    `ProofBook` and caches it with the proof's values.
+    """
 
     page_hash: PageHash
     parent_hash: PageHash | None
     token_ids: tuple[int, ...]
     blob: PageBlob
     lora_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageProof:
+    """What a receiver itself knows of a page it may accept: enough to recompute its hash."""
+
+    parent_hash: PageHash | None
+    token_ids: tuple[int, ...]
+    extra: tuple[Any, ...] | None = None  # `ExtraKeys.for_page` of this page
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.extra is None else self.extra[0]
+
+
+class ProofBook:
+    """The pages a receiver may accept, each with the proof it recomputes the hash from.
+
+    Built by the receiver from the request it serves (`for_request`), never
+    from what a sender claims. A hash outside the book is refused.
+    """
+
+    __slots__ = ("_proofs",)
+
+    def __init__(self, proofs: Mapping[PageHash, PageProof]) -> None:
+        self._proofs = dict(proofs)
+
+    @classmethod
+    def for_pages(
+        cls,
+        hashes: Sequence[PageHash],
+        token_ids: Sequence[int],
+        extra: ExtraKeys,
+        page_size: int,
+        *,
+        first_page: int = 0,
+        parent: PageHash | None = None,
+    ) -> ProofBook:
+        """Proofs for consecutive pages of a prompt: `hashes` and their `token_ids` from page
+        `first_page` on, `parent` the hash before it (None: the prompt's first page)."""
+        if len(token_ids) < len(hashes) * page_size:
+            raise InvalidInput(
+                f"{len(token_ids)} tokens cannot prove {len(hashes)} pages of {page_size} tokens"
+            )
+        proofs: dict[PageHash, PageProof] = {}
+        for i, h in enumerate(hashes):
+            tokens = tuple(token_ids[i * page_size : (i + 1) * page_size])
+            proofs[h] = PageProof(parent, tokens, extra.for_page(first_page + i, page_size))
+            parent = h
+        return cls(proofs)
+
+    def get(self, page_hash: PageHash) -> PageProof | None:
+        return self._proofs.get(page_hash)
+
+    @property
+    def hashes(self) -> tuple[PageHash, ...]:
+        """The provable hashes, in prompt order."""
+        return tuple(self._proofs)
+
+    def __len__(self) -> int:
+        return len(self._proofs)
+
+    def __contains__(self, page_hash: object) -> bool:
+        return page_hash in self._proofs
+
+
+NO_PROOFS = ProofBook({})
+
+
+@dataclass(slots=True)
+class _Grant:
+    proofs: ProofBook
+    expires: float
+
+
+class PushGrants:
+    """One-use tickets for the pushes a worker agreed to take (prefill -> decode).
+
+    The worker a request is routed to grants a ticket for that request's pages
+    (`grant`); the pusher presents it and the push is proven against the book
+    the grant holds (`take`, which consumes it). Tickets are 128-bit secrets
+    that travel only between cluster members; they expire after `ttl_s`, and
+    at most `max_grants` are open at once (the oldest is dropped first).
+    """
+
+    __slots__ = ("_clock", "_grants", "_lock", "max_grants", "ttl_s")
+
+    def __init__(
+        self,
+        ttl_s: float = 60.0,
+        max_grants: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 0 or max_grants < 1:
+            raise InvalidInput(f"push grants need ttl_s > 0 and max_grants >= 1, got {ttl_s}, {max_grants}")
+        self.ttl_s = ttl_s
+        self.max_grants = max_grants
+        self._clock = clock
+        self._grants: dict[bytes, _Grant] = {}
+        self._lock = threading.Lock()
+
+    def grant(self, proofs: ProofBook) -> bytes:
+        """A fresh ticket for pushes of the pages in `proofs`."""
+        ticket = secrets.token_bytes(16)
+        now = self._clock()
+        with self._lock:
+            for old in [t for t, g in self._grants.items() if g.expires <= now]:
+                del self._grants[old]
+            while len(self._grants) >= self.max_grants:
+                del self._grants[next(iter(self._grants))]
+            self._grants[ticket] = _Grant(proofs, now + self.ttl_s)
+        return ticket
+
+    def take(self, ticket: bytes) -> ProofBook:
+        """The book of a live ticket, consuming it; `PermissionDenied` for none, unknown or expired."""
+        if not ticket:
+            raise PermissionDenied(
+                "a push without a grant is refused: a worker takes pushed pages only for a "
+                "request routed to it (prefill -> decode), with the ticket it granted"
+            )
+        with self._lock:
+            grant = self._grants.pop(ticket, None)
+        if grant is None or grant.expires <= self._clock():
+            raise PermissionDenied(
+                "the push ticket is unknown, used or expired: pushes are taken only for a "
+                "request routed to this worker, once, within the grant's time to live"
+            )
+        return grant.proofs
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._grants)
+
+
+class EvictionBudget:
+    """How many cached pages each pusher may still evict: a token bucket per peer.
+
+    `capacity` pages at most, refilled at ``capacity / window_s`` per second,
+    so a peer's pushes can flush at most that share of the pool per window
+    while other tenants' pages stay.
+    """
+
+    __slots__ = ("_clock", "_lock", "_peers", "capacity", "window_s")
+
+    def __init__(
+        self, capacity: int, window_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if capacity < 0 or window_s <= 0:
+            raise InvalidInput(
+                f"an eviction budget needs capacity >= 0 and window_s > 0, got {capacity}, "
+                f"{window_s}"
+            )
+        self.capacity = capacity
+        self.window_s = window_s
+        self._clock = clock
+        self._peers: dict[str, tuple[float, float]] = {}  # peer -> (tokens, as of)
+        self._lock = threading.Lock()
+
+    def available(self, peer: str) -> int:
+        """Pages `peer` may evict now."""
+        with self._lock:
+            return int(self._refill(peer))
+
+    def spend(self, peer: str, pages: int) -> None:
+        """Charge `peer` for `pages` evicted (never below zero)."""
+        if pages <= 0:
+            return
+        with self._lock:
+            self._peers[peer] = (max(0.0, self._refill(peer) - pages), self._clock())
+
+    def _refill(self, peer: str) -> float:
+        now = self._clock()
+        tokens, then = self._peers.get(peer, (float(self.capacity), now))
+        tokens = min(float(self.capacity), tokens + (now - then) * self.capacity / self.window_s)
+        self._peers[peer] = (tokens, now)
+        if len(self._peers) > 4096:  # forget peers whose buckets are full again
+            full = [p for p, (t, _) in self._peers.items() if t >= self.capacity and p != peer]
+            for p in full:
+                del self._peers[p]
+        return tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +296,17 @@ class PageService:
     page is private to the inserting thread until it is cached.
     """
 
-    __slots__ = ("_inflight", "_lock", "_tokens", "hasher", "pool", "store")
+    __slots__ = (
+        "_inflight",
+        "_lock",
+        "_tokens",
+        "evictions",
+        "grants",
+        "hasher",
+        "name",
+        "pool",
+        "store",
+    )
 
     def __init__(
         self,
@@ -113,6 +315,9 @@ class PageService:
         hasher: PageHasher,
         *,
         lock: AbstractContextManager[object] | None = None,
+        grants: PushGrants | None = None,
+        evictions: EvictionBudget | None = None,
+        name: str = "",
     ) -> None:
         if store.num_pages != pool.num_pages:
             raise InvalidInput(
@@ -129,6 +334,11 @@ class PageService:
         self.hasher = hasher
         self._lock: AbstractContextManager[object] = lock if lock is not None else threading.Lock()
         self._inflight: set[PageHash] = set()
+        self.grants = grants if grants is not None else PushGrants()
+        self.evictions = (
+            evictions if evictions is not None else EvictionBudget(pool.num_pages // 2, 10.0)
+        )
+        self.name = name  # the worker's id, for metrics
         # Token ids of cached pages, learnt from PagesStored events and inserts,
         # so that a sender can prove a page's chain. Bounded by `_prune_tokens`.
         self._tokens: dict[PageHash, tuple[int, ...]] = {}
@@ -224,52 +434,75 @@ class PageService:
 
     # ---------------------------------------------------------------- insert
 
-    def check(self, page: IncomingPage, *, with_checksum: bool = True) -> None:
-        """Raise unless `page` may enter the pool: format, checksum, hash chain.
+    def prove(self, page_hash: PageHash, proofs: ProofBook) -> PageProof:
+        """The receiver's proof of `page_hash`; `HashMismatch` when it has none or it fails.
+
+        One hash of the page's tokens and extra keys: the book was built from
+        the request being served, and the recomputation catches a book whose
+        hashes came from elsewhere (another seed, another algorithm).
+        """
+        proof = proofs.get(page_hash)
+        if proof is None:
+            TRANSFER_REFUSED.labels(worker=self.name, reason="no_proof").inc()
+            raise HashMismatch(
+                f"page {page_hash.hex()[:16]} is not a page of a request this worker serves "
+                "or granted a push for; refused without proof of its hash"
+            )
+        try:
+            ok = self.hasher.hash_page(proof.parent_hash, proof.token_ids, proof.extra) == page_hash
+        except InvalidInput:
+            ok = False
+        if not ok:
+            TRANSFER_REFUSED.labels(worker=self.name, reason="hash_proof").inc()
+            raise HashMismatch(
+                f"page {page_hash.hex()[:16]}: the request's {len(proof.token_ids)} tokens "
+                f"(parent {proof.parent_hash.hex()[:16] if proof.parent_hash else 'root'}) do "
+                f"not hash to it under this cluster's seed and {self.hasher.algo}; the request "
+                "was hashed with another seed or hash function"
+            )
+        return proof
+
+    def check(
+        self, page: IncomingPage, proofs: ProofBook, *, with_checksum: bool = True
+    ) -> PageProof:
+        """Raise unless `page` may enter the pool: format, checksum, proof of its hash.
 
         `PageFormatError` / `ChecksumMismatch` from the store; `HashMismatch`
-        when token ids are given and do not hash to `page_hash`.
+        when `proofs` cannot prove the page's hash. Returns the proof, whose
+        parent, tokens and LoRA the page is cached with.
         `with_checksum=False`: all but the checksum, before the bytes arrive.
         """
         check_hash(page.page_hash)
         if page.parent_hash is not None:
             check_hash(page.parent_hash, "parent hash")
+        proof = self.prove(page.page_hash, proofs)
         self.store.check_blob(page.blob, with_checksum=with_checksum)
-        if page.token_ids and not self._proves(
-            page.page_hash, page.parent_hash, page.token_ids, page.lora_id
-        ):
-            raise HashMismatch(
-                f"page {page.page_hash.hex()[:16]}: its {len(page.token_ids)} token ids "
-                f"(parent {page.parent_hash.hex()[:16] if page.parent_hash else 'root'}, "
-                f"lora {page.lora_id}) do not hash to it under this cluster's seed and "
-                f"{self.hasher.algo}; the sender disagrees on tokens, seed or hash function"
-            )
+        return proof
 
-    def insert(
-        self,
-        page_hash: PageHash,
-        parent_hash: PageHash | None,
-        token_ids: Sequence[int],
-        blob: PageBlob,
-        lora_id: int | None = None,
-    ) -> bool:
+    def insert(self, page_hash: PageHash, blob: PageBlob, proofs: ProofBook) -> bool:
         """Check and cache one page; False when it is already held (nothing written).
 
         Raises the check's error, or `PoolExhausted` when every page is held;
         in either case nothing changed.
         """
-        page = IncomingPage(page_hash, parent_hash, tuple(token_ids), blob, lora_id)
-        return self.insert_many([page])[0]
+        return self.insert_many([IncomingPage(page_hash, None, (), blob)], proofs)[0]
 
-    def insert_many(self, pages: Sequence[IncomingPage]) -> list[bool]:
+    def insert_many(
+        self,
+        pages: Sequence[IncomingPage],
+        proofs: ProofBook,
+        *,
+        pusher: str | None = None,
+    ) -> list[bool]:
         """Check every page, then cache the new ones; per page: True inserted, False skipped.
 
-        All or nothing: one bad page, or too few free pages for the new ones,
-        raises before anything is written. Pages are cached in the given order
-        (parents first) and released tail-first.
+        All or nothing: one bad page, too few free pages for the new ones, or,
+        for pages pushed by `pusher`, more cached pages to evict than its
+        `evictions` budget allows, raises before anything is written. Pages are cached in the given order
+        (parents first) with their proofs' parents, tokens and LoRA, and
+        released tail-first.
         """
-        for page in pages:
-            self.check(page)
+        checked = [self.check(page, proofs) for page in pages]
         with self._lock:
             get = self.pool.get_cached_page
             seen: set[PageHash] = set()
@@ -280,7 +513,19 @@ class PageService:
                     continue
                 seen.add(key)
                 todo.append(i)
+            if pusher is not None:
+                evicting = self.pool.evictions_for(len(todo))
+                allowed = self.evictions.available(pusher)
+                if evicting > allowed:
+                    TRANSFER_REFUSED.labels(worker=self.name, reason="evict_cap").inc()
+                    raise PoolExhausted(
+                        f"taking {len(todo)} pushed pages would evict {evicting} cached pages; "
+                        f"pusher {pusher} may evict {allowed} more now (TransferConfig."
+                        "push_evict_fraction of the pool per push_evict_window_s); retry later"
+                    )
             slots = self.pool.get_new_pages(len(todo))  # PoolExhausted: nothing changed
+            if pusher is not None:
+                self.evictions.spend(pusher, evicting)
             self._inflight.update(seen)
         try:
             for i, slot in zip(todo, slots, strict=True):
@@ -293,10 +538,9 @@ class PageService:
         with self._lock:
             self._inflight.difference_update(seen)
             for i, slot in zip(todo, slots, strict=True):
-                p = pages[i]
-                self.pool.cache_page(slot, p.page_hash, p.parent_hash, p.token_ids, p.lora_id)
-                if p.token_ids:
-                    self._tokens[p.page_hash] = p.token_ids
+                key, proof = pages[i].page_hash, checked[i]
+                self.pool.cache_page(slot, key, proof.parent_hash, proof.token_ids, proof.lora_id)
+                self._tokens[key] = proof.token_ids
             self.pool.free_pages(reversed(slots))
         inserted = [False] * len(pages)
         for i in todo:
@@ -305,14 +549,18 @@ class PageService:
 
     # ---------------------------------------------------------------- in-place receive
 
-    def reserve(self, hashes: Sequence[PageHash]) -> list[Reservation | None]:
+    def reserve(
+        self, hashes: Sequence[PageHash], *, pusher: str | None = None
+    ) -> list[Reservation | None]:
         """Held, uncached pool pages for transports that write received bytes straight
         into the KV store (torch.distributed), one per hash that needs one.
 
         None where the hash is cached already, being received by another
         transfer, or repeated in `hashes` (receive those into a buffer and
         `insert` them: that reports them held); all None when the pool has no
-        room for every one. Every reservation must end in `commit` or `release`.
+        room for every one, or, for `pusher`'s pages, when taking them would
+        evict more than its budget. Every reservation must end in `commit` or
+        `release`.
         """
         with self._lock:
             get = self.pool.get_cached_page
@@ -323,10 +571,15 @@ class PageService:
                     continue
                 keys.add(h)
                 need.append(i)
+            evicting = self.pool.evictions_for(len(need)) if pusher is not None else 0
+            if pusher is not None and evicting > self.evictions.available(pusher):
+                return [None] * len(hashes)
             try:
                 fresh = self.pool.get_new_pages(len(need))
             except PoolExhausted:
                 return [None] * len(hashes)
+            if pusher is not None:
+                self.evictions.spend(pusher, evicting)
             self._inflight.update(keys)
         out: list[Reservation | None] = [None] * len(hashes)
         for i, page in zip(need, fresh, strict=True):
@@ -334,31 +587,37 @@ class PageService:
         return out
 
     def commit(
-        self, passed: Sequence[tuple[Reservation, IncomingPage]], failed: Sequence[Reservation] = ()
+        self,
+        passed: Sequence[tuple[Reservation, IncomingPage]],
+        proofs: ProofBook,
+        failed: Sequence[Reservation] = (),
     ) -> list[bool]:
         """Cache reserved pages whose bytes are in the KV store and passed `check`; release
         all of them (cached ones stay cached, evictable) and `failed` ones too.
 
         Per passed page: True cached, False already cached by someone else
-        meanwhile (its reserved page is simply released). Raises `InvalidInput`,
-        changing nothing, when a page does not match its reservation's hash.
+        meanwhile (its reserved page is simply released). Raises `InvalidInput`
+        or `HashMismatch`, changing nothing, when a page does not match its
+        reservation's hash or `proofs` cannot prove it.
         """
+        proven: list[PageProof] = []
         for res, page in passed:  # refuse before anything changes
             if page.page_hash != res.page_hash:
                 raise InvalidInput(
                     f"page {page.page_hash.hex()[:16]} committed into the page reserved "
                     f"for {res.page_hash.hex()[:16]}"
                 )
+            proven.append(self.prove(page.page_hash, proofs))
         cached = [False] * len(passed)
         with self._lock:
-            for n, (res, page) in enumerate(passed):
-                if self.pool.get_cached_page(page.page_hash) is not None:
+            for n, ((res, page), proof) in enumerate(zip(passed, proven, strict=True)):
+                key = page.page_hash
+                if self.pool.get_cached_page(key) is not None:
                     continue
                 self.pool.cache_page(
-                    res.page, page.page_hash, page.parent_hash, page.token_ids, page.lora_id
+                    res.page, key, proof.parent_hash, proof.token_ids, proof.lora_id
                 )
-                if page.token_ids:
-                    self._tokens[page.page_hash] = page.token_ids
+                self._tokens[key] = proof.token_ids
                 cached[n] = True
             self._release_locked([*(res for res, _ in passed), *failed])
         return cached
@@ -367,6 +626,19 @@ class PageService:
         """Give reserved pages back uncommitted (a transfer failed before they were checked)."""
         with self._lock:
             self._release_locked(reservations)
+
+    def receiving(self, proofs: ProofBook) -> PageReceiver:
+        """A view of this service for one transfer whose pages `proofs` proves."""
+        return PageReceiver(self, proofs)
+
+    def receiving_push(self, ticket: bytes, pusher: str) -> PageReceiver:
+        """The receiver for a push from `pusher` presenting `ticket` (consumed), within the
+        pusher's eviction budget; `PermissionDenied` without a live grant, counted."""
+        try:
+            return PageReceiver(self, self.grants.take(ticket), pusher)
+        except PermissionDenied:
+            TRANSFER_REFUSED.labels(worker=self.name, reason="no_grant").inc()
+            raise
 
     def _release_locked(self, reservations: Sequence[Reservation]) -> None:
         self._inflight.difference_update(r.page_hash for r in reservations)
@@ -419,6 +691,52 @@ class PageService:
         """The pool's invariants, checked under the lock."""
         with self._lock:
             self.pool.check_invariants()
+
+
+class PageReceiver:
+    """Pages coming into one pool for one transfer, each proven against one `ProofBook`.
+
+    What transports hold while they receive: the same calls as `PageService`
+    with the proofs bound, so no receive path can cache a page unproven.
+    `reserve` holds pool pages only for hashes the book can prove, so pages
+    that will be refused never evict anything.
+    """
+
+    __slots__ = ("proofs", "pusher", "service")
+
+    def __init__(
+        self, service: PageService, proofs: ProofBook, pusher: str | None = None
+    ) -> None:
+        self.service = service
+        self.proofs = proofs
+        self.pusher = pusher  # set for pushes: evictions are charged to its budget
+
+    @property
+    def store(self) -> KVStore:
+        return self.service.store
+
+    def check(self, page: IncomingPage, *, with_checksum: bool = True) -> PageProof:
+        return self.service.check(page, self.proofs, with_checksum=with_checksum)
+
+    def insert_many(self, pages: Sequence[IncomingPage]) -> list[bool]:
+        return self.service.insert_many(pages, self.proofs, pusher=self.pusher)
+
+    def reserve(self, hashes: Sequence[PageHash]) -> list[Reservation | None]:
+        book = self.proofs
+        provable = [h if h in book else None for h in hashes]
+        asked = [h for h in provable if h is not None]
+        got = iter(self.service.reserve(asked, pusher=self.pusher)) if asked else iter(())
+        return [None if h is None else next(got) for h in provable]
+
+    def commit(
+        self,
+        passed: Sequence[tuple[Reservation, IncomingPage]],
+        failed: Sequence[Reservation] = (),
+    ) -> list[bool]:
+        return self.service.commit(passed, self.proofs, failed)
+
+    def release(self, reservations: Sequence[Reservation]) -> None:
+        self.service.release(reservations)
 
 
 class _Pinned:

@@ -47,6 +47,7 @@ from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.model import TinyTransformer
+from kvmesh.worker.page_service import ProofBook
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,30 @@ NO_HINT = RouteHint()
 class PullRequest:
     """Pages to fetch from a peer: consecutive pages of one prompt, in order.
 
-    `token_ids` are those pages' tokens (``page_size`` each) and `parent_hash`
-    the hash before the first, so that the peer can verify the chain.
+    `token_ids` are those pages' tokens (``page_size`` each), `parent_hash`
+    the hash before the first, `first_page` its index in the prompt and
+    `extra_keys` the request's (salt, LoRA, media): all the receiver needs to
+    prove each page it gets (`proofs`).
     """
 
     peer: str
     page_hashes: tuple[PageHash, ...]
     parent_hash: PageHash | None
     token_ids: tuple[int, ...]
+    first_page: int = 0
+    extra_keys: ExtraKeys = NO_EXTRA
+
+    def proofs(self) -> ProofBook:
+        """The receiver's own proof of every page asked for (from the request it serves)."""
+        size = len(self.token_ids) // max(1, len(self.page_hashes))
+        return ProofBook.for_pages(
+            self.page_hashes,
+            self.token_ids,
+            self.extra_keys,
+            size,
+            first_page=self.first_page,
+            parent=self.parent_hash,
+        )
 
 
 PulledPage = tuple[PageHash, PageBlob]
@@ -505,6 +522,8 @@ class ServingEngine:
             page_hashes=tuple(hashes[start:end]),
             parent_hash=hashes[start - 1] if start else None,
             token_ids=tuple(request.token_ids[start * ps : end * ps]),
+            first_page=start,
+            extra_keys=request.hashes.keys,
         )
         # Pulling is an optimisation: the pages before the first failure are used,
         # the rest are computed, and the failure is reported with the result.

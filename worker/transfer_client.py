@@ -74,9 +74,16 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.grpc_wire import WireCall, tls_context
 from kvmesh.worker.kv_store import DTYPES, checksum
-from kvmesh.worker.page_service import IncomingPage, PageService, Reservation, check_hash
+from kvmesh.worker.page_service import (
+    IncomingPage,
+    PageReceiver,
+    PageService,
+    Reservation,
+    check_hash,
+)
 from kvmesh.worker.transfer_server import (
     ERROR_METADATA_KEY,
+    PUSH_TICKET_KEY,
     SERVICE_NAME,
     PageAssembler,
     chunk_size,
@@ -523,11 +530,13 @@ class PeerClient:
             responses.cancel()
 
     async def push_pages(
-        self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None
+        self, pages: Sequence[IncomingPage], ticket: bytes, *, deadline_s: float | None = None
     ) -> list[bool]:
         """Push pages for the peer to check and cache; per page: True new, False already held.
 
-        Never retried (not idempotent from the caller's view: a retry after a
+        `ticket` is the grant the peer handed out for this request's pages
+        (`PageService.grant_push` there); without a live one the peer refuses
+        the push (`PermissionDenied`). Never retried (not idempotent from the caller's view: a retry after a
         partial success would be indistinguishable). On failure the pages the
         peer finished before the error stay cached there, the rest do not.
         """
@@ -553,14 +562,30 @@ class PeerClient:
                     header.lora_id = page.lora_id
                 yield from iter_page_chunks(i, header, memoryview(page.blob.data), chunk)
 
+        metadata = (*self._metadata, (PUSH_TICKET_KEY, ticket.hex()))
+
         async def attempt(timeout: float) -> list[bool]:
-            reply = await call(messages(), timeout=timeout, metadata=self._metadata)
+            # Written one message at a time: when the peer refuses mid-stream, a write
+            # fails and the call's own status (the peer's error) is what is raised.
+            stream = call(timeout=timeout, metadata=metadata)
+            try:
+                for message in messages():
+                    await stream.write(message)
+                await stream.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call is over: awaiting it below raises its status
+            reply = await stream
             return list(reply.inserted)
 
         return await self._call("PushPages", attempt, self._deadline(deadline_s), idempotent=False)
 
     async def push_from(
-        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+        self,
+        service: PageService,
+        hashes: Sequence[PageHash],
+        ticket: bytes,
+        *,
+        deadline_s: float | None = None,
     ) -> list[bool]:
         """Push pages held by a local `service` (prefill -> decode); pinned while sent.
 
@@ -587,12 +612,12 @@ class PeerClient:
                         info.lora_id,
                     )
                 )
-            return await self.push_pages(pages, deadline_s=deadline_s)
+            return await self.push_pages(pages, ticket, deadline_s=deadline_s)
         finally:
             service.unpin(ids)
 
     async def pull_into(
-        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+        self, service: PageReceiver, hashes: Sequence[PageHash], *, deadline_s: float | None = None
     ) -> int:
         """Fetch `hashes` and insert each page into `service` as it arrives; returns pages inserted.
 
@@ -614,7 +639,7 @@ class PeerClient:
 
 
 async def pull_into(
-    service: PageService,
+    service: PageReceiver,
     peer_address: str,
     hashes: Sequence[PageHash],
     *,
@@ -648,7 +673,7 @@ class _Ordered:
 
     __slots__ = ("_lock", "closed", "deliver", "missing", "next", "pages", "ready", "service")
 
-    def __init__(self, deliver: Callable[[int, _Item], None], service: PageService | None) -> None:
+    def __init__(self, deliver: Callable[[int, _Item], None], service: PageReceiver | None) -> None:
         self.deliver = deliver
         self.service = service
         self._lock = threading.Lock()
@@ -727,7 +752,7 @@ class _Lander:
 
     def __init__(
         self,
-        service: PageService,
+        service: PageReceiver,
         indices: list[int],
         hashes: list[PageHash],
         order: _Ordered,
@@ -924,7 +949,7 @@ class SyncFetcher:
         self._tls = tls_context(config) if config.grpc_zero_copy else None
         tune_malloc(config)
 
-    def zero_copy(self, service: PageService | None, pages: int) -> bool:
+    def zero_copy(self, service: PageService | PageReceiver | None, pages: int) -> bool:
         """Whether a fetch of `pages` pages into `service` takes the zero-copy path
         (`WireCall`). A CPU store's pages are read into from the socket; a device store's land
         in host memory first and are copied in once checked (still two copies fewer than
@@ -975,7 +1000,7 @@ class SyncFetcher:
         hashes: Sequence[PageHash],
         deliver: Callable[[int, _Item], None],
         *,
-        service: PageService | None = None,
+        service: PageReceiver | None = None,
         deadline_s: float | None = None,
         streams: int | None = None,
         with_checksum: bool = True,
@@ -1021,7 +1046,7 @@ class SyncFetcher:
         hashes: list[PageHash],
         order: _Ordered,
         end: float,
-        service: PageService | None,
+        service: PageReceiver | None,
         with_checksum: bool,
     ) -> BaseException | None:
         """Run one stream per shard (the first on this thread); the first real error, if any."""
@@ -1062,7 +1087,7 @@ class SyncFetcher:
         order: _Ordered,
         end: float,
         calls: _Calls,
-        service: PageService | None,
+        service: PageReceiver | None,
         with_checksum: bool,
     ) -> None:
         request = pb.FetchRequest(
@@ -1097,7 +1122,7 @@ class SyncFetcher:
         order: _Ordered,
         end: float,
         calls: _Calls,
-        service: PageService,
+        service: PageReceiver,
     ) -> None:
         """One stream read by `WireCall`, its pages landed by a `_Lander`."""
         with self._lock:
@@ -1116,7 +1141,7 @@ class SyncFetcher:
         self,
         page: IncomingPage,
         expected: PageHash,
-        service: PageService | None,
+        service: PageReceiver | None,
         with_checksum: bool,
     ) -> _Item:
         """Verify a received page; with `service`, check it for that pool and land it.
@@ -1237,23 +1262,32 @@ class SyncPeerClient:
         result = self._fetcher.fetch(hashes, deliver, deadline_s=deadline_s, streams=streams)
         return FetchResult(tuple(kept), result.missing, result.received)
 
-    def pulls_in_place(self, service: PageService, pages: int) -> bool:
+    def pulls_in_place(self, service: PageService | PageReceiver, pages: int) -> bool:
         """Whether `pull_into` of `pages` pages into `service` receives straight into its
         pool (zero-copy; `SyncFetcher.zero_copy`)."""
         return self._fetcher is not None and self._fetcher.zero_copy(service, pages)
 
     def push_pages(
-        self, pages: Sequence[IncomingPage], *, deadline_s: float | None = None
+        self, pages: Sequence[IncomingPage], ticket: bytes, *, deadline_s: float | None = None
     ) -> list[bool]:
-        return self._run(self._client.push_pages(pages, deadline_s=deadline_s), deadline_s)
+        return self._run(
+            self._client.push_pages(pages, ticket, deadline_s=deadline_s), deadline_s
+        )
 
     def push_from(
-        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+        self,
+        service: PageService,
+        hashes: Sequence[PageHash],
+        ticket: bytes,
+        *,
+        deadline_s: float | None = None,
     ) -> list[bool]:
-        return self._run(self._client.push_from(service, hashes, deadline_s=deadline_s), deadline_s)
+        return self._run(
+            self._client.push_from(service, hashes, ticket, deadline_s=deadline_s), deadline_s
+        )
 
     def pull_into(
-        self, service: PageService, hashes: Sequence[PageHash], *, deadline_s: float | None = None
+        self, service: PageReceiver, hashes: Sequence[PageHash], *, deadline_s: float | None = None
     ) -> int:
         """See `PeerClient.pull_into`. Over `SyncFetcher` each page lands once, straight
         in a reserved page of `service`'s KV store, is checked there by the stream

@@ -30,13 +30,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import TransferConfig
-from kvmesh.errors import HashMismatch, InvalidInput
-from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
+from kvmesh.errors import HashMismatch, InvalidInput, PermissionDenied
+from kvmesh.events import PagesStored
+from kvmesh.hashing import NO_EXTRA, ExtraKeys, MultiModalInput, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import IncomingPage, PageService
+from kvmesh.worker.page_service import NO_PROOFS, IncomingPage, PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncPeerClient
 from kvmesh.worker.transfer_server import SERVICE_NAME, ServerThread, iter_page_chunks, page_header
 
@@ -192,50 +193,108 @@ perturbation_st = st.sampled_from(["token", "parent", "lora", "root-parent"])
 
 
 @settings(max_examples=40, deadline=None)
+def book(
+    service: PageService, tokens: list[int], keys: ExtraKeys = NO_EXTRA
+) -> ProofBook:
+    """The receiver's own proofs for a prompt it serves (its hasher, its tokens and keys)."""
+    hashes = service.hasher.hash_prompt(tokens, keys)
+    return ProofBook.for_pages(hashes, tokens, keys, PAGE)
+
+
 @given(
     tokens=st.lists(st.integers(0, 999), min_size=3 * PAGE, max_size=3 * PAGE),
     how=perturbation_st,
     where=st.integers(0, PAGE - 1),
 )
-def test_a_page_claiming_a_hash_its_tokens_do_not_produce_is_refused(
+def test_a_page_the_receivers_request_does_not_hash_to_is_refused(
     tokens: list[int], how: str, where: int
 ) -> None:
     victim = make_service()
     hashes = fill(victim, tokens)
-    honest = exported(victim, hashes, 2)
-    assert len(honest.token_ids) == PAGE
+    page = exported(victim, hashes, 2)
     receiver = make_service()
-    forged = {
+    honest = book(receiver, tokens)
+    proof = honest.get(hashes[2])
+    assert proof is not None
+    wrong = {
         "token": dataclasses.replace(
-            honest,
-            token_ids=tuple(t + 1 if i == where else t for i, t in enumerate(honest.token_ids)),
+            proof,
+            token_ids=tuple(t + 1 if i == where else t for i, t in enumerate(proof.token_ids)),
         ),
-        "parent": dataclasses.replace(honest, parent_hash=hashes[0]),
-        "lora": dataclasses.replace(honest, lora_id=where),
-        "root-parent": dataclasses.replace(honest, parent_hash=None),
+        "parent": dataclasses.replace(proof, parent_hash=hashes[0]),
+        "lora": dataclasses.replace(proof, extra=(where, (), None)),
+        "root-parent": dataclasses.replace(proof, parent_hash=None),
     }[how]
     before = state(receiver)
     with pytest.raises(HashMismatch, match="do not hash"):
-        receiver.insert_many([forged])
+        receiver.insert_many([page], ProofBook({hashes[2]: wrong}))
     assert_unchanged(receiver, before)
-    assert receiver.insert_many([honest]) == [True]  # the honest claim is accepted
+    assert receiver.insert_many([page], honest) == [True]  # the receiver's own proof holds
 
 
-def test_a_first_page_from_another_cluster_is_refused_and_later_ones_are_unreachable() -> None:
+def test_what_a_sender_claims_about_a_page_is_never_its_proof() -> None:
+    tokens = list(range(3 * PAGE))
+    sender = make_service()
+    hashes = fill(sender, tokens)
+    honest = exported(sender, hashes, 1)
+    receiver = make_service()
+    # Proof-less (no tokens) and lying claims alike: without the receiver's proof, refused.
+    for claim in (
+        dataclasses.replace(honest, token_ids=()),
+        dataclasses.replace(honest, token_ids=(7,) * PAGE, parent_hash=None),
+        honest,
+    ):
+        with pytest.raises(HashMismatch, match="not a page of a request"):
+            receiver.insert_many([claim], NO_PROOFS)
+    assert receiver.pool.cached_hashes() == set()
+    # With it, the page is cached with the receiver's parent and tokens, whatever was claimed.
+    lying = dataclasses.replace(honest, token_ids=(7,) * PAGE, parent_hash=None, lora_id=3)
+    assert receiver.insert_many([lying], book(receiver, tokens)) == [True]
+    (stored,) = [e for e in receiver.take_events() if isinstance(e, PagesStored)]
+    assert stored.page_hashes == (hashes[1],)
+    assert stored.parent_hash == hashes[0]
+    assert stored.token_ids == tuple(tokens[PAGE : 2 * PAGE])
+    assert stored.lora_id is None
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ExtraKeys(cache_salt="tenant-a"),
+        ExtraKeys(mm_inputs=(MultiModalInput("img-1", 1, 2),)),
+        ExtraKeys(lora_id=4, cache_salt="tenant-a"),
+    ],
+    ids=["salted", "media", "lora+salt"],
+)
+def test_salted_and_media_pages_prove_like_any_other(keys: ExtraKeys) -> None:
+    tokens = list(range(2 * PAGE))
+    sender = make_service()
+    hashes = fill(sender, tokens, keys)
+    first = exported(sender, hashes, 0)
+    receiver = make_service()
+    before = state(receiver)
+    # A receiver serving the same prompt without the salt / media cannot prove the page ...
+    with pytest.raises(HashMismatch):
+        receiver.insert_many([first], book(receiver, tokens))
+    assert_unchanged(receiver, before)
+    # ... nor can one serving it with another salt; with the request's own keys it can.
+    with pytest.raises(HashMismatch):
+        receiver.insert_many([first], book(receiver, tokens, ExtraKeys(cache_salt="other")))
+    assert receiver.insert_many([first], book(receiver, tokens, keys)) == [True]
+
+
+def test_a_page_from_another_cluster_is_refused_whatever_its_position() -> None:
     tokens = list(range(3 * PAGE))
     other_cluster = make_service(seed="other-cluster")
     hashes = fill(other_cluster, tokens)
     receiver = make_service(seed=SEED)
+    own = book(receiver, tokens)
+    assert not set(own.hashes) & set(hashes)  # the seed enters through the root
     before = state(receiver)
-    with pytest.raises(HashMismatch, match="seed"):  # the seed enters through the root
-        receiver.insert_many([exported(other_cluster, hashes, 0)])
+    for i in range(3):
+        with pytest.raises(HashMismatch):
+            receiver.insert_many([exported(other_cluster, hashes, i)], own)
     assert_unchanged(receiver, before)
-    # A later page proves only its link to its parent, which is a page of the other
-    # cluster: it can be cached, but no prompt of this cluster chains to it.
-    assert receiver.insert_many([exported(other_cluster, hashes, 1)]) == [True]
-    own = receiver.hasher.hash_prompt(tokens)
-    assert not set(own) & set(hashes)
-    assert receiver.prefix_length(own) == 0
 
 
 def test_a_forged_page_never_overwrites_a_page_already_held() -> None:
@@ -245,11 +304,10 @@ def test_a_forged_page_never_overwrites_a_page_already_held() -> None:
     original = page_bytes(holder, hashes[1])
     store = holder.store
     zeros = PageBlob.from_bytes(bytes(len(original)), store.dtype_name, store.page_shape)
-    unproven = IncomingPage(hashes[1], hashes[0], (), zeros)  # checksum-only claim
-    assert holder.insert_many([unproven]) == [False]  # skipped: held pages are never rewritten
-    wrong = IncomingPage(hashes[1], hashes[0], (9,) * PAGE, zeros)
+    proven = IncomingPage(hashes[1], hashes[0], (), zeros)
+    assert holder.insert_many([proven], book(holder, tokens)) == [False]  # held: never rewritten
     with pytest.raises(HashMismatch):
-        holder.insert_many([wrong])
+        holder.insert_many([proven], book(holder, [9] * 2 * PAGE))
     assert page_bytes(holder, hashes[1]) == original
 
 
@@ -263,7 +321,7 @@ def victim() -> tuple[PageService, list[PageHash], list[int]]:
     return service, fill(service, tokens), tokens
 
 
-def test_a_forged_push_is_refused_and_the_held_page_is_still_served_intact(
+def test_a_push_without_a_grant_is_refused_and_the_held_page_is_still_served_intact(
     victim: tuple[PageService, list[PageHash], list[int]],
 ) -> None:
     service, hashes, _ = victim
@@ -272,12 +330,19 @@ def test_a_forged_push_is_refused_and_the_held_page_is_still_served_intact(
     own = exported(attacker, attacker_hashes, 3)
     forged_new = dataclasses.replace(own, page_hash=PageHash(b"\x42" * 32))  # not held yet
     forged_held = dataclasses.replace(own, page_hash=hashes[3], parent_hash=hashes[2])
+    proofless = dataclasses.replace(own, page_hash=hashes[3], token_ids=())
     original = page_bytes(service, hashes[3])
     before = state(service)
     with ServerThread(service, CFG) as server, SyncPeerClient(server.address, CFG) as client:
-        for forged in (forged_new, forged_held):
-            with pytest.raises(HashMismatch):
-                client.push_pages([forged])
+        for forged in (forged_new, forged_held, proofless):
+            with pytest.raises(PermissionDenied, match="grant"):
+                client.push_pages([forged], b"")
+            with pytest.raises(PermissionDenied, match="ticket"):
+                client.push_pages([forged], b"\x00" * 16)
+        # A grant for another request admits none of these pages.
+        ticket = service.grants.grant(book(service, [300 + i for i in range(2 * PAGE)]))
+        with pytest.raises(HashMismatch):
+            client.push_pages([forged_new], ticket)
         assert_unchanged(service, before)
         fetched = client.fetch_pages([hashes[3]]).pages
     assert bytes(fetched[0].blob.data) == original
@@ -325,46 +390,56 @@ class RoguePeer:
 
 
 @pytest.mark.parametrize(
-    ("name", "error", "forge"),
+    "forge",
     [
-        (
-            "tokens of another prompt",
-            HashMismatch,
-            lambda p: dataclasses.replace(p, token_ids=tuple(t ^ 1 for t in p.token_ids)),
-        ),
-        ("another parent", HashMismatch, lambda p: dataclasses.replace(p, parent_hash=None)),
-        ("a LoRA it lacks", HashMismatch, lambda p: dataclasses.replace(p, lora_id=5)),
-        (
-            "a page other than the one asked for",
-            InvalidInput,
-            lambda p: dataclasses.replace(p, page_hash=PageHash(bytes(32))),
-        ),
+        lambda p: dataclasses.replace(p, token_ids=tuple(t ^ 1 for t in p.token_ids)),
+        lambda p: dataclasses.replace(p, parent_hash=None),
+        lambda p: dataclasses.replace(p, lora_id=5),
+        lambda p: dataclasses.replace(p, token_ids=()),
     ],
+    ids=["tokens of another prompt", "another parent", "a LoRA", "no tokens"],
 )
-def test_pages_pulled_from_a_lying_peer_are_refused_and_the_pool_is_unchanged(
+def test_pages_pulled_from_a_lying_peer_are_cached_with_the_receivers_own_proof(
     victim: tuple[PageService, list[PageHash], list[int]],
-    name: str,
-    error: type[Exception],
     forge: Callable[[IncomingPage], IncomingPage],
 ) -> None:
-    source, hashes, _ = victim
+    source, hashes, tokens = victim
+    receiver = make_service(num_pages=32)
+    wanted = hashes[1:4]
+    proofs = ProofBook.for_pages(
+        wanted, tokens[PAGE : 4 * PAGE], NO_EXTRA, PAGE, first_page=1, parent=hashes[0]
+    )
+    with RoguePeer(source, forge) as rogue, SyncPeerClient(rogue.address, CFG) as client:
+        assert client.pull_into(receiver.receiving(proofs), wanted) == 3
+    stored = [e for e in receiver.take_events() if isinstance(e, PagesStored)]
+    got = {h: (e.parent_hash, e.token_ids) for e in stored for h in e.page_hashes}
+    assert got[hashes[1]] == (hashes[0], tuple(tokens[PAGE : 2 * PAGE]))
+    assert all(page_bytes(receiver, h) == page_bytes(source, h) for h in wanted)
+
+
+def test_a_page_other_than_the_one_asked_for_is_refused_and_the_pool_is_unchanged(
+    victim: tuple[PageService, list[PageHash], list[int]],
+) -> None:
+    source, hashes, tokens = victim
     receiver = make_service(num_pages=32)
     before = state(receiver)
-    wanted = hashes[1:4]  # every page past the first: the parent is part of the claim
+    proofs = book(receiver, tokens)
+    swap = lambda p: dataclasses.replace(p, page_hash=PageHash(bytes(32)))  # noqa: E731
     with (
-        RoguePeer(source, forge) as rogue,
+        RoguePeer(source, swap) as rogue,
         SyncPeerClient(rogue.address, CFG) as client,
-        pytest.raises(error),
+        pytest.raises(InvalidInput),
     ):
-        client.pull_into(receiver, wanted)
+        client.pull_into(receiver.receiving(proofs), hashes[1:4])
     assert_unchanged(receiver, before)
 
 
 def test_an_honest_peer_through_the_same_rogue_harness_is_accepted(
     victim: tuple[PageService, list[PageHash], list[int]],
 ) -> None:
-    source, hashes, _ = victim
+    source, hashes, tokens = victim
     receiver = make_service(num_pages=32)
+    proofs = book(receiver, tokens)
     with RoguePeer(source, lambda p: p) as honest, SyncPeerClient(honest.address, CFG) as client:
-        assert client.pull_into(receiver, hashes) == len(hashes)
+        assert client.pull_into(receiver.receiving(proofs), hashes) == len(hashes)
     assert all(page_bytes(receiver, h) == page_bytes(source, h) for h in hashes)
