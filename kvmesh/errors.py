@@ -136,3 +136,9 @@ class PermissionDenied(KVMeshError):
     """The caller is authenticated but may not do this (e.g. another tenant's pages)."""
 
     grpc_code = "PERMISSION_DENIED"
+
+
+class UnknownModel(InvalidInput):
+    """A request names a model the engines behind the gateway do not serve."""
+
+    grpc_code = "NOT_FOUND"

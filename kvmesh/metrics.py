@@ -9,7 +9,7 @@ operations work bridges actors' metrics to Ray's metrics endpoint.
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 
 TRANSFER_REFUSED = Counter(
     "kvmesh_transfer_refused",
@@ -23,4 +23,59 @@ REQUESTS_CANCELLED = Counter(
     "Requests a worker stopped before answering, by reason: the caller cancelled it "
     "(ray.cancel), its deadline passed, or the caller's process went away",
     ["worker", "reason"],
+)
+
+# -- the gateway (kvmesh.gateway) in front of real engines; `engine` is the engine's name
+
+GATEWAY_REQUESTS = Counter(
+    "kvmesh_gateway_requests",
+    "HTTP requests the gateway answered, by endpoint and status code",
+    ["endpoint", "status"],
+)
+GATEWAY_ROUTED = Counter(
+    "kvmesh_gateway_routed",
+    "Requests sent to an engine, by engine and routing policy",
+    ["engine", "policy"],
+)
+GATEWAY_PROMPT_BLOCKS = Counter(
+    "kvmesh_gateway_prompt_blocks",
+    "Full prompt blocks of the requests routed to an engine",
+    ["engine"],
+)
+GATEWAY_MATCHED_BLOCKS = Counter(
+    "kvmesh_gateway_matched_blocks",
+    "Prompt blocks the router expected the chosen engine to hold (its index or history)",
+    ["engine"],
+)
+GATEWAY_RETRIES = Counter(
+    "kvmesh_gateway_engine_retries",
+    "Requests moved to another engine because this one could not be reached or broke off "
+    "before answering, by reason",
+    ["engine", "reason"],
+)
+GATEWAY_ENGINE_DOWN = Counter(
+    "kvmesh_gateway_engine_down",
+    "Times an engine was marked down (failed /health or a failed request)",
+    ["engine"],
+)
+GATEWAY_ENGINE_UP = Gauge(
+    "kvmesh_gateway_engine_up",
+    "1 while the gateway routes to the engine, 0 while it is down (read at scrape time)",
+    ["engine"],
+)
+GATEWAY_INFLIGHT = Gauge(
+    "kvmesh_gateway_inflight_requests",
+    "Requests the gateway has in flight on an engine (read at scrape time)",
+    ["engine"],
+)
+GATEWAY_INFLIGHT_PREFILL = Gauge(
+    "kvmesh_gateway_inflight_prefill_tokens",
+    "Prompt tokens the gateway expects an engine still to prefill (read at scrape time)",
+    ["engine"],
+)
+GATEWAY_FIRST_BYTE = Histogram(
+    "kvmesh_gateway_first_byte_seconds",
+    "From sending a request to an engine to its first response bytes",
+    ["engine"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )

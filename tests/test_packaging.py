@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPONENTS = ("worker", "coordinator", "client", "proto", "benchmarks")
+COMPONENTS = ("worker", "coordinator", "client", "gateway", "proto", "benchmarks")
 
 PROBE = f"""
 import importlib.util, json, kvmesh, kvmesh.worker, kvmesh.coordinator, kvmesh.client, kvmesh.proto
+import kvmesh.gateway.app
 bare = {{}}
 for name in {COMPONENTS!r}:
     spec = importlib.util.find_spec(name)
     bare[name] = None if spec is None else (spec.origin or str(list(spec.submodule_search_locations or [])))
-print(json.dumps({{"kvmesh": kvmesh.__file__, "worker": kvmesh.worker.__file__, "bare": bare}}))
+print(json.dumps({{"kvmesh": kvmesh.__file__, "worker": kvmesh.worker.__file__,
+                  "gateway": kvmesh.gateway.app.__file__, "bare": bare}}))
 """
 
 
@@ -42,6 +44,7 @@ def _not_ours(bare: dict[str, str | None], roots: list[Path]) -> dict[str, str]:
 def test_editable_install_imports_components_under_kvmesh_only(tmp_path: Path) -> None:
     result = _probe(None, tmp_path)
     assert Path(str(result["worker"])).resolve().is_relative_to(ROOT)
+    assert Path(str(result["gateway"])).resolve() == ROOT / "gateway" / "app.py"
     assert _not_ours(result["bare"], [ROOT]) == {}  # type: ignore[arg-type]
 
 
@@ -98,4 +101,5 @@ def test_wheel_install_imports_components_under_kvmesh_only(wheel: Path, tmp_pat
     )
     result = _probe({"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, tmp_path)
     assert Path(str(result["worker"])).resolve().is_relative_to(target)
+    assert Path(str(result["gateway"])).resolve().is_relative_to(target)
     assert _not_ours(result["bare"], [ROOT, target]) == {}  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""The gateway's configuration: its engines, and how it routes, waits and listens.
+
+One dataclass, filled from `kvmesh gateway`'s flags (or built directly by
+tests and benchmarks). Defaults fit one machine: loopback, two-second
+connects, a generous read timeout for CPU engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.errors import ConfigError
+
+HISTORY_POLICY = "approx_prefix"
+"""The policy that sees no events: it routes from the gateway's own routing history."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """One engine behind the gateway: its HTTP base URL and its KV event sockets.
+
+    `events` is vLLM's ``--kv-events-config`` ``endpoint`` (a ``tcp://`` one
+    is bound by the gateway, an ``ipc://`` one is connected to); `replay` its
+    ``replay_endpoint``. No `events`: the engine serves, but never gets
+    affinity from the index.
+    """
+
+    name: str
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(
+                f"engine {self.name!r}: {self.url!r} is not an http(s) URL "
+                "(e.g. http://127.0.0.1:8000)"
+            )
+        if not self.name:
+            raise ConfigError("an engine needs a non-empty name")
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything `Gateway` needs besides its tokenizer and hasher.
+
+    `policy`: a coordinator policy name (`kv_aware`, `round_robin`, ...) over
+    the index the engines' events build, or ``approx_prefix`` (kv_aware's
+    cost over the gateway's own routing history, no events).
+    `history_blocks`: how many blocks ``approx_prefix`` assumes each engine
+    keeps (least recently routed first out); 0: unbounded.
+    """
+
+    engines: tuple[EngineTarget, ...]
+    policy: str = "kv_aware"
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 300.0  # longest wait for an engine's next bytes
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    history_blocks: int = 0
+    served_model: str | None = None  # default: the model the first engine serves
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ConfigError("the gateway needs at least one engine (--engine URL)")
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"engine names must be unique, got {names}")
+        for name in ("connect_timeout_s", "request_timeout_s", "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"health_timeout_s must be positive, got {self.health_timeout_s}")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.history_blocks < 0:
+            raise ConfigError(f"history_blocks must be >= 0, got {self.history_blocks}")

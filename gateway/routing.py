@@ -1,0 +1,159 @@
+"""Where a request goes: a coordinator policy over an index of engine blocks.
+
+Two routers share one shape (`Router`):
+
+- `IndexRouter`: the index is fed by the engines' own KV events (vLLM's
+  ``--kv-events-config``), so it holds what the engines really cache. Any
+  coordinator policy by name (`kv_aware`, `round_robin`, ...).
+- `HistoryRouter` (``approx_prefix``): sees no events. It records every
+  decision it makes as if the chosen engine now caches the request's
+  blocks, forgets the least recently routed blocks beyond an assumed
+  capacity, and applies the same `kv_aware` cost to that guess. This is
+  how SGLang's router and llm-d's approximate mode work; the benchmark
+  measures what reading the real caches adds over it.
+
+Decisions depend only on the index, the engines' loads and the request:
+ties are broken by a random generator seeded with the request's own
+hashes, so two gateways fed the same events decide the same way whatever
+each routed before (`round_robin` excepted: its state is its history).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.coordinator.policies import (
+    REGISTRY,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+)
+from kvmesh.errors import ConfigError
+from kvmesh.events import PagesRemoved, PagesStored, make_batch
+from kvmesh.gateway.config import HISTORY_POLICY
+from kvmesh.load import WorkerLoad
+from kvmesh.types import PageHash, WorkerId
+
+
+def tie_break_key(hashes: Sequence[PageHash], token_ids: Sequence[int]) -> bytes:
+    """A per-request seed: the last full block's hash (it names the whole prefix) and the length."""
+    h = hashlib.sha256(len(token_ids).to_bytes(8, "big"))
+    if hashes:
+        h.update(hashes[-1])
+    else:
+        h.update(b"".join(t.to_bytes(4, "big", signed=False) for t in token_ids))
+    return h.digest()
+
+
+class Router(Protocol):
+    """Picks an engine for a request's block hashes among `loads` (engines that are up)."""
+
+    name: str
+
+    def route(
+        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
+    ) -> RouteDecision: ...
+
+    def stale(self) -> set[WorkerId]:
+        """Engines whose index entries are not trusted now."""
+        ...
+
+    def forget(self, worker_id: WorkerId) -> None:
+        """The engine went down: whatever was known of its cache is void."""
+        ...
+
+
+class IndexRouter:
+    """A coordinator policy over `index` (fed elsewhere, by the engines' event subscribers)."""
+
+    def __init__(self, index: GlobalIndex, policy: str, config: CoordinatorConfig) -> None:
+        self.index = index
+        self.name = policy
+        self._rng = random.Random(config.seed)
+        self._policy: RoutingPolicy = make_policy(policy, config, self._rng)
+
+    def route(
+        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
+    ) -> RouteDecision:
+        self._rng.seed(key)
+        overlaps = self.index.match(request.hashes).pages
+        return self._policy.choose(request, overlaps, loads)
+
+    def stale(self) -> set[WorkerId]:
+        return self.index.stale_workers()
+
+    def forget(self, worker_id: WorkerId) -> None:
+        """Nothing to do: a restarted engine's events start a new incarnation."""
+
+
+class HistoryRouter:
+    """``approx_prefix``: `kv_aware` over the blocks this router sent to each engine.
+
+    Each engine's history is an LRU of block hashes capped at
+    `capacity_blocks` (0: unbounded); a request's blocks are touched last
+    block first, so its first block is the most recent and a prefix's head
+    outlives its tail, as in vLLM's own pool. Cost: O(request blocks) per
+    decision plus the evictions it causes.
+    """
+
+    def __init__(self, config: CoordinatorConfig, capacity_blocks: int = 0) -> None:
+        if capacity_blocks < 0:
+            raise ConfigError(f"history capacity must be >= 0 blocks, got {capacity_blocks}")
+        self.name = HISTORY_POLICY
+        self.capacity_blocks = capacity_blocks
+        self.index = GlobalIndex()
+        self._inner = IndexRouter(self.index, "kv_aware", config)
+        self._lru: dict[WorkerId, OrderedDict[PageHash, None]] = {}
+        self._seq: dict[WorkerId, int] = {}
+
+    def route(
+        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
+    ) -> RouteDecision:
+        decision = self._inner.route(request, loads, key)
+        self._record(decision.worker_id, request.hashes)
+        return decision
+
+    def _record(self, worker_id: WorkerId, hashes: Sequence[PageHash]) -> None:
+        if not hashes:
+            return
+        lru = self._lru.setdefault(worker_id, OrderedDict())
+        for h in reversed(hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        events: list[PagesStored | PagesRemoved] = [PagesStored(tuple(hashes), None, (), 1)]
+        if self.capacity_blocks and len(lru) > self.capacity_blocks:
+            evicted = [lru.popitem(last=False)[0] for _ in range(len(lru) - self.capacity_blocks)]
+            events.append(PagesRemoved(tuple(evicted)))
+        seq = self._seq.get(worker_id, -1) + 1
+        self._seq[worker_id] = seq
+        self.index.apply(make_batch(events, worker_id, "history", seq))
+
+    def stale(self) -> set[WorkerId]:
+        return set()
+
+    def forget(self, worker_id: WorkerId) -> None:
+        self.index.remove_worker(worker_id)
+        self._lru.pop(worker_id, None)
+        self._seq.pop(worker_id, None)
+
+
+POLICY_NAMES: tuple[str, ...] = (*sorted(REGISTRY), HISTORY_POLICY)
+"""Every name `--policy` accepts."""
+
+
+def make_router(
+    policy: str, index: GlobalIndex, config: CoordinatorConfig, history_blocks: int = 0
+) -> Router:
+    """The router for `policy`; `ConfigError` naming the known policies otherwise."""
+    if policy == HISTORY_POLICY:
+        return HistoryRouter(config, history_blocks)
+    if policy not in REGISTRY:
+        raise ConfigError(f"unknown routing policy {policy!r}; choose one of {list(POLICY_NAMES)}")
+    return IndexRouter(index, policy, config)
