@@ -75,9 +75,12 @@ class KVWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushPages(self, request_iterator, context):
-        """Take these pages and cache them under their hashes. Every page is checked
-        (format, checksum, and the hash chain when token ids are given) before it
-        enters the pool; pages already held are skipped, never overwritten.
+        """Take these pages and cache them under their hashes. Only under a push
+        grant of this worker (its one-use ticket, hex, in the `kvmesh-push-ticket`
+        metadata; else PERMISSION_DENIED before a message is read). Every page is
+        checked (format, checksum) and proven against the granted request (its
+        tokens and extra keys) before it enters the pool; pages already held are
+        skipped, never overwritten.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -205,9 +205,24 @@ def test_prefill_pushes_the_prompt_pages_and_the_decode_worker_continues_from_th
 
 
 def test_a_failed_push_is_reported_not_raised(workers: list[WorkerActor]) -> None:
-    done = workers[0].prefill(request(prompt(2)), "127.0.0.1:1")
+    done = workers[0].prefill(request(prompt(2)), "127.0.0.1:1", b"\x00" * 16)
     assert done.pages_pushed == 0
     assert done.push_error is not None
+
+
+def test_a_push_under_another_requests_ticket_or_a_used_one_is_refused(
+    workers: list[WorkerActor],
+) -> None:
+    prefill, decode = workers
+    mine, other = request(prompt(3)), request(prompt(3))
+    before = decode.pool.cached_hashes()
+    wrong = prefill.prefill(mine, decode.address, decode.expect_push(other))
+    assert wrong.pages_pushed == 0 and "HashMismatch" in (wrong.push_error or "")
+    ticket = decode.expect_push(mine)
+    assert prefill.prefill(mine, decode.address, ticket).push_error is None
+    again = prefill.prefill(request(prompt(3)), decode.address, ticket)  # one use only
+    assert again.pages_pushed == 0 and "PermissionDenied" in (again.push_error or "")
+    assert decode.pool.cached_hashes() - before == set(decode.hasher.hash_prompt(mine.token_ids))
 
 
 def test_drain_marks_the_worker_draining_and_not_serving(
