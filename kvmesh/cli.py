@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "replay a trace offline against simulated workers and policies",
     ),
     "bench": ("kvmesh.benchmarks.cli", "benchmarks: pool, router, transfer, load"),
+    "gateway": (
+        "kvmesh.gateway.command",
+        "OpenAI-compatible gateway in front of vLLM engines, routing on their KV events",
+    ),
 }
 
 
