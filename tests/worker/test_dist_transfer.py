@@ -3,7 +3,10 @@
 Two-rank scenarios run in spawned processes (rank 0 pulls, rank 1 serves);
 each rank writes what it saw to a JSON file that the tests read. One process
 pair runs all the scenarios that leave the group usable (round trips,
-rejections, push); a peer that dies and a peer that hangs get a pair each.
+rejections, pushes with good and bad tickets); a peer that dies and a peer
+that hangs get a pair each. Every pull proves its pages against the puller's
+own book (`proofs_of`, from the test's tokens); a push is taken against the
+grant whose ticket the receiving rank handed over (through a file).
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
+from worker_kit import proofs_for
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWorker
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.dist_transfer import (
     DTYPE_CODES,
@@ -42,7 +47,7 @@ from kvmesh.worker.dist_transfer import (
 )
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import PageService
+from kvmesh.worker.page_service import PageService, ProofBook
 
 PAGE = 4
 SHAPE = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
@@ -87,6 +92,11 @@ def fill(service: PageService, n: int, seed: int) -> list[PageHash]:
 
 def hashes_for(n: int, seed: int) -> list[PageHash]:
     return PageHasher(PAGE, seed=SEED).hash_prompt(tokens_for(n, seed))
+
+
+def proofs_of(n: int, seed: int) -> ProofBook:
+    """The receiver's own proofs of the `n` pages `fill(_, n, seed)` caches on the sender."""
+    return proofs_for(PageHasher(PAGE, seed=SEED), tokens_for(n, seed))
 
 
 def mixed_order(hashes: list[PageHash]) -> list[PageHash]:
@@ -149,15 +159,15 @@ def page_bytes(dtype: str) -> int:
 
 def exchange_server(ctx: PairContext) -> dict[str, Any]:
     with ctx.join(0) as group:
-        return _exchange_server(group)
+        return _exchange_server(group, ctx)
 
 
 def exchange_client(ctx: PairContext) -> dict[str, Any]:
     with ctx.join(0) as group:
-        return _exchange_client(group)
+        return _exchange_client(group, ctx)
 
 
-def _exchange_server(group: DistGroup) -> dict[str, Any]:
+def _exchange_server(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layout, message_bytes in LAYOUTS.items():
         for seed, dtype in enumerate(DTYPES):
@@ -175,14 +185,20 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
             )
             out[f"served_{layout}_{dtype}"] = transport.serve_forever(0, idle_timeout_s=60)
             out[f"refs_restored_{layout}_{dtype}"] = service.ref_counts() == before
-    # push: eight float32 pages to rank 0
+    # push: eight float32 pages to rank 0, under the ticket rank 0 granted
     service = make_service("float32")
     hashes = fill(service, N_PAGES, 10)
     transport = DistPageTransport(group, service, batch_bytes=3 * page_bytes("float32"))
-    pushed = transport.push(0, [*hashes[:8], UNKNOWN])
+    ticket, fresh = (bytes.fromhex(t) for t in ctx.read("push-tickets").split())
+    pushed = transport.push(0, [*hashes[:8], UNKNOWN], ticket)
     out["pushed"] = len(pushed.sent)
     out["push_missing"] = [h.hex() for h in pushed.missing]
     out["push_ack"] = [pushed.stored, pushed.refused]
+    # the same ticket again (used up), then the same pages under a fresh one
+    reused = transport.push(0, hashes[8:12], ticket)
+    out["reused_ack"] = [len(reused.sent), reused.stored, reused.refused]
+    again = transport.push(0, hashes[8:12], fresh)
+    out["again_ack"] = [len(again.sent), again.stored, again.refused]
     # a page corrupted on the way, in each layout
     for message_bytes in LAYOUTS.values():
         service = make_service("float32")
@@ -198,10 +214,14 @@ def _exchange_server(group: DistGroup) -> dict[str, Any]:
     service = make_service("float16")
     fill(service, 6, 12)
     DistPageTransport(group, service).serve_forever(0, idle_timeout_s=60)
+    # pages the puller's book proves only in part
+    service = make_service("float32")
+    fill(service, 6, 13)
+    DistPageTransport(group, service).serve_forever(0, idle_timeout_s=60)
     return out
 
 
-def _exchange_client(group: DistGroup) -> dict[str, Any]:
+def _exchange_client(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for layout in LAYOUTS:
         for seed, dtype in enumerate(DTYPES):
@@ -209,13 +229,14 @@ def _exchange_client(group: DistGroup) -> dict[str, Any]:
             transport = DistPageTransport(group, service, timeout_s=20)
             hashes = mixed_order(hashes_for(N_PAGES, seed))
             ask = [*hashes, UNKNOWN, hashes[3]]  # a hash it lacks, a hash twice
+            proofs = proofs_of(N_PAGES, seed)
             if dtype == "float32":  # also through the fallback helper: dist works, no fallback
-                outcome = fetch_with_fallback(service, ask, dist=transport, peer_rank=1)
+                outcome = fetch_with_fallback(service, ask, proofs, dist=transport, peer_rank=1)
                 out[f"fallback_{layout}"] = [outcome.transport, outcome.fallback_reason]
                 assert outcome.dist is not None
                 result = outcome.dist
             else:
-                result = transport.pull(1, ask)
+                result = transport.pull(1, ask, proofs)
             transport.hang_up(1)
             order = {h: i for i, h in enumerate(hashes_for(N_PAGES, seed))}
             expected = page_data(service.store, N_PAGES, seed)[[order[h] for h in hashes]]
@@ -231,20 +252,38 @@ def _exchange_client(group: DistGroup) -> dict[str, Any]:
                 "refs": sorted(set(service.ref_counts())),
             }
             service.check_invariants()
-    # push
+    # push: grant two tickets for the prompt's pages and hand them to the pusher
     service = make_service("float32")
-    result = DistPageTransport(group, service).receive_push(1)
-    hashes = hashes_for(N_PAGES, 10)[:8]
+    transport = DistPageTransport(group, service)
+    tickets = [service.grants.grant(proofs_of(N_PAGES, 10)) for _ in range(2)]
+    ctx.write("push-tickets", " ".join(t.hex() for t in tickets))
+    result = transport.receive_push(1)
+    hashes = hashes_for(N_PAGES, 10)
+    expected = page_data(service.store, N_PAGES, 10)
     out["push"] = {
         "inserted": len(result.inserted),
-        "bit_exact": all(bytes_match(service, hashes, page_data(service.store, N_PAGES, 10)[:8])),
+        "bit_exact": all(bytes_match(service, hashes[:8], expected[:8])),
+    }
+    before = (service.pool.cached_hashes(), service.ref_counts(), service.store.kv.clone())
+    reused = transport.receive_push(1)  # the used ticket: every page received and refused
+    after = (service.pool.cached_hashes(), service.ref_counts(), service.store.kv)
+    out["reused"] = {
+        "rejected": [why for _, why in reused.rejected],
+        "cached": len(reused.cached),
+        "pool_unchanged": after[:2] == before[:2] and bool(torch.equal(after[2], before[2])),
+    }
+    again = transport.receive_push(1)  # the link still works: the fresh ticket is taken
+    out["again"] = {
+        "inserted": len(again.inserted),
+        "bit_exact": all(bytes_match(service, hashes[8:12], expected[8:12])),
+        "refs": sorted(set(service.ref_counts())),
     }
     # corrupted page
     for layout in LAYOUTS:
         service = make_service("float32")
         transport = DistPageTransport(group, service)
         hashes = hashes_for(N_PAGES, 11)
-        result = transport.pull(1, hashes)
+        result = transport.pull(1, hashes, proofs_of(N_PAGES, 11))
         transport.hang_up(1)
         expected = page_data(service.store, N_PAGES, 11)
         cached = service.pool.cached_hashes()
@@ -264,12 +303,30 @@ def _exchange_client(group: DistGroup) -> dict[str, Any]:
     # wrong dtype
     service = make_service("float32")
     transport = DistPageTransport(group, service)
-    result = transport.pull(1, hashes_for(6, 12))
+    result = transport.pull(1, hashes_for(6, 12), proofs_of(6, 12))
     transport.hang_up(1)
     out["wrong_dtype"] = {
         "rejected": [why for _, why in result.rejected],
         "cached": len(service.pool.cached_hashes()),
     }
+    # a book that proves the first three pages only
+    service = make_service("float32", num_pages=8)
+    fill(service, 7, 50)  # the puller's own cached pages, in every page the pool has
+    own = service.pool.cached_hashes()
+    transport = DistPageTransport(group, service)
+    hashes = hashes_for(6, 13)
+    half = ProofBook.for_pages(hashes[:3], tokens_for(6, 13), NO_EXTRA, PAGE)
+    result = transport.pull(1, hashes, half)
+    transport.hang_up(1)
+    cached = service.pool.cached_hashes()
+    out["half_proven"] = {
+        "inserted": [h.hex() for h in result.inserted],
+        "rejected": [(h.hex(), why) for h, why in result.rejected],
+        "wanted": [h.hex() for h in hashes],
+        "own_left": len(own & cached),
+        "refs": sorted(set(service.ref_counts())),
+    }
+    service.check_invariants()
     return out
 
 
@@ -292,7 +349,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
         service = make_service("float32")
         transport = DistPageTransport(group, service, timeout_s=1.5)
         try:
-            transport.pull(1, hashes_for(4, 30))
+            transport.pull(1, hashes_for(4, 30), proofs_of(4, 30))
             error = None
         except TransportError as exc:
             error = str(exc)
@@ -304,7 +361,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
     hashes = hashes_for(N_PAGES, 20)
     t0 = time.monotonic()
     try:
-        transport.pull(1, hashes)
+        transport.pull(1, hashes, proofs_of(N_PAGES, 20))
         error = None
     except TransportError as exc:
         error = str(exc)
@@ -312,7 +369,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
     cached = [h for h in hashes if h in service.pool.cached_hashes()]
     expected = page_data(service.store, N_PAGES, 20)[: len(cached)]
     try:
-        transport.pull(1, hashes)
+        transport.pull(1, hashes, proofs_of(N_PAGES, 20))
         again = None
     except TransportError as exc:
         again = str(exc)
@@ -341,6 +398,16 @@ class PairContext:
 
     def set_flag(self, name: str) -> None:
         (self.out_dir / name).touch()
+
+    def write(self, name: str, text: str) -> None:
+        """Hand `text` to the other rank (whole: written aside, then renamed)."""
+        part = self.out_dir / f"{name}.part"
+        part.write_text(text)
+        os.replace(part, self.out_dir / name)
+
+    def read(self, name: str) -> str:
+        self.wait_flag(name)
+        return (self.out_dir / name).read_text()
 
     def wait_flag(self, name: str, timeout_s: float = 60.0) -> None:
         end = time.monotonic() + timeout_s
@@ -451,6 +518,33 @@ def test_pushed_pages_are_inserted_bit_exact_and_acknowledged(exchange: Any) -> 
     assert client["push"] == {"inserted": 8, "bit_exact": True}
 
 
+def test_a_push_under_a_used_ticket_is_received_every_page_refused_and_the_link_stays(
+    exchange: Any,
+) -> None:
+    """The bytes of a push follow its meta whatever the ticket, so the receiver takes them
+    into spare buffers and refuses every page (the ack says so); the pool is untouched and
+    the next push on the same link, under a live ticket, is taken."""
+    client, server = exchange
+    assert server["reused_ack"] == [4, 0, 4]  # sent, stored, refused
+    got = client["reused"]
+    assert got["cached"] == 0 and got["pool_unchanged"] is True
+    assert len(got["rejected"]) == 4
+    assert all("HashMismatch" in why for why in got["rejected"])
+    assert server["again_ack"] == [4, 4, 0]
+    assert client["again"] == {"inserted": 4, "bit_exact": True, "refs": [0]}
+
+
+def test_a_pulled_page_the_pullers_book_cannot_prove_is_rejected_and_evicts_nothing(
+    exchange: Any,
+) -> None:
+    got = exchange[0]["half_proven"]
+    assert got["inserted"] == got["wanted"][:3]
+    assert [h for h, _ in got["rejected"]] == got["wanted"][3:]
+    assert all("HashMismatch" in why for _, why in got["rejected"])
+    assert got["own_left"] == 7 - 3  # three evicted for the three proven pages, no more
+    assert got["refs"] == [0]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_corrupted_page_is_rejected_and_the_rest_are_inserted(exchange: Any, layout: str) -> None:
     got = exchange[0][f"corrupt_{layout}"]
@@ -531,7 +625,9 @@ def test_fetch_falls_back_to_grpc_and_logs_why_when_dist_init_fails(
         SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
         caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
     ):
-        outcome = fetch_with_fallback(service, hashes, dist=join, peer_rank=1, grpc=client)
+        outcome = fetch_with_fallback(
+            service, hashes, proofs_of(12, 40), dist=join, peer_rank=1, grpc=client
+        )
     assert outcome.transport == "grpc"
     assert outcome.inserted == len(hashes)
     assert outcome.fallback_reason is not None and "rendezvous" in outcome.fallback_reason
@@ -554,7 +650,7 @@ def test_fetch_falls_back_when_no_group_is_configured(
         SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
         caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
     ):
-        outcome = fetch_with_fallback(service, hashes, dist=None, grpc=client)
+        outcome = fetch_with_fallback(service, hashes, proofs_of(12, 40), dist=None, grpc=client)
     assert outcome.transport == "grpc"
     assert outcome.inserted == len(hashes)
     assert "no torch.distributed group" in (outcome.fallback_reason or "")
@@ -585,12 +681,14 @@ def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
 
 def test_fetch_raises_when_dist_fails_and_there_is_no_grpc_peer() -> None:
     with pytest.raises(TransportError, match="no gRPC peer"):
-        fetch_with_fallback(make_service(), hashes_for(2, 0), dist=None, grpc=None)
+        fetch_with_fallback(make_service(), hashes_for(2, 0), proofs_of(2, 0), dist=None, grpc=None)
 
 
 def test_fetch_refuses_an_unknown_transport() -> None:
     with pytest.raises(ConfigError, match="choose one of"):
-        fetch_with_fallback(make_service(), hashes_for(2, 0), transport="carrier-pigeon")
+        fetch_with_fallback(
+            make_service(), hashes_for(2, 0), proofs_of(2, 0), transport="carrier-pigeon"
+        )
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -655,7 +753,13 @@ def test_a_garbled_preamble_is_a_transport_error(words: dict[int, int], why: str
 def test_page_meta_round_trips_and_refuses_garbage() -> None:
     page = WirePage(PageHash(b"h" * 32), None, (1, 2, 3, 4), 7, "cpu")
     raw = encode_page_meta([page], [PageHash(b"m" * 32)], [1])
-    assert decode_page_meta(raw, 1, 1) == ([page], [PageHash(b"m" * 32)], [1])
+    assert decode_page_meta(raw, 1, 1) == ([page], [PageHash(b"m" * 32)], [1], b"")
+    pushed = encode_page_meta([page], [], [1], b"t" * 16)
+    assert decode_page_meta(pushed, 1, 1) == ([page], [], [1], b"t" * 16)
+    for ticket in (b"t" * 65, "text"):  # a ticket is at most 64 bytes, and bytes
+        meta = msgpack.packb([[], [], [], ticket], use_bin_type=True)
+        with pytest.raises(InvalidInput, match="push ticket"):
+            decode_page_meta(meta, 0, 1)
     with pytest.raises(InvalidInput, match="preamble"):
         decode_page_meta(raw, 2, 1)
     with pytest.raises(InvalidInput, match="malformed"):
