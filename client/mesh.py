@@ -405,7 +405,13 @@ class KVMesh:
         cache_salt = self.tenants.resolve_salt(api_key, cache_salt)
         hashes = self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=cache_salt))
         base = GenerateRequest(
-            uuid.uuid4().hex, tuple(tokens), max_tokens, cache_salt, lora_id, 0, 0, None
+            uuid.uuid4().hex,
+            tuple(tokens),
+            max_tokens,
+            cache_salt,
+            lora_id,
+            timeout_s=self.request_timeout_s,  # each worker call waits this long (`_call`)
+            caller_job=_caller_job(),
         )
         disaggregated = self.config.prefill_workers > 0 and self.config.decode_workers > 0
         last: BaseException | None = None
@@ -471,12 +477,23 @@ class KVMesh:
     # ---------------------------------------------------------------- internals
 
     async def _call(self, ref: Any, worker_id: WorkerId | None) -> Any:
-        """Await `ref` within the request deadline; map Ray's failures to kvmesh errors."""
+        """Await `ref` within the request deadline; map Ray's failures to kvmesh errors.
+
+        A worker's task this client stops waiting for (the deadline passed, or the
+        awaiting task was cancelled, e.g. by Ctrl-C) is cancelled on the worker
+        too: awaiting an object ref with a timeout does not do that by itself.
+        """
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         try:
             return await asyncio.wait_for(ref, self.request_timeout_s)
+        except asyncio.CancelledError:
+            if worker_id is not None:
+                _cancel_task(ref)
+            raise
         except TimeoutError:
+            if worker_id is not None:
+                _cancel_task(ref)
             raise DeadlineExceeded(
                 f"{'worker ' + worker_id if worker_id else 'the coordinator'} did not answer "
                 f"within {self.request_timeout_s:.0f}s"
@@ -588,6 +605,24 @@ class _Died(Exception):
         super().__init__(f"worker {worker_id} died: {error}")
         self.worker_id = worker_id
         self.error = error
+
+
+def _cancel_task(ref: Any) -> None:
+    """Ask Ray to stop the actor task behind `ref` (its children, e.g. the worker's reports
+    to the coordinator, finish); a task already done or gone has nothing to stop."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.cancel(ref, recursive=False)
+
+
+def _caller_job() -> str | None:
+    """This process's Ray job id: a worker stops the requests of a caller whose job died."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_job_id()
 
 
 def _check_connect(

@@ -43,6 +43,7 @@ time and the rest wait (their queue time), so `stats`, `ping` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,6 +60,7 @@ from kvmesh.errors import (
     InvalidInput,
     InvariantViolation,
     KVMeshError,
+    RequestCancelled,
     TransportError,
     UnknownWorker,
 )
@@ -67,6 +69,14 @@ from kvmesh.hashing import ExtraKeys, PageHasher
 from kvmesh.load import WorkerLoad
 from kvmesh.security import check_bind_address
 from kvmesh.types import PageHash, WorkerId
+from kvmesh.worker.cancellation import (
+    CallerWatch,
+    StopSignals,
+    cancelled_count,
+    count_cancelled,
+    current_task_cancelled,
+    ray_job_is_dead,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +119,12 @@ class GenerateRequest:
     (already clamped to what a worker can reuse: never the prompt's last
     token); `peer_address` is the gRPC address of the worker holding the
     pullable pages, None for no pull.
+
+    `timeout_s`: how long the caller waits for the answer; the worker stops the
+    request that long after it arrives (a remaining budget, not a time of day,
+    so that clocks of different nodes need not agree). `caller_job`: the
+    caller's Ray job id (hex), so that the worker stops the request when the
+    caller's process is gone. None: no limit / not watched.
     """
 
     request_id: str
@@ -119,6 +135,8 @@ class GenerateRequest:
     promised_local: int = 0
     promised_pull: int = 0
     peer_address: str | None = None
+    timeout_s: float | None = None
+    caller_job: str | None = None
 
     @property
     def extra_keys(self) -> ExtraKeys:
@@ -172,6 +190,7 @@ class WorkerStats:
     dist_fallbacks: int = 0  # torch.distributed transfers that failed and went over gRPC
     links_opened: int = 0  # torch.distributed links this worker opened (client end)
     links_served: int = 0  # torch.distributed links peers opened to this worker
+    requests_cancelled: int = 0  # stopped before answering: cancelled, deadline, caller gone
 
     @property
     def page_hit_ratio(self) -> float:
@@ -296,6 +315,7 @@ class WorkerActor:
         self._counters_lock = threading.Lock()
         self._draining = False
         self._stop = threading.Event()
+        self._callers = CallerWatch(ray_job_is_dead)
         self._heartbeat_s = cfg.coordinator.heartbeat_interval_s
         self._rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
         if coordinator is not None:
@@ -317,27 +337,42 @@ class WorkerActor:
 
         Returns the engine's `GenerationResult`. Raises the engine's
         `KVMeshError`s (bad input, full pool); a failed pull is not an error
-        (its pages are computed, `pull_error` says why).
+        (its pages are computed, `pull_error` says why). Raises `RequestCancelled`
+        (counted in `kvmesh_requests_cancelled_total`) when the caller cancelled
+        this task (`ray.cancel`), its process is gone, or `timeout_s` passed
+        (`RequestExpired`); see `kvmesh.worker.cancellation`.
         """
         from kvmesh.worker.serving import RouteHint
 
+        clock = self.engine.clock
+        deadline = None if request.timeout_s is None else clock() + request.timeout_s
         hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
         pull = self._pull if request.peer_address else None
         self._announce(request)
-        try:
-            result = self.engine.serve(
-                request.request_id,
-                request.token_ids,
-                request.max_tokens,
-                extra_keys=request.extra_keys,
-                hint=hint,
-                pull_fn=pull,
-            )
-        except KVMeshError:
-            self._bump("errors")
-            raise
-        finally:
-            self._flush_quietly()
+        with contextlib.ExitStack() as scope:
+            caller_gone = None
+            if request.caller_job is not None:
+                caller_gone = scope.enter_context(self._callers.watch(request.caller_job))
+            signals = StopSignals(current_task_cancelled(), caller_gone)
+            try:
+                result = self.engine.serve(
+                    request.request_id,
+                    request.token_ids,
+                    request.max_tokens,
+                    extra_keys=request.extra_keys,
+                    hint=hint,
+                    pull_fn=pull,
+                    cancelled=signals.cancelled,
+                    deadline=deadline,
+                )
+            except RequestCancelled as exc:
+                count_cancelled(self.worker_id, signals.reason(exc))
+                raise
+            except KVMeshError:
+                self._bump("errors")
+                raise
+            finally:
+                self._flush_quietly()
         with self._counters_lock:
             c = self._counters
             c.requests += 1
@@ -782,6 +817,7 @@ class WorkerActor:
             dist_fallbacks=c.dist_fallbacks,
             links_opened=c.links_opened,
             links_served=c.links_served,
+            requests_cancelled=cancelled_count(self.worker_id),
         )
 
     def reset_cache(self) -> None:
@@ -821,6 +857,7 @@ class WorkerActor:
     def shutdown(self) -> None:
         """Stop heartbeats and the gRPC server (the actor can then be killed)."""
         self._stop.set()
+        self._callers.close()
         with self._peers_lock:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
