@@ -22,10 +22,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from worker_kit import proofs_for
 
 from kvmesh import errors
 from kvmesh.config import TransferConfig
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker import grpc_wire as h2
@@ -33,7 +34,7 @@ from kvmesh.worker import transfer_client
 from kvmesh.worker.grpc_wire import FETCH_PATH, PREFACE, WireCall, WireStatus
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import PageInfo, PageService
+from kvmesh.worker.page_service import PageInfo, PageReceiver, PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncFetcher, SyncPeerClient, _Landed, translate
 from kvmesh.worker.transfer_server import ServerThread, encode_chunk
 
@@ -74,9 +75,13 @@ def service(num_pages: int, dtype: str = "float32", heads: int = 2, dim: int = 1
     return Tampering(PagePool(num_pages, page_size=PAGE), store, PageHasher(PAGE, seed="wire"))
 
 
+def tokens_of(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + salt) % 251 for i in range(n * PAGE)]
+
+
 def fill(svc: Tampering, n: int, salt: int = 0) -> list[PageHash]:
     """Cache `n` pages of random bytes under a token chain, all evictable; their hashes."""
-    tokens = [(7 * i + salt) % 251 for i in range(n * PAGE)]
+    tokens = tokens_of(n, salt)
     keys = svc.hasher.hash_prompt(tokens)
     pages = svc.pool.get_new_pages(n)
     data = torch.randn((n, *svc.store.page_shape), generator=torch.Generator().manual_seed(salt))
@@ -85,6 +90,11 @@ def fill(svc: Tampering, n: int, salt: int = 0) -> list[PageHash]:
     svc.pool.free_pages(list(reversed(pages)))
     svc.take_events()  # the sender learns the token ids it sends with each page
     return keys
+
+
+def into(svc: PageService, n: int, salt: int = 0) -> PageReceiver:
+    """`svc` receiving the pages `fill(_, n, salt)` caches, proven by its own book of them."""
+    return svc.receiving(proofs_for(svc.hasher, tokens_of(n, salt)))
 
 
 def same_bytes(a: PageService, b: PageService, keys: list[PageHash]) -> bool:
@@ -164,8 +174,8 @@ def test_zero_copy_pull_lands_pages_bit_exact_over_the_wire_and_ref_counts_retur
     before = sender.ref_counts()
     cfg = dataclasses.replace(CFG, chunk_bytes=chunk, fetch_streams=3)
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
-        assert client.pull_into(receiver, keys) == 40
-        assert client.pull_into(receiver, keys) == 0  # held already
+        assert client.pull_into(into(receiver, 40), keys) == 40
+        assert client.pull_into(into(receiver, 40), keys) == 0  # held already
     assert wire == [server.address] * 6  # 3 streams per pull
     assert same_bytes(sender, receiver, keys)
     assert sender.ref_counts() == before
@@ -196,10 +206,10 @@ def test_a_store_the_socket_cannot_write_into_gets_checked_pages_copied_in(
         SyncPeerClient(server.address, ONE_STREAM) as client,
     ):
         with pytest.raises(errors.ChecksumMismatch):
-            client.pull_into(receiver, keys)
+            client.pull_into(into(receiver, 20), keys)
         assert receiver.lookup(keys) == [True] * 12 + [False] * 8
         sender.corrupt.clear()
-        assert client.pull_into(receiver, keys) == 8
+        assert client.pull_into(into(receiver, 20), keys) == 8
     assert len(wire) == 2 and len(imported) == 20  # every page copied in once, after its check
     assert same_bytes(sender, receiver, keys)
     assert idle(receiver) and idle(sender)
@@ -212,15 +222,17 @@ def test_unknown_hashes_in_the_middle_are_missing_and_later_pages_still_land() -
     unknown = [PageHash(bytes([i + 1]) * 32) for i in range(2)]
     asked = [*keys[:3], unknown[0], *keys[3:7], unknown[1], *keys[7:]]
 
+    landing = into(fresh, 10)
+
     def commit(_index: int, item: object) -> None:
         assert isinstance(item, _Landed)  # received straight into a reserved page of `fresh`
-        fresh.commit([(item.reservation, item.page)])
+        landing.commit([(item.reservation, item.page)])
 
     with ServerThread(sender, CFG) as server:
         with SyncPeerClient(server.address, CFG) as client:
-            assert client.pull_into(receiver, asked[:9]) == 7
+            assert client.pull_into(into(receiver, 10), asked[:9]) == 7
         fetcher = SyncFetcher(server.address, CFG)
-        result = fetcher.fetch(asked, commit, service=fresh)
+        result = fetcher.fetch(asked, commit, service=landing)
         fetcher.close()
     assert receiver.lookup(keys) == [True] * 7 + [False] * 3
     assert result.missing == tuple(unknown) and result.received == 10  # in request order
@@ -237,28 +249,52 @@ def test_a_corrupted_page_raises_checksum_mismatch_and_keeps_only_the_pages_befo
         SyncPeerClient(server.address, ONE_STREAM) as client,
     ):
         with pytest.raises(errors.ChecksumMismatch, match="corrupted"):
-            client.pull_into(receiver, keys)
+            client.pull_into(into(receiver, 12), keys)
         assert receiver.lookup(keys) == [True] * 5 + [False] * 7
         assert wait_until(lambda: idle(sender)) and idle(receiver)
         receiver.check_invariants()
         sender.corrupt.clear()
-        assert client.pull_into(receiver, keys) == 7  # nothing was left reserved
+        assert client.pull_into(into(receiver, 12), keys) == 7  # nothing was left reserved
     assert same_bytes(sender, receiver, keys)
 
 
-def test_a_page_whose_tokens_do_not_hash_to_it_is_refused_before_anything_is_evicted() -> None:
+def test_a_page_whose_proof_tokens_do_not_hash_to_it_is_refused_before_anything_is_evicted() -> (
+    None
+):
+    """The receiver proves each page from its own request's tokens as its header arrives,
+    before a pool page is reserved: a page it cannot prove evicts nothing."""
     sender, receiver = service(16), service(9)
     keys = fill(sender, 4)
     own = fill(receiver, 8, salt=3)  # every usable page cached and evictable
-    sender.lie.add(keys[0])
+    wrong = tokens_of(4)
+    wrong[0] += 1  # the first page's proof fails; the pull stops there
+    misproven = receiver.receiving(ProofBook.for_pages(keys, wrong, NO_EXTRA, PAGE))
     with ServerThread(sender, ONE_STREAM) as server:
         client = SyncPeerClient(server.address, ONE_STREAM)
         with client, pytest.raises(errors.HashMismatch, match="do not hash"):
-            client.pull_into(receiver, keys)
+            client.pull_into(misproven, keys)
         assert wait_until(lambda: idle(sender))
     assert receiver.lookup(own) == [True] * 8 and receiver.lookup(keys) == [False] * 4
     assert idle(receiver)
     receiver.check_invariants()
+
+
+def test_token_ids_a_sender_lies_about_neither_refuse_nor_prove_a_page(wire: list[str]) -> None:
+    """The token ids in a page's header are the sender's word, never the proof: under the
+    receiver's own book a page whose header lies is taken, and a page it did not ask to
+    prove (another prompt's book) is refused however true the header."""
+    sender, receiver = service(16), service(16)
+    keys = fill(sender, 4)
+    sender.lie.add(keys[0])
+    with (
+        ServerThread(sender, ONE_STREAM) as server,
+        SyncPeerClient(server.address, ONE_STREAM) as client,
+    ):
+        with pytest.raises(errors.HashMismatch, match="refused without proof"):
+            client.pull_into(into(receiver, 4, salt=5), keys[1:])  # true headers, no proof
+        assert receiver.pool.cached_hashes() == set()
+        assert client.pull_into(into(receiver, 4), keys) == 4
+    assert same_bytes(sender, receiver, keys) and idle(sender) and idle(receiver)
 
 
 def test_a_pull_of_thousands_of_pages_on_one_stream_sends_its_request_as_the_server_allows() -> (
@@ -272,7 +308,7 @@ def test_a_pull_of_thousands_of_pages_on_one_stream_sends_its_request_as_the_ser
         ServerThread(sender, ONE_STREAM) as server,
         SyncPeerClient(server.address, ONE_STREAM) as client,
     ):
-        assert client.pull_into(receiver, keys) == 2000
+        assert client.pull_into(into(receiver, 2000), keys) == 2000
     assert same_bytes(sender, receiver, keys[::7]) and idle(sender) and idle(receiver)
 
 
@@ -320,7 +356,7 @@ def test_windows_are_topped_up_with_exactly_what_was_consumed(
         ServerThread(sender, ONE_STREAM) as server,
         SyncPeerClient(server.address, ONE_STREAM) as client,
     ):
-        assert client.pull_into(receiver, keys) == 128
+        assert client.pull_into(into(receiver, 128), keys) == 128
     for stream in (0, 1):
         given = [(inc, by) for s, inc, by in updates if s == stream]
         assert len(given) >= 10
@@ -342,10 +378,10 @@ def test_a_wrong_or_missing_bearer_token_is_unauthenticated_over_the_wire(
         for token in (None, "wrong"):
             client = SyncPeerClient(server.address, dataclasses.replace(CFG, auth_token=token))
             with client, pytest.raises(errors.Unauthenticated):
-                client.pull_into(receiver, keys)
+                client.pull_into(into(receiver, 3), keys)
         assert wire and receiver.lookup(keys) == [False] * 3
         with SyncPeerClient(server.address, secured) as client:
-            assert client.pull_into(receiver, keys) == 3
+            assert client.pull_into(into(receiver, 3), keys) == 3
     assert idle(receiver) and idle(sender)
 
 
@@ -396,12 +432,12 @@ def test_mutual_tls_pulls_over_the_wire_and_refuses_foreign_certificates(
         for me, root in (("intruder", "ca"), ("client", "other")):
             client = SyncPeerClient(server.address, tls(me, tls_root_ca=f"{tmp_path}/{root}.pem"))
             with client, pytest.raises(errors.TransportError, match="UNAVAILABLE"):
-                client.pull_into(receiver, keys)
+                client.pull_into(into(receiver, 4), keys)
         assert wire and receiver.lookup(keys) == [False] * 4
         wire.clear()
         good = tls("client", tls_root_ca=f"{tmp_path}/ca.pem")
         with SyncPeerClient(server.address, good) as client:
-            assert client.pull_into(receiver, keys) == 4
+            assert client.pull_into(into(receiver, 4), keys) == 4
     assert wire == [server.address] * 2  # two streams
     assert same_bytes(sender, receiver, keys)
     assert idle(receiver) and idle(sender)
@@ -413,7 +449,7 @@ def test_a_deadline_on_a_slow_peer_keeps_whole_pages_and_releases_the_server_pin
     with ServerThread(sender, CFG, page_delay_s=0.05) as server:
         client = SyncPeerClient(server.address, CFG)
         with client, pytest.raises(errors.DeadlineExceeded):
-            client.pull_into(receiver, keys, deadline_s=0.3)
+            client.pull_into(into(receiver, 20), keys, deadline_s=0.3)
         assert wait_until(lambda: idle(sender))
     got = receiver.lookup(keys).count(True)
     assert receiver.lookup(keys) == [True] * got + [False] * (20 - got)
@@ -461,7 +497,7 @@ def test_a_message_over_max_message_bytes_is_message_too_large(
         monkeypatch.setattr(transfer_client, "chunk_size", lambda _cfg: 1 << 20)
         client = SyncPeerClient(server.address, dataclasses.replace(CFG, max_message_bytes=1 << 17))
         with client, pytest.raises(errors.MessageTooLarge):
-            client.pull_into(receiver, keys)
+            client.pull_into(into(receiver, 2), keys)
         assert wait_until(lambda: idle(sender))
     assert receiver.lookup(keys) == [False, False] and idle(receiver)
 
