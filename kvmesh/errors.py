@@ -142,3 +142,10 @@ class UnknownModel(InvalidInput):
     """A request names a model the engines behind the gateway do not serve."""
 
     grpc_code = "NOT_FOUND"
+
+
+class HashParityError(KVMeshError):
+    """kvmesh hashes a prompt differently from an engine (algorithm, seed, block size or hash
+    form differ): the engine's events would never match, so it gets no cache affinity."""
+
+    grpc_code = "FAILED_PRECONDITION"

@@ -79,3 +79,34 @@ GATEWAY_FIRST_BYTE = Histogram(
     ["engine"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
+
+# Real engines' KV events (coordinator/engine_subscriber.py); `engine` is the
+# index worker id (``engine-0``, ``engine-0@dp1`` for a data-parallel rank).
+ENGINE_EVENT_BATCHES = Counter(
+    "kvmesh_engine_event_batches",
+    "Engine KV event batches received, by what the index did with them "
+    "(applied, replaced, ignored, held, quarantined)",
+    ["engine", "outcome"],
+)
+ENGINE_BAD_PAYLOADS = Counter(
+    "kvmesh_engine_bad_payloads",
+    "Engine KV event messages dropped as malformed, by reason (frame, seq, topic, decode, "
+    "dp_rank); each one drops the engine's index entries, which a lost batch may have changed",
+    ["engine", "reason"],
+)
+ENGINE_EVENT_GAPS = Counter(
+    "kvmesh_engine_event_gaps",
+    "Gaps in an engine's event sequence, by outcome: healed from its replay socket, or "
+    "uncovered (its index entries dropped, then followed afresh)",
+    ["engine", "outcome"],
+)
+ENGINE_RESTARTS = Counter(
+    "kvmesh_engine_restarts",
+    "Engine restarts seen in its event sequence (seq back to 0): each starts a new incarnation",
+    ["engine"],
+)
+ENGINE_CANARY = Counter(
+    "kvmesh_engine_canary",
+    "Hash-parity canary runs by outcome (passed, mismatch, timeout)",
+    ["engine", "outcome"],
+)
