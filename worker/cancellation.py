@@ -104,16 +104,20 @@ class CallerWatch:
 
     @contextmanager
     def watch(self, caller: str) -> Iterator[Callable[[], bool]]:
+        """Watch `caller` while the block runs; yields "is it gone?". After `close`, never."""
         with self._cond:
-            if self._closed:
-                raise RuntimeError("CallerWatch is closed")
-            self._watched[caller] += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvmesh-caller-watch", daemon=True
-                )
-                self._thread.start()
-            self._cond.notify_all()
+            closed = self._closed
+            if not closed:
+                self._watched[caller] += 1
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvmesh-caller-watch", daemon=True
+                    )
+                    self._thread.start()
+                self._cond.notify_all()
+        if closed:  # the worker is shutting down: the request's deadline still bounds it
+            yield lambda: False
+            return
         try:
             yield lambda: caller in self._gone
         finally:
