@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from worker_kit import (
     BASE,
     HASHER,
@@ -158,11 +159,38 @@ def test_a_failed_push_link_falls_back_to_grpc(
     prefill, decode = workers
     coordinator.refuse = "injected: no link today"
     tokens = prompt(3)
-    done = prefill.prefill(request(tokens), decode.address)
+    ask = request(tokens)
+    done = prefill.prefill(ask, decode.address, decode.expect_push(ask))  # not used up by dist
     assert (done.pages_pushed, done.push_error) == (3, None)
     stats = prefill.stats()
     assert (stats.pushes_dist, stats.pushes_grpc, stats.dist_fallbacks) == (0, 1, 1)
     assert HASHER.hash_prompt(tokens)[-1] in decode.pool.cached_hashes()
+
+
+def test_a_push_under_a_ticket_nobody_granted_caches_nothing_and_the_link_takes_the_next(
+    workers: list[WorkerActor],
+) -> None:
+    """Over a link the pushed bytes come whatever the ticket: the decode worker receives
+    them, refuses every page (counted), and the same link carries the next, granted push."""
+    prefill, decode = workers
+    tokens = prompt(3)
+    hashes = set(HASHER.hash_prompt(tokens))
+    refused = REGISTRY.get_sample_value(
+        "kvmesh_transfer_refused_total", {"worker": "w1", "reason": "no_grant"}
+    )
+    prefill.prefill(request(tokens), decode.address, b"\x00" * 16)
+    assert not hashes & decode.pool.cached_hashes()
+    after = REGISTRY.get_sample_value(
+        "kvmesh_transfer_refused_total", {"worker": "w1", "reason": "no_grant"}
+    )
+    assert (after or 0) == (refused or 0) + 1
+    ask = request(tokens)
+    done = prefill.prefill(ask, decode.address, decode.expect_push(ask))
+    assert (done.pages_pushed, done.push_error) == (3, None)
+    assert hashes <= decode.pool.cached_hashes()
+    stats = prefill.stats()
+    assert (stats.pushes_dist, stats.pushes_grpc, stats.dist_fallbacks) == (2, 0, 0)
+    assert stats.links_opened == 1
 
 
 def test_a_broken_link_is_replaced_by_a_fresh_one(workers: list[WorkerActor]) -> None:
