@@ -392,16 +392,8 @@ class WorkerActor:
         if not push_to:
             raise InvalidInput("prefill needs the decode worker's address to push to")
         t0 = time.perf_counter()
-        prefill_only = GenerateRequest(
-            request.request_id,
-            request.token_ids,
-            0,
-            request.cache_salt,
-            request.lora_id,
-            request.promised_local,
-            request.promised_pull,
-            request.peer_address,
-        )
+        # the same request (its deadline and caller included), without an answer
+        prefill_only = dataclasses.replace(request, max_tokens=0)
         result = self.generate(prefill_only)
         t1 = time.perf_counter()
         hashes = self.hasher.hash_prompt(request.token_ids, request.extra_keys)
