@@ -1,4 +1,9 @@
-"""Page transfer over real gRPC servers on 127.0.0.1: round trips, refusals, faults, ref counts."""
+"""Page transfer over real gRPC servers on 127.0.0.1: round trips, refusals, faults, ref counts.
+
+A receiver proves every page against its own book of the prompt it serves
+(`into`); a push is taken only under a ticket the receiving service granted
+(`grant`), and one pusher's evictions are capped by its budget.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -31,18 +37,28 @@ from kvmesh.errors import (
     InvalidInput,
     MessageTooLarge,
     PageFormatError,
+    PermissionDenied,
+    PoolExhausted,
     TransportError,
     Unauthenticated,
     UnknownHash,
 )
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore, checksum
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import IncomingPage, PageService
+from kvmesh.worker.page_service import (
+    EvictionBudget,
+    IncomingPage,
+    PageReceiver,
+    PageService,
+    ProofBook,
+    PushGrants,
+)
 from kvmesh.worker.transfer_client import PeerClient, SyncPeerClient, pull_into, verify_page
 from kvmesh.worker.transfer_server import (
+    PUSH_TICKET_KEY,
     PageAssembler,
     ServerThread,
     TransferServer,
@@ -105,18 +121,41 @@ def peer_module(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModuleType, P
     return module, path
 
 
+def prompt_tokens(n: int, start: int = 0) -> list[int]:
+    """The tokens of the `n`-page prompt whose pages the peer script's `build` caches
+    (`start`: another prompt)."""
+    return [(7 * i + start) % 251 for i in range(n * PAGE)]
+
+
 def build(
     peer: tuple[ModuleType, Path], num_pages: int, n: int, dtype: str = "float32"
 ) -> tuple[PageService, list[PageHash], list[int]]:
     service, hashes, tokens = peer[0].build(num_pages, n, dtype)
+    assert tokens == prompt_tokens(n)
     return service, hashes, tokens
 
 
-def empty(num_pages: int = 64, dtype: str = "float32") -> PageService:
+def empty(num_pages: int = 64, dtype: str = "float32", **kw: Any) -> PageService:
     pool = PagePool(num_pages, page_size=PAGE)
     return PageService(
-        pool, KVStore(num_pages, 2, 2, 16, PAGE, dtype), PageHasher(PAGE, seed="it-seed")
+        pool, KVStore(num_pages, 2, 2, 16, PAGE, dtype), PageHasher(PAGE, seed="it-seed"), **kw
     )
+
+
+def book(service: PageService, n: int, start: int = 0) -> ProofBook:
+    """What `service` proves when it serves the `n`-page prompt (its own tokens)."""
+    tokens = prompt_tokens(n, start)
+    return ProofBook.for_pages(service.hasher.hash_prompt(tokens), tokens, NO_EXTRA, PAGE)
+
+
+def into(service: PageService, n: int) -> PageReceiver:
+    """`service` receiving pages of the `n`-page prompt, each proven by its own book."""
+    return service.receiving(book(service, n))
+
+
+def grant(service: PageService, n: int) -> bytes:
+    """A ticket `service` grants for a push of the `n`-page prompt's pages (prefill -> decode)."""
+    return service.grants.grant(book(service, n))
 
 
 def page_bytes(service: PageService, page_hash: PageHash) -> bytes:
@@ -155,7 +194,7 @@ def test_many_pages_round_trip_bit_exact_and_ref_counts_return(
     before = sender.ref_counts()
     receiver = empty(96, dtype)
     with ServerThread(sender, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
-        assert client.pull_into(receiver, hashes) == 80
+        assert client.pull_into(into(receiver, 80), hashes) == 80
     assert receiver.lookup(hashes) == [True] * 80
     for h in hashes:
         assert page_bytes(receiver, h) == page_bytes(sender, h)
@@ -217,10 +256,11 @@ def test_push_caches_pages_on_the_peer_and_skips_pages_it_holds(
     prefill, hashes, _ = build(peer_module, 64, 12, "bfloat16")
     decode = empty(64, "bfloat16")
     with ServerThread(decode, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
-        assert client.push_from(prefill, hashes[:8]) == [True] * 8
-        assert client.push_from(prefill, hashes[4:12]) == [False] * 4 + [True] * 4
+        assert client.push_from(prefill, hashes[:8], grant(decode, 12)) == [True] * 8
+        again = client.push_from(prefill, hashes[4:12], grant(decode, 12))
+        assert again == [False] * 4 + [True] * 4
         with pytest.raises(UnknownHash):
-            client.push_from(prefill, [PageHash(b"\x09" * 32)])
+            client.push_from(prefill, [PageHash(b"\x09" * 32)], grant(decode, 12))
     assert decode.lookup(hashes) == [True] * 12
     assert all(page_bytes(decode, h) == page_bytes(prefill, h) for h in hashes)
     assert all(c == 0 for c in prefill.ref_counts() + decode.ref_counts())
@@ -231,7 +271,8 @@ def test_one_shot_pull_into_fetches_over_a_fresh_connection(
 ) -> None:
     _, hashes, server = served
     receiver = empty()
-    assert asyncio.run(pull_into(receiver, server.address, hashes[:5], config=SMALL)) == 5
+    got = asyncio.run(pull_into(into(receiver, 24), server.address, hashes[:5], config=SMALL))
+    assert got == 5
     assert receiver.prefix_length(hashes) == 5
 
 
@@ -263,7 +304,11 @@ def test_pushed_pages_failing_a_check_are_refused_with_their_error_and_change_no
     flipped = bytearray(page.blob.data)
     flipped[100] ^= 0x04
     corrupt = dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(flipped)))
-    wrong_tokens = dataclasses.replace(page, token_ids=(1,) * PAGE)
+    # Was: the page with its sender's token ids replaced. A sender's token ids are no proof
+    # any more (test_a_ticket_admits_only_its_requests_pages_proven_by_the_receiver takes
+    # such a page); the page that cannot be proven now is one of a prompt the ticket was
+    # not granted for.
+    unproven = _pushable(_other_prompt(), OTHER_HASHES, 1)
     half_sender, _, _ = build(peer_module, 32, 3, "float16")
     half = _pushable(half_sender, hashes, 1)
     reshaped = dataclasses.replace(
@@ -273,19 +318,130 @@ def test_pushed_pages_failing_a_check_are_refused_with_their_error_and_change_no
     before = _state(receiver)
     cases: list[tuple[IncomingPage, type[Exception]]] = [
         (corrupt, ChecksumMismatch),
-        (wrong_tokens, HashMismatch),
+        (unproven, HashMismatch),
         (half, PageFormatError),
         (reshaped, PageFormatError),
     ]
     with ServerThread(receiver, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
         for bad, error in cases:
             with pytest.raises(error, match=server.address.split(":")[0]):
-                client.push_pages([bad])
+                client.push_pages([bad], grant(receiver, 3))
         assert _same(receiver, before)
         # pages before the bad one stay; the bad one and later ones do not
         with pytest.raises(ChecksumMismatch):
-            client.push_pages([_pushable(sender, hashes, 0), corrupt, _pushable(sender, hashes, 2)])
+            client.push_pages(
+                [_pushable(sender, hashes, 0), corrupt, _pushable(sender, hashes, 2)],
+                grant(receiver, 3),
+            )
     assert receiver.lookup(hashes) == [True, False, False]
+
+
+OTHER_START = 100
+OTHER_HASHES = PageHasher(PAGE, seed="it-seed").hash_prompt(prompt_tokens(2, OTHER_START))
+
+
+def _other_prompt() -> PageService:
+    """A sender holding the pages of another prompt (`prompt_tokens(2, OTHER_START)`)."""
+    service = empty(8)
+    pages = service.pool.get_new_pages(2)
+    for page in pages:
+        service.store.write_page(page.page_id, torch.randn(service.store.page_shape))
+    service.pool.cache_full_pages(pages, OTHER_HASHES, 0, 2, prompt_tokens(2, OTHER_START))
+    service.pool.free_pages(list(reversed(pages)))
+    service.take_events()
+    return service
+
+
+def test_a_ticket_admits_only_its_requests_pages_proven_by_the_receiver(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    """Under a ticket for a prompt, its pages are taken whatever token ids their sender
+    claims; a page of another prompt in the same push is `HashMismatch`, the pages before
+    it stay and none after it is taken."""
+    sender, hashes, _ = build(peer_module, 32, 4)
+    other = _other_prompt()
+    lying = dataclasses.replace(_pushable(sender, hashes, 1), token_ids=(1,) * PAGE)
+    push = [_pushable(sender, hashes, 0), lying, _pushable(other, OTHER_HASHES, 0)]
+    receiver = empty()
+    with ServerThread(receiver, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        with pytest.raises(HashMismatch, match="refused without proof"):
+            client.push_pages([*push, _pushable(sender, hashes, 2)], grant(receiver, 4))
+        assert receiver.lookup(hashes) == [True, True, False, False]
+        assert receiver.lookup(OTHER_HASHES) == [False, False]
+        assert client.push_from(sender, hashes, grant(receiver, 4)) == [False, False, True, True]
+    assert all(page_bytes(receiver, h) == page_bytes(sender, h) for h in hashes)
+    assert all(c == 0 for c in receiver.ref_counts())
+
+
+@pytest.mark.parametrize("case", ["none", "not-hex", "unknown", "expired", "used"])
+def test_a_push_without_a_live_ticket_is_permission_denied_before_any_page_is_read(
+    peer_module: tuple[ModuleType, Path], case: str
+) -> None:
+    """Checked before the stream is read: junk that would be INVALID_ARGUMENT once decoded
+    is PERMISSION_DENIED, real pages are `PermissionDenied` on the client, the pool as
+    before, and the server serves on."""
+    sender, hashes, _ = build(peer_module, 32, 3)
+    clock = [0.0]
+    receiver = empty(grants=PushGrants(ttl_s=30.0, clock=lambda: clock[0]))
+
+    def bad_ticket(client: SyncPeerClient) -> str:
+        """The metadata value of a ticket that is not live (hex unless "not-hex")."""
+        if case in ("none", "not-hex"):
+            return "" if case == "none" else "not a ticket"
+        if case == "unknown":
+            return secrets.token_bytes(16).hex()
+        ticket = grant(receiver, 3)
+        if case == "expired":
+            clock[0] += 30.0
+        else:  # used: once, for the first page
+            client.push_pages([_pushable(sender, hashes, 0)], ticket)
+            assert receiver.lookup(hashes[:1]) == [True]
+        return ticket.hex()
+
+    with ServerThread(receiver, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        tickets = [bad_ticket(client), bad_ticket(client)]
+        before = _state(receiver)
+        channel = grpc.insecure_channel(server.address)
+        try:
+            stub = channel.stream_unary("/kvmesh.v1.KVWorker/PushPages")
+            metadata = ((PUSH_TICKET_KEY, tickets[0]),) if tickets[0] else None
+            with pytest.raises(grpc.RpcError) as err:
+                stub(iter([b"\xff\xff\xff"]), timeout=10, metadata=metadata)
+            code = err.value.code()  # type: ignore[attr-defined]
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            channel.close()
+        raw = b"\x00" * 16 if case == "not-hex" else bytes.fromhex(tickets[1])
+        with pytest.raises(PermissionDenied, match=r"grant|ticket"):
+            client.push_pages([_pushable(sender, hashes, i) for i in (1, 2)], raw)
+        assert _same(receiver, before)
+        assert client.health() == "SERVING"
+
+
+def test_one_pushers_evictions_are_capped_by_its_budget_which_refills(
+    peer_module: tuple[ModuleType, Path],
+) -> None:
+    """A push into a pool full of other cached pages evicts at most the pusher's budget:
+    the page that would evict more is `PoolExhausted` and evicts nothing; once the budget
+    has refilled, the rest is taken."""
+    sender, hashes, _ = build(peer_module, 32, 4)
+    clock = [0.0]
+    receiver = empty(9, evictions=EvictionBudget(2, 10.0, clock=lambda: clock[0]))
+    tokens = prompt_tokens(8, OTHER_START)
+    own_hashes = receiver.hasher.hash_prompt(tokens)
+    pages = receiver.pool.get_new_pages(8)  # every usable page: cached, evictable
+    receiver.pool.cache_full_pages(pages, own_hashes, 0, 8, tokens)
+    receiver.pool.free_pages(list(reversed(pages)))
+    with ServerThread(receiver, SMALL) as server, SyncPeerClient(server.address, SMALL) as client:
+        with pytest.raises(PoolExhausted, match="may evict 0 more"):
+            client.push_from(sender, hashes, grant(receiver, 4))
+        assert receiver.lookup(hashes) == [True, True, False, False]
+        assert receiver.lookup(own_hashes).count(True) == 6  # two evicted, no more
+        clock[0] += 10.0  # a whole window: the budget is full again
+        assert client.push_from(sender, hashes, grant(receiver, 4)) == [False, False, True, True]
+    assert receiver.lookup(own_hashes).count(True) == 4
+    assert all(c == 0 for c in receiver.ref_counts())
+    receiver.check_invariants()
 
 
 def _wide(num_pages: int) -> PageService:
@@ -307,11 +463,13 @@ def test_oversized_messages_are_refused_while_other_clients_keep_working() -> No
     big = TransferConfig(chunk_bytes=1 << 20)  # sends each 128 KiB page as one message...
     tight = TransferConfig(max_message_bytes=64 * 1024 + 8192)  # ...the server takes 72 KiB
     receiver = _wide(8)
+    proofs = ProofBook.for_pages(hashes, tokens, NO_EXTRA, PAGE)
     with ServerThread(receiver, tight) as server:
         with SyncPeerClient(server.address, big) as client, pytest.raises(MessageTooLarge):
-            client.push_pages([_pushable(sender, hashes, 0)])
+            client.push_pages([_pushable(sender, hashes, 0)], receiver.grants.grant(proofs))
         with SyncPeerClient(server.address, tight) as client:  # 8 KiB chunks
-            assert client.push_pages([_pushable(sender, hashes, 0)]) == [True]
+            ticket = receiver.grants.grant(proofs)
+            assert client.push_pages([_pushable(sender, hashes, 0)], ticket) == [True]
             assert client.health() == "SERVING"
         with SyncPeerClient(server.address, big) as client:  # fetches ask for small chunks
             assert len(client.fetch_pages(hashes[:1]).pages) == 1
@@ -359,8 +517,9 @@ def test_malformed_push_streams_are_invalid_and_insert_nothing(
         stub = channel.stream_unary("/kvmesh.v1.KVWorker/PushPages")
         try:
             for name, messages in bad_streams.items():
+                ticket = ((PUSH_TICKET_KEY, grant(receiver, 1).hex()),)  # decoded, then refused
                 with pytest.raises(grpc.RpcError) as err:
-                    stub(iter(messages), timeout=10)
+                    stub(iter(messages), timeout=10, metadata=ticket)
                 code = err.value.code()  # type: ignore[attr-defined]
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, name
         finally:
@@ -400,7 +559,7 @@ def test_wrong_or_missing_token_is_unauthenticated_but_health_stays_open(
                 with pytest.raises(Unauthenticated):
                     client.fetch_pages(hashes[:1])
                 with pytest.raises(Unauthenticated):
-                    client.push_pages([])
+                    client.push_pages([], sender.grants.grant(book(sender, 1)))
                 assert client.health() == "SERVING"
         with SyncPeerClient(server.address, secured) as client:
             assert client.lookup(hashes[:2]) == [True, True]
@@ -416,7 +575,7 @@ def test_deadline_exceeded_on_a_slow_peer_and_its_pins_are_released(
     receiver = empty()
     with ServerThread(sender, SMALL, page_delay_s=0.05) as server:
         with SyncPeerClient(server.address, SMALL) as client, pytest.raises(DeadlineExceeded):
-            client.pull_into(receiver, hashes, deadline_s=0.3)
+            client.pull_into(into(receiver, 20), hashes, deadline_s=0.3)
         assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
     got = receiver.prefix_length(hashes)
     assert 0 < got < 20
@@ -489,9 +648,10 @@ def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
         expected, hashes, _ = build(peer_module, n + 8, n)
         receiver = empty(n + 8)
         received: list[int] = []
+        landing = into(receiver, n)
 
         def insert_then_kill(index: int, page: IncomingPage) -> None:
-            receiver.insert_many([page])
+            landing.insert_many([page])
             received.append(index)
             if len(received) == 5:
                 proc.kill()
@@ -535,7 +695,7 @@ def test_unavailable_is_retried_for_fetches_but_never_for_pushes() -> None:
             PageHash(b"\x01" * 32), None, (), service.export(service.store.num_pages - 1)
         )
         with pytest.raises(TransportError):
-            await client.push_pages([page], deadline_s=5)
+            await client.push_pages([page], b"\x00" * 16, deadline_s=5)
         assert sleeps == []
         await client.close()
 
@@ -714,7 +874,7 @@ def test_tuning_settings_reach_the_server_and_every_client_channel(
     cfg = dataclasses.replace(TUNED, grpc_sync_fetch=sync_fetch)
     receiver = empty()
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
-        assert client.pull_into(receiver, hashes) == len(hashes)  # grpc takes them all
+        assert client.pull_into(into(receiver, 24), hashes) == len(hashes)  # all of them
     assert servers[0] >= TUNED_ARGS
     channels = sync_channels if sync_fetch else aio_channels
     assert len(channels) == cfg.fetch_streams
@@ -770,8 +930,8 @@ def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
         SMALL, chunk_bytes=chunk_bytes, fetch_streams=3, grpc_sync_fetch=True, grpc_zero_copy=False
     )
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
-        assert client.pull_into(receiver, hashes) == 60
-        assert client.pull_into(receiver, hashes) == 0  # held already: nothing new
+        assert client.pull_into(into(receiver, 60), hashes) == 60
+        assert client.pull_into(into(receiver, 60), hashes) == 0  # held already: nothing new
     assert len(channels) == 3  # one connection per stream, reused by the second pull
     assert receiver.lookup(hashes) == [True] * 60
     for h in hashes:
@@ -828,7 +988,7 @@ def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reserv
     cfg = dataclasses.replace(SMALL, fetch_streams=3, **PULL_ENGINES[engine])
     with ServerThread(sender, cfg, page_delay_s=0.05) as slow:
         with SyncPeerClient(slow.address, cfg) as client, pytest.raises(DeadlineExceeded):
-            client.pull_into(receiver, hashes, deadline_s=0.4)
+            client.pull_into(into(receiver, 24), hashes, deadline_s=0.4)
         assert wait_until(lambda: sender.ref_counts() == before)
     got = receiver.lookup(hashes).count(True)
     assert receiver.lookup(hashes) == [True] * got + [False] * (len(hashes) - got)
@@ -836,7 +996,7 @@ def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reserv
     receiver.check_invariants()
     # Nothing is left "in flight": a second pull caches exactly the rest.
     with SyncPeerClient(server.address, cfg) as client:
-        assert client.pull_into(receiver, hashes) == len(hashes) - got
+        assert client.pull_into(into(receiver, 24), hashes) == len(hashes) - got
     for h in hashes:
         assert page_bytes(receiver, h) == page_bytes(sender, h)
 
@@ -861,7 +1021,7 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
             pytest.raises(TransportError, match=re.escape(address)) as err,
         ):
             killer.start()
-            client.pull_into(receiver, hashes, deadline_s=20)
+            client.pull_into(into(receiver, n), hashes, deadline_s=20)
         killer.join(5)
         assert not isinstance(err.value, DeadlineExceeded)  # it failed fast, not at the deadline
         held = receiver.lookup(hashes)
