@@ -16,11 +16,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ConfigError, TransportError, Unauthenticated
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import PageService
+from kvmesh.worker.page_service import PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncPeerClient
 from kvmesh.worker.transfer_server import ServerThread
 
@@ -197,7 +197,9 @@ def test_a_client_with_a_cluster_certificate_and_the_token_is_served(
         assert client.lookup(page_hashes(service)) == [True, True]
         result = client.fetch_pages(page_hashes(service))
         assert [p.page_hash for p in result.pages] == page_hashes(service)
-        assert client.pull_into(receiver, page_hashes(service)) == 2
+        tokens = list(range(2 * PAGE))  # the receiver's own request: it proves both pages
+        proofs = ProofBook.for_pages(page_hashes(service), tokens, NO_EXTRA, PAGE)
+        assert client.pull_into(receiver.receiving(proofs), page_hashes(service)) == 2
         assert client.health() == "SERVING"
     assert receiver.lookup(page_hashes(service)) == [True, True]
 
