@@ -6,6 +6,10 @@ whose bytes were damaged must never be inserted or served. Raw bytes go to
 the real worker server (a generic channel with identity serializers), event
 bytes to the decoder, the global index and the coordinator. Example counts
 are bounded so that the file runs in well under a minute.
+
+Receivers prove pages against their own book of the prompt (`proofs`); fuzzed
+pushes carry a ticket the worker granted, so that their bytes are decoded
+(without one, every push stream is refused before a byte is read).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ from kvmesh.events import (
     encode_batch,
     make_batch,
 )
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService
+from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncPeerClient
 from kvmesh.worker.transfer_server import (
+    PUSH_TICKET_KEY,
     SERVICE_NAME,
     ServerThread,
     decode_chunk,
@@ -70,8 +75,18 @@ def make_service(num_pages: int = 16) -> PageService:
     return PageService(PagePool(num_pages, page_size=PAGE), store, PageHasher(PAGE))
 
 
+def tokens_of(n: int, start: int = 0) -> list[int]:
+    return [(start + i) % 1000 for i in range(n * PAGE)]
+
+
+def proofs(n: int, start: int = 0) -> ProofBook:
+    """A receiver's own book of the `n`-page prompt `fill(_, n, start)` caches."""
+    tokens = tokens_of(n, start)
+    return ProofBook.for_pages(PageHasher(PAGE).hash_prompt(tokens), tokens, NO_EXTRA, PAGE)
+
+
 def fill(service: PageService, n: int, start: int = 0) -> list[PageHash]:
-    tokens = [(start + i) % 1000 for i in range(n * PAGE)]
+    tokens = tokens_of(n, start)
     hashes = service.hasher.hash_prompt(tokens)
     pages = service.pool.get_new_pages(n)
     gen = torch.Generator().manual_seed(start)
@@ -256,11 +271,30 @@ def test_malformed_push_streams_are_refused_with_a_status_and_change_nothing(
     stream = data.draw(_push_streams(worker))
     call = worker.channel.stream_unary(KV + "PushPages")
     reply: list[bytes] = []
-    code, details = status_of(lambda: reply.append(call(iter(stream), timeout=5)))
+    ticket = worker.service.grants.grant(proofs(HELD))  # for the pages it holds: decoded
+    metadata = ((PUSH_TICKET_KEY, ticket.hex()),)
+    code, details = status_of(
+        lambda: reply.append(call(iter(stream), timeout=5, metadata=metadata))
+    )
     allowed = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS}
     assert code in allowed, (code, details)  # PushPages decodes its bytes itself: never UNKNOWN
     if code == grpc.StatusCode.OK:  # only pages it already held can pass: skipped, not written
         assert not any(pb.PushResponse.FromString(reply[0]).inserted)
+    worker.assert_healthy_and_unchanged()
+
+
+@FUZZ
+@given(data=st.data(), ticket=st.none() | st.binary(max_size=40))
+def test_any_push_stream_without_a_granted_ticket_is_permission_denied_unread(
+    worker: Worker, data: st.DataObject, ticket: bytes | None
+) -> None:
+    """No ticket, or one the worker never granted: PERMISSION_DENIED whatever the stream
+    holds, since it is refused before its first message is decoded."""
+    stream = data.draw(_push_streams(worker))
+    call = worker.channel.stream_unary(KV + "PushPages")
+    metadata = None if ticket is None else ((PUSH_TICKET_KEY, ticket.hex()),)
+    code, details = status_of(lambda: call(iter(stream), timeout=5, metadata=metadata))
+    assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
     worker.assert_healthy_and_unchanged()
 
 
@@ -310,8 +344,8 @@ def test_a_pushed_page_with_a_flipped_bit_is_data_loss_never_inserted_never_serv
     data[bit // 8] ^= 1 << (bit % 8)
     damaged = dataclasses.replace(page, blob=dataclasses.replace(page.blob, data=bytes(data)))
     with SyncPeerClient(worker.server.address, CFG) as client:
-        with pytest.raises(ChecksumMismatch):
-            client.push_pages([damaged])
+        with pytest.raises(ChecksumMismatch):  # proven (the worker granted its prompt), damaged
+            client.push_pages([damaged], worker.service.grants.grant(proofs(2, start=500)))
         assert client.lookup(new_hashes) == [False, False]
         assert client.fetch_pages(new_hashes).missing == tuple(new_hashes)
     worker.assert_healthy_and_unchanged()
@@ -355,7 +389,7 @@ def _pull_through(proxy: TamperingProxy, worker: Worker) -> tuple[PageService, E
     receiver = make_service()
     try:
         with SyncPeerClient(proxy.address, CFG) as client:
-            client.pull_into(receiver, worker.hashes)
+            client.pull_into(receiver.receiving(proofs(HELD)), worker.hashes)
     except KVMeshError as exc:
         return receiver, exc
     return receiver, None
