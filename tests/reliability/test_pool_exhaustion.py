@@ -9,10 +9,12 @@ store, model, gRPC server) with a pool of 11 usable pages. What is promised:
   free pages is refused with `PoolExhausted` (saying to retry or grow the
   pool), the running request's pages are untouched, and the same request
   succeeds once pages are free again;
-- a push into a pool whose every page is held is refused, over gRPC as the
-  same `PoolExhausted`, and evicts nothing held (a push into a pool with
-  a few free pages goes page by page through them, evicting only cached,
-  unheld pages, its own earlier ones included);
+- a push (granted: the ticket of a request routed to the worker) into a
+  pool whose every page is held is refused, over gRPC as the same
+  `PoolExhausted`, and evicts nothing held (a push into a pool with a few
+  free pages goes page by page through them, evicting only cached, unheld
+  pages, its own earlier ones included, within the pusher's eviction
+  budget);
 - a prompt larger than the whole pool is refused before anything is taken.
 """
 
@@ -139,11 +141,12 @@ def test_a_push_into_a_pool_whose_pages_are_all_held_is_refused_and_evicts_nothi
     box, holder = start_holding(two_slots, holder_tokens)  # every page held
     assert two_slots.stats().pages_free == 0
     cached_before = two_slots.stats().cached_pages
+    ticket = two_slots.expect_push(GenerateRequest("dst", source_prompt, 1))  # routed here
     with (
         SyncPeerClient(two_slots.address, TRANSFER) as client,
-        pytest.raises(PoolExhausted, match="RESOURCE_EXHAUSTED"),
+        pytest.raises(PoolExhausted, match=r"RESOURCE_EXHAUSTED.*0 of 11 are free"),
     ):
-        client.push_pages(list(incoming))
+        client.push_pages(list(incoming), ticket)  # granted: refused for room, not for proof
     assert two_slots.pages.lookup(src_hashes) == [False] * 5
     assert two_slots.stats().cached_pages == cached_before  # nothing evicted to make room
     holder.join(timeout=120)
