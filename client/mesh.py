@@ -183,7 +183,7 @@ class KVMesh:
         cls,
         address: str | None = None,
         *,
-        num_workers: int = 4,
+        num_workers: int | None = None,
         config: ClusterConfig | None = None,
         prefill_workers: int | None = None,
         decode_workers: int | None = None,
@@ -198,21 +198,36 @@ class KVMesh:
     ) -> KVMesh:
         """Join the Ray cluster at `address`, or start an embedded local one (None).
 
+        Settings: without `config`, the cluster's settings are read as the CLI
+        reads them (`kvmesh.settings.load_cluster_config`: defaults, then the
+        ``KVMESH_*`` environment: profile, token, TLS paths, seeds, policy...).
+        A `config` given is used as it is, except that it cannot lower
+        ``KVMESH_PROFILE=production``. Either way every value is checked and the
+        security profile (`kvmesh.security.check_cluster`) refuses before Ray
+        starts, with the CLI's `ConfigError`.
+
         Workers: if the coordinator already knows workers (another process ran
         `kvmesh start`), this client uses them and creates none; otherwise it
-        creates `num_workers` (or `prefill_workers` + `decode_workers` for
-        disaggregation), owned by this process. When Ray is already initialised
-        in this process the running cluster is used, and `config` then sets
-        only this client's side (hashing, routing policy, retries): workers
-        keep the config they were started with.
+        creates `num_workers` (default: the config's; or `prefill_workers` +
+        `decode_workers` for disaggregation), owned by this process. When Ray is
+        already initialised in this process the running cluster is used, and
+        `config` then sets only this client's side (hashing, routing policy,
+        retries): workers keep the config they were started with.
         """
         import ray
 
         from kvmesh.coordinator.actor import get_or_create_coordinator
         from kvmesh.security import check_cluster
+        from kvmesh.settings import load_cluster_config, validate_cluster_config
 
-        cfg = config or ClusterConfig()
+        if config is None:
+            cfg = load_cluster_config()
+        else:
+            cfg = config
+            validate_cluster_config(cfg)
         check_cluster(cfg)  # the security profile refuses before anything starts
+        if num_workers is None:
+            num_workers = cfg.num_workers
         prefill = cfg.prefill_workers if prefill_workers is None else prefill_workers
         decode = cfg.decode_workers if decode_workers is None else decode_workers
         _check_connect(num_workers, prefill, decode, worker_num_cpus, retries, request_timeout_s)

@@ -40,8 +40,12 @@ def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> N
     g.add_argument(
         "--workers", type=int, default=None, help="worker actors to start (default: 4 embedded)"
     )
-    g.add_argument("--prefill-workers", type=int, default=0, help="disaggregation: prefill workers")
-    g.add_argument("--decode-workers", type=int, default=0, help="disaggregation: decode workers")
+    g.add_argument(
+        "--prefill-workers", type=int, default=None, help="disaggregation: prefill workers"
+    )
+    g.add_argument(
+        "--decode-workers", type=int, default=None, help="disaggregation: decode workers"
+    )
     g.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
     g.add_argument("--num-pages", type=int, default=None, help="pages per worker pool")
     g.add_argument("--worker-cpus", type=float, default=None, help="Ray CPUs per worker actor")
@@ -54,7 +58,6 @@ def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> N
     )
     g.add_argument(
         "--transport",
-        choices=("grpc", "dist"),
         default=None,
         help="how workers move pages to each other: grpc (default) or dist "
         "(torch.distributed links: gloo on CPU, NCCL on GPU; falls back to gRPC)",
@@ -78,19 +81,28 @@ def _positive(name: str, value: float | None) -> None:
         raise ConfigError(f"{name} must be positive, got {value}")
 
 
-def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """The `ClusterConfig` the cluster flags describe (env ``KVMESH_*`` under them)."""
-    import dataclasses
+CLUSTER_FLAGS: dict[str, str] = {
+    "workers": "num_workers",
+    "prefill_workers": "prefill_workers",
+    "decode_workers": "decode_workers",
+    "policy": "coordinator.policy",
+    "num_pages": "pool.num_pages",
+    "transfer_host": "transfer.host",
+    "transport": "transfer.transport",
+    "profile": "security.profile",
+    "allow_remote": "security.allow_remote",
+}
+"""Cluster flag (argparse dest) -> the `ClusterConfig` setting it sets (`kvmesh.settings`)."""
 
-    from kvmesh.config import (
-        ClusterConfig,
-        CoordinatorConfig,
-        HashConfig,
-        PoolConfig,
-        SecurityConfig,
-        TransferConfig,
-        from_env,
-    )
+
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The `ClusterConfig` of the environment ``KVMESH_*`` and, over it, the cluster flags.
+
+    The same `load_cluster_config` as `KVMesh.connect()` without a config: a
+    variable means the same from the CLI and from Python. A flag left unset
+    keeps the variable in force; a bad value names its flag or variable.
+    """
+    from kvmesh.settings import load_cluster_config
 
     for flag in ("workers", "num_pages", "worker_cpus"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
@@ -102,27 +114,9 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if (prefill > 0) != (decode > 0):
         raise ConfigError("disaggregation needs both --prefill-workers and --decode-workers")
 
-    base = ClusterConfig()
-    coord = from_env(CoordinatorConfig, policy=getattr(args, "policy", None))
-    return dataclasses.replace(
-        base,
-        num_workers=getattr(args, "workers", None) or base.num_workers,
-        prefill_workers=prefill,
-        decode_workers=decode,
-        hash=from_env(HashConfig),
-        pool=from_env(PoolConfig, num_pages=getattr(args, "num_pages", None)),
-        coordinator=coord,
-        transfer=from_env(
-            TransferConfig,
-            host=getattr(args, "transfer_host", None),
-            transport=getattr(args, "transport", None),
-        ),
-        security=from_env(
-            SecurityConfig,
-            profile=getattr(args, "profile", None),
-            allow_remote=getattr(args, "allow_remote", None),
-        ),
-    )
+    given = {path: getattr(args, dest, None) for dest, path in CLUSTER_FLAGS.items()}
+    names = {path: "--" + dest.replace("_", "-") for dest, path in CLUSTER_FLAGS.items()}
+    return load_cluster_config(given, names=names)
 
 
 def connect(args: argparse.Namespace, *, create_workers: bool = True) -> KVMesh:

@@ -1,23 +1,91 @@
-"""Configuration in one place: a dataclass per component.
+"""Configuration in one place: a dataclass per component, read the same way everywhere.
 
-Defaults fit a laptop (CPU, a few hundred pages). Every field can be set from
-the environment as ``KVMESH_<FIELD>`` (upper case) through `from_env`, and the
-CLI maps its flags onto the same fields, so a value means the same thing
-wherever it is set. Components own their section; add fields there.
+Defaults fit a laptop (CPU, a few hundred pages). A value is set in layers,
+a later layer winning: the defaults, then the environment (``KVMESH_<FIELD>``,
+upper case, or the variable a field names in its ``env`` metadata, e.g.
+``KVMESH_MODEL_SEED``), then explicit values (CLI flags, keyword arguments).
+`build_cluster_config` merges layers into a `ClusterConfig`;
+`kvmesh.settings.load_cluster_config` is what every entry point calls (it
+adds the checks that need a component's registry). `cluster_settings` lists
+every field with its variable, type and default.
+
+Each section checks its own values in ``__post_init__`` (types from the
+annotations, ranges, fields that must agree) and raises `InvalidSetting`
+naming the field; a loader re-raises it naming where the value came from
+(``KVMESH_MAX_MESSAGE_BYTES='-1' ...``). Components own their section; add
+fields there, with their range in the section's check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvmesh.errors import ConfigError
+from kvmesh.errors import ConfigError, InvalidSetting
 
 T = TypeVar("T")
 
 DEFAULT_SEED = "kvmesh-default-seed"
+
+MAX_SEED = 2**63 - 1
+"""Largest model / router seed (torch and `random` take it; it travels as int64)."""
+
+_ACCEPTS: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "str | None": ((str, type(None)), "a string or unset"),
+}
+"""The annotations a config field may have: the values each accepts, and how to say so."""
+
+
+def _refuse(section: Any, name: str, reason: str) -> InvalidSetting:
+    qualified = f"{type(section).__name__}.{name}"
+    return InvalidSetting(f"{qualified}={getattr(section, name)!r}", reason, (qualified,))
+
+
+def _check_section(
+    section: Any,
+    *,
+    positive: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+    not_empty: tuple[str, ...] = (),
+    fractions: tuple[str, ...] = (),
+) -> None:
+    """Every field's type (from its annotation; a section: its class) and finiteness, then
+    the signs and ranges of the fields named. Raises `InvalidSetting` for the first bad one."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        factory: Any = f.default_factory
+        accepted: tuple[type, ...]
+        if factory is not dataclasses.MISSING:  # a nested section
+            accepted, kind = (factory,), f"a {factory.__name__}"
+        else:
+            accepted, kind = _ACCEPTS[str(f.type)]
+        # bool is an int to isinstance: neither may stand for the other
+        if isinstance(value, bool) != (bool in accepted) or not isinstance(value, accepted):
+            raise _refuse(section, f.name, f"must be {kind}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _refuse(section, f.name, "must be a finite number")
+    for name in positive:
+        if getattr(section, name) <= 0:
+            raise _refuse(section, name, "must be positive")
+    for name in non_negative:
+        if getattr(section, name) < 0:
+            raise _refuse(section, name, "must be >= 0")
+    for name in not_empty:
+        if not getattr(section, name):
+            raise _refuse(section, name, "must not be empty")
+    for name in fractions:
+        if not 0 <= getattr(section, name) <= 1:
+            raise _refuse(section, name, "must be in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +97,8 @@ class HashConfig:
     algo: str = "sha256"  # or "xxh3_128"
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0:
-            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+        # algo: a name in kvmesh.hashing.HASH_FUNCTIONS (kvmesh.settings checks it)
+        _check_section(self, positive=("page_size",), not_empty=("seed", "algo"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +112,9 @@ class PoolConfig:
     use_eagle: bool = False  # drop the last matched page (EAGLE recomputes its hidden states)
 
     def __post_init__(self) -> None:
+        _check_section(self, not_empty=("medium",))
         if self.num_pages < 2:
-            raise ConfigError(
-                f"num_pages must be at least 2 (page 0 is the null page), got {self.num_pages}"
-            )
+            raise _refuse(self, "num_pages", "must be at least 2 (page 0 is the null page)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +135,62 @@ class ModelConfig:
     norm_eps: float = 1e-5
     prefill_chunk_tokens: int = 512  # chunked prefill: tokens per model call (rounded to pages)
 
+    def __post_init__(self) -> None:
+        # dtype: a name in kvmesh.worker.model.DTYPES; device: "cpu", "cuda" or "cuda:N"
+        # (kvmesh.settings checks both against the worker's registries)
+        _check_section(
+            self,
+            positive=(
+                "vocab_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "ffn_dim",
+                "max_positions",
+                "rope_theta",
+                "norm_eps",
+                "prefill_chunk_tokens",
+            ),
+            non_negative=("seed",),
+        )
+        if self.seed > MAX_SEED:
+            raise _refuse(self, "seed", f"must be at most {MAX_SEED}")
+        if self.num_heads % self.num_kv_heads:
+            raise _refuse(
+                self, "num_heads", f"must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise _refuse(self, "head_dim", "must be even (rotary embeddings rotate pairs)")
+
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Worker gRPC server and the transfer paths between workers."""
+
+    def __post_init__(self) -> None:
+        # transport: a name in kvmesh.worker.dist_transfer.FETCHERS; the grpc_* tuning sizes
+        # and max_message_bytes vs the chunk headers: kvmesh.settings asks the transfer server
+        _check_section(
+            self,
+            positive=(
+                "max_message_bytes",
+                "chunk_bytes",
+                "deadline_s",
+                "keepalive_ms",
+                "keepalive_timeout_ms",
+                "fetch_streams",
+                "dist_timeout_s",
+                "dist_batch_bytes",
+                "dist_depth",
+                "dist_connect_timeout_s",
+                "dist_idle_timeout_s",
+            ),
+            non_negative=("retries", "retry_backoff_s", "grpc_zero_copy_min_bytes"),
+            not_empty=("transport",),
+        )
+        if not 0 <= self.port <= 65535:
+            raise _refuse(self, "port", "must be a TCP port in 0..65535 (0: pick a free one)")
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
@@ -152,6 +271,39 @@ class CoordinatorConfig:
     # routing RNG (ties, random, softmax sampling)
     seed: int = field(default=0, metadata={"env": "KVMESH_ROUTER_SEED"})
 
+    def __post_init__(self) -> None:
+        # policy: a name in kvmesh.coordinator.policies.REGISTRY, default_tier one of
+        # kvmesh.coordinator.index.TIER_NAMES (kvmesh.settings checks both)
+        _check_section(
+            self,
+            positive=(
+                "heartbeat_interval_s",
+                "heartbeat_timeout_s",
+                "consistent_hash_pages",
+                "consistent_hash_vnodes",
+                "reorder_window",
+                "link_accept_timeout_s",
+            ),
+            non_negative=(
+                "overlap_weight",
+                "temperature",
+                "decode_weight",
+                "queue_weight",
+                "max_load_ratio",
+                "balance_abs_threshold",
+                "balance_rel_threshold",
+                "seed",
+            ),
+            not_empty=("namespace", "actor_name", "policy"),
+            fractions=("pull_cost", "cache_threshold"),
+        )
+        if self.max_restarts < -1:
+            raise _refuse(self, "max_restarts", "must be >= 0, or -1 for no limit")
+        if self.consistent_hash_load_factor < 1:
+            raise _refuse(self, "consistent_hash_load_factor", "must be >= 1")
+        if self.seed > MAX_SEED:
+            raise _refuse(self, "seed", f"must be at most {MAX_SEED}")
+
 
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
@@ -161,6 +313,10 @@ class SecurityConfig:
     allow_remote: bool = False  # dev: bind beyond loopback (e.g. 0.0.0.0) only when set
     require_mtls: bool = True  # production: peers must present a certificate from tls_ca
     api_keys_file: str | None = None  # JSON/YAML {api_key: cache_salt}: salts bound to keys
+
+    def __post_init__(self) -> None:
+        # profile: a name in kvmesh.security.PROFILES (kvmesh.settings checks it)
+        _check_section(self, not_empty=("profile",))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,41 +333,193 @@ class ClusterConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
+    def __post_init__(self) -> None:
+        _check_section(self, non_negative=("num_workers", "prefill_workers", "decode_workers"))
 
-def _coerce(name: str, raw: str, target: Any) -> Any:
-    kind = target if isinstance(target, type) else type(target)
+
+# ------------------------------------------------------------------ reading settings
+
+ENV_PREFIX = "KVMESH_"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True, slots=True)
+class SettingInfo:
+    """One field a user can set: where it sits, the variable that sets it, its type, default."""
+
+    path: str  # "transfer.max_message_bytes"; a field of ClusterConfig itself: "num_workers"
+    owner: type[Any]  # the section class the field belongs to
+    name: str
+    env: str  # the environment variable: KVMESH_MAX_MESSAGE_BYTES
+    type: str  # the annotation, one of _ACCEPTS
+    default: Any
+
+    @property
+    def qualified(self) -> str:
+        """The name errors use: ``TransferConfig.max_message_bytes``."""
+        return f"{self.owner.__name__}.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A value for one field and the name it was given by, shown in every error about it."""
+
+    value: Any
+    source: str  # "KVMESH_POLICY", "--policy", "CoordinatorConfig.policy"
+    raw: bool = False  # text still to parse into the field's type (the environment)
+
+
+Layer = Mapping[str, Setting]
+"""Field path -> the value one source gives it; later layers win (`merge_layers`)."""
+
+
+def _info(owner: type[Any], f: dataclasses.Field[Any], path: str, prefix: str) -> SettingInfo:
+    # A field may name its own variable where two sections share a field name
+    # (`seed`: KVMESH_SEED is the hash seed, KVMESH_MODEL_SEED the model's).
+    env = f.metadata.get("env", prefix + f.name.upper())
+    return SettingInfo(path, owner, f.name, env, str(f.type), f.default)
+
+
+@functools.cache
+def cluster_settings() -> dict[str, SettingInfo]:
+    """Every field of `ClusterConfig` and its sections that a user sets, by path."""
+    out: dict[str, SettingInfo] = {}
+    for f in dataclasses.fields(ClusterConfig):
+        section: Any = f.default_factory
+        if section is dataclasses.MISSING:
+            out[f.name] = _info(ClusterConfig, f, f.name, ENV_PREFIX)
+            continue
+        for g in dataclasses.fields(section):
+            path = f"{f.name}.{g.name}"
+            out[path] = _info(section, g, path, ENV_PREFIX)
+    return out
+
+
+def env_layer(env: Mapping[str, str] | None = None) -> dict[str, Setting]:
+    """The ``KVMESH_*`` variables of `env` (default: this process's) that name a field."""
+    env = os.environ if env is None else env
+    return {
+        path: Setting(env[info.env], info.env, raw=True)
+        for path, info in cluster_settings().items()
+        if info.env in env
+    }
+
+
+def explicit_layer(
+    values: Mapping[str, Any], names: Mapping[str, str] | None = None
+) -> dict[str, Setting]:
+    """Values given in code or by flags, by path; None means "not given".
+
+    `names` says how the caller calls a path in errors (``{"coordinator.policy":
+    "--policy"}``); otherwise errors name the field. An unknown path is a `ConfigError`.
+    """
+    settings = cluster_settings()
+    out: dict[str, Setting] = {}
+    for path, value in values.items():
+        info = settings.get(path)
+        if info is None:
+            close = difflib.get_close_matches(path, settings, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown setting {path!r}{hint}")
+        if value is not None:
+            out[path] = Setting(value, (names or {}).get(path, info.qualified))
+    return out
+
+
+def merge_layers(*layers: Layer) -> dict[str, Setting]:
+    """One value per path, a later layer winning (defaults < environment < explicit)."""
+    merged: dict[str, Setting] = {}
+    for layer in layers:
+        merged.update(layer)
+    return merged
+
+
+def name_sources(error: InvalidSetting, given: Mapping[str, Setting]) -> InvalidSetting:
+    """`error` again, naming the variable or flag each of its fields was set by.
+
+    `given` maps qualified field names (``PoolConfig.num_pages``) or paths to
+    settings. An error about fields nobody set, or set under their own name,
+    comes back as it is.
+    """
+    by_field = dict(given)
+    for path, info in cluster_settings().items():
+        if path in given:
+            by_field[info.qualified] = given[path]
+    named = [(f, by_field[f]) for f in error.fields if f in by_field]
+    if all(s.source == f for f, s in named):
+        return error
+    setting = ", ".join(f"{s.source}={s.value!r}" for _, s in named)
+    return InvalidSetting(setting, f"{error.reason} ({', '.join(error.fields)})", error.fields)
+
+
+def _parse(info: SettingInfo, setting: Setting) -> Any:
+    """The typed value of `setting`; text (from the environment) is parsed by the field's type."""
+    if not setting.raw:
+        return setting.value
+    text: str = setting.value
+    if info.type == "str | None":
+        return text or None  # KVMESH_TLS_CA= (empty) means unset
+    if info.type == "str":
+        return text
+    word = text.strip().lower()
     try:
-        if kind is bool:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind is int:
-            return int(raw)
-        if kind is float:
-            return float(raw)
-    except ValueError as exc:
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is not a valid {kind.__name__}"
-        ) from exc
-    return raw
+        if info.type == "bool":
+            if word in _TRUE or word in _FALSE:
+                return word in _TRUE
+            raise ValueError(text)
+        return int(word) if info.type == "int" else float(word)
+    except ValueError:
+        kind = _ACCEPTS[info.type][1]
+        raise InvalidSetting(
+            f"{setting.source}={text!r}", f"is not {kind} ({info.qualified})", (info.qualified,)
+        ) from None
 
 
-def from_env(cls: type[T], prefix: str = "KVMESH_", **overrides: Any) -> T:
-    """Build `cls` from its defaults, then ``KVMESH_<FIELD>`` variables, then `overrides`.
+def build_cluster_config(given: Mapping[str, Setting]) -> ClusterConfig:
+    """A `ClusterConfig` from its defaults and `given` (path -> setting, see `merge_layers`).
+
+    Each section checks itself; an `InvalidSetting` names the variable or flag
+    the bad value came from. Registry checks (policy, hash, transport names)
+    are `kvmesh.settings.validate_cluster_config`'s.
+    """
+    settings = cluster_settings()
+    top: dict[str, Any] = {}
+    sections: dict[str, tuple[type[Any], dict[str, Any]]] = {}
+    for path, setting in given.items():
+        info = settings[path]
+        value = _parse(info, setting)
+        head, _, name = path.partition(".")
+        if name:
+            sections.setdefault(head, (info.owner, {}))[1][name] = value
+        else:
+            top[path] = value
+    try:
+        built = {head: owner(**kw) for head, (owner, kw) in sections.items()}
+        return ClusterConfig(**top, **built)
+    except InvalidSetting as exc:
+        raise name_sources(exc, given) from None
+
+
+def from_env(cls: type[T], prefix: str = ENV_PREFIX, **overrides: Any) -> T:
+    """One section from its defaults, then its ``KVMESH_<FIELD>`` variables, then `overrides`.
 
     An override of None means "not given" and leaves the variable in force.
+    Errors name the variable a bad value came from, as `build_cluster_config`'s do.
     """
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        # A field may name its own variable where two components share a field
-        # name (`seed`: KVMESH_SEED is the hash seed, KVMESH_MODEL_SEED the model's).
-        env_name = f.metadata.get("env", prefix + f.name.upper())
-        if env_name in os.environ and overrides.get(f.name) is None:
-            default = f.default if f.default is not dataclasses.MISSING else str
-            if default is None:
-                default = str
-            values[f.name] = _coerce(env_name, os.environ[env_name], default)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**values)
+    infos = {
+        f.name: _info(cls, f, f.name, prefix)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    }
+    env = os.environ
+    given = {n: Setting(env[i.env], i.env, raw=True) for n, i in infos.items() if i.env in env}
+    for name, value in overrides.items():
+        if name not in infos:
+            raise ConfigError(f"{cls.__name__} has no setting {name!r}")
+        if value is not None:
+            given[name] = Setting(value, infos[name].qualified)
+    try:
+        return cls(**{n: _parse(infos[n], s) for n, s in given.items()})
+    except InvalidSetting as exc:
+        raise name_sources(exc, {infos[n].qualified: s for n, s in given.items()}) from None

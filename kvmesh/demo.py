@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.config import ClusterConfig, ModelConfig, PoolConfig, TransferConfig
+from kvmesh.config import ClusterConfig, ModelConfig
 from kvmesh.errors import ConfigError, KVMeshError
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens
 
@@ -415,15 +415,21 @@ def run(args: argparse.Namespace) -> int:
     policies = _check(args)
     from kvmesh.client import KVMesh
     from kvmesh.commands import _console, transfer_summary
+    from kvmesh.settings import load_cluster_config
     from kvmesh.trace import load_trace
 
     console = _console(stderr=args.json)
-    cfg = dataclasses.replace(
-        ClusterConfig(),
-        num_workers=args.workers,
-        model=DEMO_MODEL,
-        pool=PoolConfig(num_pages=args.num_pages),
-        transfer=TransferConfig(transport=args.transport),
+    # The KVMESH_* settings as every entry point reads them, the demo's model shape and
+    # these flags over them.
+    shape = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_dim")
+    flags = {
+        "num_workers": args.workers,
+        "pool.num_pages": args.num_pages,
+        "transfer.transport": args.transport,
+    }
+    cfg = load_cluster_config(
+        {**flags, **{f"model.{name}": getattr(DEMO_MODEL, name) for name in shape}},
+        names={"num_workers": "--workers", "pool.num_pages": "--num-pages"},
     )
     reqs = conversation_slice(load_trace(), args.min_turns)[: args.requests]
     if not reqs:

@@ -23,6 +23,22 @@ class ConfigError(KVMeshError):
     grpc_code = "INVALID_ARGUMENT"
 
 
+class InvalidSetting(ConfigError):
+    """One setting has a bad value. `setting` is the name the user set it by (a variable,
+    a flag or a field, with the value), `fields` the config fields (``TransferConfig.port``)
+    the refusal is about, `reason` what is wrong, so a loader can name its own source."""
+
+    def __init__(self, setting: str, reason: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(f"{setting}: {reason}")
+        self.setting = setting
+        self.reason = reason
+        self.fields = fields
+
+    def __reduce__(self) -> tuple[type[InvalidSetting], tuple[str, str, tuple[str, ...]]]:
+        # Ray sends errors between processes by pickling: rebuild from all three parts.
+        return (type(self), (self.setting, self.reason, self.fields))
+
+
 class InvalidInput(KVMeshError):
     """An argument has the wrong type, range or size."""
 

@@ -50,6 +50,8 @@ HASH_FUNCTIONS: dict[str, HashFn] = {
 _BIG_ENDIAN = sys.byteorder == "big"
 _COUNT = struct.Struct("<I")
 _MAX_TOKEN = 2**32 - 1
+MAX_LORA_ID = 2**63 - 1
+"""Largest LoRA adapter id: it travels as int64 (proto, KV events, torch.distributed meta)."""
 
 
 def encode_tokens(tokens: Sequence[int]) -> bytes:
@@ -103,6 +105,22 @@ class ExtraKeys:
     lora_id: int | None = None
     mm_inputs: tuple[MultiModalInput, ...] = ()
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, where every request's keys are built (client, worker, received
+        # pages), so a bad id is one InvalidInput and never msgpack's OverflowError.
+        lora = self.lora_id
+        if lora is not None and (
+            isinstance(lora, bool) or not isinstance(lora, int) or not 0 <= lora <= MAX_LORA_ID
+        ):
+            raise InvalidInput(
+                f"lora_id must be None or an integer in [0, 2**63 - 1] (it travels as int64), "
+                f"got {lora!r}"
+            )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidInput(
+                f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}"
+            )
 
     def for_page(self, index: int, page_size: int) -> tuple[Any, ...] | None:
         """The extra keys that page `index` carries, or None when it has none."""

@@ -16,7 +16,10 @@ Profiles (`PROFILES`, a name -> check registry):
   SHA-256 with a seed other than the built-in default.
 
 Every refusal is one `ConfigError` that lists each missing piece with the
-variable to set.
+variable to set. The settings these checks read come from
+`kvmesh.settings.load_cluster_config`, the same for the CLI and the Python
+API; `check_environment_profile` keeps a config built by code from lowering
+``KVMESH_PROFILE=production``.
 
 Tenants (`TenantPolicy`): pages of different ``cache_salt`` never match
 (`kvmesh.hashing`), so the salt is the tenant boundary. Whoever chooses the
@@ -220,6 +223,27 @@ def check_cluster(config: ClusterConfig, env: Mapping[str, str] = os.environ) ->
         require_mtls=sec.require_mtls,
         hashing=config.hash,
     )
+
+
+PROFILE_VAR = "KVMESH_PROFILE"
+
+
+def check_environment_profile(config: ClusterConfig, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse a config that runs below the production profile the environment asks for.
+
+    A config built by code is used as it is, except that it cannot lower the
+    operator's ``KVMESH_PROFILE=production``: a program that passes a plain
+    `ClusterConfig()` would otherwise start a development cluster (plaintext,
+    no token, the built-in seed) on a host set up for production.
+    """
+    wanted = env.get(PROFILE_VAR, "").strip()
+    if wanted == "production" and config.security.profile != "production":
+        raise ConfigError(
+            f"{PROFILE_VAR}=production is set but the config asks for the "
+            f"{config.security.profile!r} profile: build the config with "
+            "kvmesh.settings.load_cluster_config() (it reads the environment) or set "
+            f"SecurityConfig(profile='production'); unset {PROFILE_VAR} for a development run"
+        )
 
 
 # ----------------------------------------------------------------------- tenants
