@@ -9,7 +9,8 @@ transport moves all the pages from the peer into the puller's pool:
   bytes straight from its KV tensor, the puller ``recv_into``\\s its own KV
   tensor. No framing, no checks, no pool: the ceiling of the machine.
 - ``grpc``: `SyncPeerClient.pull_into` against the peer's `TransferServer`
-  (chunked FetchPages streams, each page checked and inserted). Both
+  (chunked FetchPages streams, each page checked, proven against the
+  puller's own `ProofBook` of the prompt, and inserted). Both
   processes take their `TransferConfig` from ``KVMESH_*`` variables, then the
   ``--grpc-*`` flags: ``--grpc-client zero-copy|sync|aio`` picks the fetch
   engine (zero-copy, the default, reads the calls straight into the pool),
@@ -17,7 +18,7 @@ transport moves all the pages from the peer into the puller's pool:
   `kvmesh.worker.transfer_server` for what bounds this path and what each
   setting measured).
 - ``dist``: `DistPageTransport.pull` over a gloo process group of the two
-  (batched tensors, each page checked and inserted).
+  (batched tensors, each page checked, proven and inserted).
 
 Timed: from the pull's start until every page is in the puller's pool (for
 tcp: until the last byte is in its KV tensor). The pool is emptied between
@@ -321,10 +322,15 @@ def measure(spec: Spec) -> list[Figure]:
     load_before = os.getloadavg()[0]
 
     from kvmesh.errors import TransportError
+    from kvmesh.hashing import NO_EXTRA
     from kvmesh.worker.dist_transfer import DistGroup
+    from kvmesh.worker.page_service import ProofBook
 
     service = _make_service(spec)
-    hashes = service.hasher.hash_prompt(_tokens(spec))
+    tokens = _tokens(spec)
+    hashes = service.hasher.hash_prompt(tokens)
+    # The puller serves the prompt, so it proves every page from its own tokens.
+    proofs = ProofBook.for_pages(hashes, tokens, NO_EXTRA, PAGE_SIZE)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     peer = ctx.Process(target=_peer_main, args=(child, json.dumps(asdict(spec))), daemon=True)
@@ -353,7 +359,8 @@ def measure(spec: Spec) -> list[Figure]:
             config = _transfer_config(spec)
             client = SyncPeerClient(where["grpc"], config)
             cleanup.append(client.close)
-            pulls["grpc"] = lambda some: client.pull_into(service, some)
+            receiver = service.receiving(proofs)
+            pulls["grpc"] = lambda some: client.pull_into(receiver, some)
             engine = (
                 "zero-copy"
                 if client.pulls_in_place(service, spec.pages)
@@ -372,7 +379,7 @@ def measure(spec: Spec) -> list[Figure]:
             cleanup.append(lambda: transport.hang_up(1))
 
             def pull_dist(some: list[Any]) -> int:
-                result = transport.pull(1, some)
+                result = transport.pull(1, some, proofs)
                 if result.rejected:
                     raise TransportError(f"dist rejected pages: {result.rejected[0][1]}")
                 return len(result.inserted)
