@@ -50,9 +50,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * SEQ_BYTES
 """Replay's end-of-stream marker (vLLM sends seq -1 as 8 signed bytes)."""
 
+T = TypeVar("T")
 AttachMode = Literal["auto", "bind", "connect"]
 BatchListener = Callable[[WorkerId, EventBatch], None]
 
@@ -213,7 +214,8 @@ class EngineSubscriber:
 
     `drop_frame(worker_id, seq)` (fault drills and tests) drops a received
     frame as if the network had lost it. Listeners get every decoded batch
-    (live or replayed, duplicates included) after the index saw it.
+    (live or replayed, duplicates included, a quarantined engine's too)
+    after the index saw it; they run on the subscriber's loop.
     """
 
     def __init__(
@@ -444,12 +446,14 @@ class EngineSubscriber:
 
     def _apply(self, stream: _Stream, batch: EventBatch) -> ApplyResult | None:
         wid = stream.spec.worker_id
+        result: ApplyResult | None = None
         if stream.quarantined is not None:
             ENGINE_EVENT_BATCHES.labels(wid, "quarantined").inc()
-            return None
-        with self.lock:
-            result = self.index.apply(batch)
-        ENGINE_EVENT_BATCHES.labels(wid, "held" if result is ApplyResult.STALE else result.value).inc()
+        else:
+            with self.lock:
+                result = self.index.apply(batch)
+            outcome = "held" if result is ApplyResult.STALE else result.value
+            ENGINE_EVENT_BATCHES.labels(wid, outcome).inc()
         for listener in list(self._listeners):
             try:
                 listener(wid, batch)
@@ -590,6 +594,12 @@ class EngineSubscriberThread:
         if failure:
             self._thread = None
             raise failure[0]
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the subscriber's loop (e.g. the hash-parity canary) and wait for it."""
+        if self._loop is None:
+            raise ConfigError("the engine event subscriber thread is not running: start() it")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is None or self._loop is None:
