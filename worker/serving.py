@@ -26,6 +26,7 @@ import logging
 import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -286,7 +287,9 @@ class ServingEngine:
         self.chunk_pages = max(1, chunk // page_size)
         self.lock: AbstractContextManager[object] = lock if lock is not None else threading.RLock()
         self.clock = clock
-        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._admission = threading.Condition()
+        self._queue: deque[str] = deque()  # request ids waiting for a slot, in arrival order
+        self._free_slots = max_concurrent
         self._state = threading.Lock()
         self._active: dict[str, list[int]] = {}  # request id -> [prefill, decode] tokens to go
         self._waiting = 0
@@ -428,10 +431,7 @@ class ServingEngine:
     def _admitted(
         self, request_id: str, num_tokens: int, max_tokens: int, stop: _Stop
     ) -> Iterator[None]:
-        """Register the request, wait for a compute slot, run, unregister.
-
-        A request that can be stopped leaves the queue once it is (`RequestCancelled`).
-        """
+        """Register the request, wait for a compute slot (`_wait_for_slot`), run, unregister."""
         with self._state:
             if request_id in self._active:
                 raise InvalidInput(f"request id {request_id!r} is already being served")
@@ -439,23 +439,42 @@ class ServingEngine:
             self._waiting += 1
         admitted = False
         try:
-            if stop.can_stop:
-                while not self._slots.acquire(timeout=CANCEL_POLL_S):
-                    stop.check("while waiting for a compute slot")
-            else:
-                self._slots.acquire()
+            self._wait_for_slot(request_id, stop)
             try:
                 with self._state:
                     self._waiting -= 1
                     admitted = True
                 yield
             finally:
-                self._slots.release()
+                with self._admission:
+                    self._free_slots += 1
+                    self._admission.notify_all()
         finally:
             with self._state:
                 if not admitted:
                     self._waiting -= 1
                 self._active.pop(request_id, None)
+
+    def _wait_for_slot(self, request_id: str, stop: _Stop) -> None:
+        """Take a compute slot, in arrival order (a first-come queue, not a semaphore's race).
+
+        A request that can be stopped looks at `stop` every `CANCEL_POLL_S` and,
+        once stopped, leaves the queue (`RequestCancelled`) keeping the others' order.
+        """
+        timeout = CANCEL_POLL_S if stop.can_stop else None
+        with self._admission:
+            self._queue.append(request_id)
+            try:
+                while self._queue[0] != request_id or self._free_slots == 0:
+                    self._admission.wait(timeout)
+                    stop.check("while waiting for a compute slot")
+            except BaseException:
+                self._queue.remove(request_id)
+                self._admission.notify_all()  # the next in line may start now
+                raise
+            self._queue.popleft()
+            self._free_slots -= 1
+            self._admission.notify_all()  # so may the one after it, if a slot is left
 
     def _take_pages(
         self, request: Request, hint: RouteHint, pull_fn: PullFn | None, progress: _Progress

@@ -580,6 +580,48 @@ def test_a_request_stopped_while_waiting_for_a_slot_leaves_the_queue_and_never_s
     assert_idle_and_consistent(engine)
 
 
+def test_waiting_requests_start_in_arrival_order_and_a_cancelled_one_keeps_the_others_order(
+    model: TinyTransformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(model, max_concurrent=1)
+    entered, release = threading.Event(), threading.Event()
+    started: list[str] = []
+
+    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+        entered.set()
+        release.wait(timeout=60)
+        return []
+
+    def note_start(thread: str, n: int) -> None:
+        if n == 1:
+            started.append(thread)
+
+    count_prefill_chunks(monkeypatch, model, note_start)
+    p = prompt(2 * PAGE + 1, seed=44)
+    hint = RouteHint(promised_pull=1, peer="x")
+    holder = run_in_thread("holder", lambda: engine.serve("h", p, 2, hint=hint, pull_fn=slow_pull))
+    assert entered.wait(timeout=60)
+    flags = {name: threading.Event() for name in "bcde"}
+    queued: dict[str, Future[GenerationResult]] = {}
+
+    def enqueue(name: str) -> None:
+        waiting = engine.load().waiting
+        cancelled = flags[name].is_set
+        queued[name] = run_in_thread(name, lambda: engine.serve(name, p, 2, cancelled=cancelled))
+        assert wait_for(lambda: engine.load().waiting == waiting + 1)
+
+    for name in "bcde":
+        enqueue(name)
+    flags["c"].set()
+    with pytest.raises(RequestCancelled, match="while waiting for a compute slot"):
+        queued["c"].result(timeout=60)
+    release.set()
+    answers = [holder.result(timeout=60)] + [queued[n].result(timeout=60) for n in "bde"]
+    assert started == ["holder", "b", "d", "e"]
+    assert {r.tokens for r in answers} == {tuple(engine.compute_from_scratch(p, 2))}
+    assert_idle_and_consistent(engine)
+
+
 def test_a_request_whose_deadline_passed_before_it_was_served_is_refused_untouched(
     model: TinyTransformer,
 ) -> None:
