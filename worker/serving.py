@@ -242,7 +242,8 @@ class ServingEngine:
     """The request-serving logic of one worker over its pool, KV store and model.
 
     `serve` is safe to call from several threads; at most `max_concurrent`
-    requests compute at once (the others wait, which is their queue time).
+    requests compute at once (the others wait, in arrival order, which is their
+    queue time).
     """
 
     def __init__(
