@@ -232,6 +232,14 @@ class TransferConfig:
     # smaller pulls stay on grpcio's reused connections (a zero-copy call opens its own:
     # ~2 ms on loopback; measured break-even 1-8 MiB)
     grpc_zero_copy_min_bytes: int = 4 * 1024 * 1024
+    # FetchPages on the serving side: what one stream, one peer and all streams may hold
+    # (docs/reliability.md, "A client that stops reading")
+    fetch_stream_timeout_s: float = 60.0  # a stream's server-side deadline
+    fetch_idle_timeout_s: float = 5.0  # one write that waits this long for the client to read
+    fetch_window_pages: int = 8  # pages one stream pins at a time (pinned as it goes)
+    fetch_peer_pin_fraction: float = 0.25  # share of the pool one peer's streams may pin
+    fetch_pin_fraction: float = 0.5  # share of the pool all streams may pin (rest: requests)
+    fetch_pin_wait_s: float = 1.0  # a stream over a cap waits this long for room, then refused
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,12 @@ class MessageTooLarge(TransportError):
     grpc_code = "RESOURCE_EXHAUSTED"
 
 
+class PinLimitExceeded(TransportError):
+    """A peer's transfers already hold the pinned pages their cap allows; retry later."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class WorkerDied(TransportError):
     """The worker serving a request died before answering."""
 

@@ -18,6 +18,13 @@ TRANSFER_REFUSED = Counter(
     ["worker", "reason"],
 )
 
+FETCH_PINNED_PAGES = Gauge(
+    "kvmesh_fetch_pinned_pages",
+    "Page references FetchPages streams hold on a worker's pool now (capped by "
+    "TransferConfig.fetch_pin_fraction of the pool)",
+    ["worker"],
+)
+
 REQUESTS_CANCELLED = Counter(
     "kvmesh_requests_cancelled",
     "Requests a worker stopped before answering, by reason: the caller cancelled it "

@@ -3,12 +3,20 @@
 The server adapts a `PageService` to gRPC (`grpc.aio`):
 
 - ``Lookup``: which hashes are held, in order;
-- ``FetchPages``: pins the pages for the whole stream and unpins them on
-  completion, error or cancellation (``try/finally``); a hash not held is one
-  ``missing`` chunk, not an error; pages larger than the chunk size travel as
-  several chunks;
-- ``PushPages``: reassembles chunks, checks each page (`PageService.check`)
-  and caches it; pages completed before an error stay, the rest are dropped;
+- ``FetchPages``: pins pages as the stream goes, a window
+  (``fetch_window_pages``) at a time, each only until its bytes are written,
+  within caps per peer and for all streams (`PinBudget`: a stream over one
+  waits ``fetch_pin_wait_s``, then ``RESOURCE_EXHAUSTED``); a server-side
+  deadline (``fetch_stream_timeout_s``) and an idle timeout (one write the
+  client does not read within ``fetch_idle_timeout_s``) end it with
+  ``DEADLINE_EXCEEDED``; every pin is released on every path
+  (``try/finally``); a hash not held is one ``missing`` chunk, not an error;
+  pages larger than the chunk size travel as several chunks;
+- ``PushPages``: only with a live push grant of this worker (the ticket in
+  ``kvmesh-push-ticket`` metadata, else ``PERMISSION_DENIED`` before a byte
+  is read); reassembles chunks, proves each page against the grant's request
+  and checks it (`PageService.check`) and caches it, within the pusher's
+  eviction budget; pages completed before an error stay, the rest are dropped;
 - the standard ``grpc.health.v1.Health`` service, SERVING / NOT_SERVING by
   `set_serving` (draining);
 - optional TLS, mutual TLS (`TransferConfig.tls_*`) and a bearer token checked
@@ -65,11 +73,12 @@ What else measured:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import hmac
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,11 +91,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvmesh.config import TransferConfig
 from kvmesh.errors import (
     ConfigError,
+    DeadlineExceeded,
     InvalidInput,
+    InvariantViolation,
     KVMeshError,
     PageFormatError,
+    PinLimitExceeded,
     TransportError,
 )
+from kvmesh.metrics import FETCH_PINNED_PAGES, TRANSFER_REFUSED
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.kv_store import DTYPES, PageBlob
@@ -97,6 +110,8 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVWorker"].full_name  # "kvmesh.v1.KVWorker"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 ERROR_METADATA_KEY = "kvmesh-error"
+PUSH_TICKET_KEY = "kvmesh-push-ticket"  # hex of the receiver's push grant (PushPages)
+PUSH_DRAIN_MESSAGES = 64  # messages a refused push may still have in flight, read and dropped
 MAX_HASHES_PER_CALL = 100_000
 HEADER_RESERVE_BYTES = 64 * 1024
 """Room left in a message for everything but the page bytes (hashes, token ids, shape)."""
@@ -538,6 +553,279 @@ def chunk_size(config: TransferConfig) -> int:
     return max(MIN_CHUNK_BYTES, min(config.chunk_bytes, room))
 
 
+# ---------------------------------------------------------------- fetch limits
+
+
+@dataclass(frozen=True, slots=True)
+class FetchLimits:
+    """What FetchPages streams may hold on one pool, from `TransferConfig` (`fetch_limits`).
+
+    Pins are page references: a page asked for twice in one window is two.
+    """
+
+    window_pages: int  # one stream, pinned as it goes
+    peer_pins: int  # one peer's streams together
+    total_pins: int  # every stream together; the rest of the pool stays for requests
+    stream_timeout_s: float
+    idle_timeout_s: float
+    pin_wait_s: float
+
+
+def fetch_limits(config: TransferConfig, num_pages: int) -> FetchLimits:
+    """The FetchPages limits of `config` on a pool of `num_pages` (page 0 included).
+
+    Raises `ConfigError` naming the setting for a value that cannot work.
+    """
+    for name in ("fetch_stream_timeout_s", "fetch_idle_timeout_s"):
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"TransferConfig.{name} must be > 0, got {getattr(config, name)}")
+    if config.fetch_pin_wait_s < 0:
+        raise ConfigError(
+            f"TransferConfig.fetch_pin_wait_s must be >= 0, got {config.fetch_pin_wait_s}"
+        )
+    if config.fetch_window_pages < 1:
+        raise ConfigError(
+            f"TransferConfig.fetch_window_pages must be >= 1, got {config.fetch_window_pages}"
+        )
+    for name in ("fetch_pin_fraction", "fetch_peer_pin_fraction"):
+        value = getattr(config, name)
+        if not 0 < value < 1:
+            raise ConfigError(
+                f"TransferConfig.{name} must be between 0 and 1 (a share of the pool that "
+                f"leaves room for requests), got {value}"
+            )
+    usable = max(1, num_pages - 1)
+    total = max(1, int(config.fetch_pin_fraction * usable))
+    return FetchLimits(
+        window_pages=config.fetch_window_pages,
+        peer_pins=max(1, int(config.fetch_peer_pin_fraction * usable)),
+        total_pins=total,
+        stream_timeout_s=config.fetch_stream_timeout_s,
+        idle_timeout_s=config.fetch_idle_timeout_s,
+        pin_wait_s=config.fetch_pin_wait_s,
+    )
+
+
+class PinBudget:
+    """Counts the pins FetchPages streams hold, in all and per peer, against two caps.
+
+    `take` grants what fits under both caps (possibly fewer than asked, 0 when
+    either is reached); every granted pin is given back with `give`. Not
+    thread-safe: the server uses it from its one event loop.
+    """
+
+    __slots__ = ("_by_peer", "held", "per_peer", "total")
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total = total
+        self.per_peer = per_peer
+        self.held = 0
+        self._by_peer: dict[str, int] = {}
+
+    def held_by(self, peer: str) -> int:
+        return self._by_peer.get(peer, 0)
+
+    def take(self, peer: str, want: int) -> int:
+        """Grant up to `want` pins to `peer`; how many were granted."""
+        n = max(0, min(want, self.total - self.held, self.per_peer - self.held_by(peer)))
+        if n:
+            self.held += n
+            self._by_peer[peer] = self.held_by(peer) + n
+        return n
+
+    def give(self, peer: str, n: int) -> None:
+        """Return `n` pins `take` granted to `peer`."""
+        if not n:
+            return
+        left = self.held_by(peer) - n
+        if left < 0 or n < 0:
+            raise InvariantViolation(
+                f"peer {peer} gives back {n} fetch pins but holds {self.held_by(peer)}"
+            )
+        self.held -= n
+        if left:
+            self._by_peer[peer] = left
+        else:
+            del self._by_peer[peer]
+
+
+def peer_key(context: grpc.aio.ServicerContext) -> str:
+    """Who a call comes from, for per-peer caps: its certificate's identity under mutual
+    TLS, else its address without the port (on loopback every client is one peer)."""
+    identities = context.peer_identities()
+    if identities:
+        return "cert:" + ",".join(bytes(i).decode(errors="replace") for i in identities)
+    peer = context.peer() or "unknown"
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() and host not in ("ipv4", "ipv6") else peer
+
+
+class _WriteFailed(Exception):
+    """gRPC failed a FetchPages write: the call is broken (its cause says how)."""
+
+
+class _StreamWatch:
+    """Cancels a FetchPages handler at its deadline, or when one write waits too long.
+
+    A write waits when the client does not read: gRPC's flow-control window
+    and buffers are full. `reason` says which limit fired ("fetch_deadline",
+    "fetch_idle"); None when the handler was cancelled for another reason
+    (client gone, server stopping).
+    """
+
+    __slots__ = ("_deadline", "_idle", "_idle_s", "_loop", "_task", "_writing_since", "reason")
+
+    def __init__(self, limits: FetchLimits) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - handlers always run in a task
+            raise InvariantViolation("a FetchPages handler runs outside an asyncio task")
+        self._task = task
+        self._idle_s = limits.idle_timeout_s
+        self._writing_since: float | None = None
+        self.reason: str | None = None
+        self._deadline = self._loop.call_later(
+            limits.stream_timeout_s, self._fire, "fetch_deadline"
+        )
+        self._idle = self._loop.call_later(self._idle_s, self._check_idle)
+
+    async def write(self, context: grpc.aio.ServicerContext, message: bytes) -> None:
+        """`context.write`, timed; `_WriteFailed` when gRPC fails it (the call broke)."""
+        self._writing_since = self._loop.time()
+        try:
+            await context.write(message)
+        except Exception as exc:
+            raise _WriteFailed from exc
+        self._writing_since = None
+
+    def _check_idle(self) -> None:
+        since, now = self._writing_since, self._loop.time()
+        if since is not None and now - since >= self._idle_s:
+            self._fire("fetch_idle")
+            return
+        at = since + self._idle_s if since is not None else now + self._idle_s / 2
+        self._idle = self._loop.call_at(at, self._check_idle)
+
+    def _fire(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self._task.cancel()
+
+    def close(self) -> None:
+        self._deadline.cancel()
+        self._idle.cancel()
+
+
+class _FetchPins:
+    """Pins pages for FetchPages streams within a `PinBudget`, on the server's event loop.
+
+    A stream over a cap waits up to `fetch_pin_wait_s` for another stream to
+    give pins back, then is refused with `PinLimitExceeded`.
+    """
+
+    __slots__ = ("_config", "_gauge", "_waiters", "budget", "limits", "service")
+
+    def __init__(self, service: PageService, config: TransferConfig) -> None:
+        self.service = service
+        self._config = config
+        self.limits = fetch_limits(config, service.pool.num_pages)
+        self.budget = PinBudget(self.limits.total_pins, self.limits.peer_pins)
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._gauge: Any = None
+
+    def label(self, worker: str) -> None:
+        """Report the pins held under `worker` in `FETCH_PINNED_PAGES`."""
+        self._gauge = FETCH_PINNED_PAGES.labels(worker=worker)
+        self._gauge.set(self.budget.held)
+
+    async def pin(self, peer: str, hashes: Sequence[PageHash]) -> list[PageId | None]:
+        """Pin the first n >= 1 of `hashes` (n: what the caps grant); None for a miss."""
+        want = len(hashes)
+        granted = self.budget.take(peer, want) or await self._wait(peer, want)
+        ids = self.service.pin(hashes[:granted])
+        self.budget.give(peer, sum(1 for pid in ids if pid is None))
+        self._changed()
+        return ids
+
+    def unpin(self, peer: str, ids: Sequence[PageId | None]) -> None:
+        self.service.unpin(ids)
+        self.budget.give(peer, sum(1 for pid in ids if pid is not None))
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._gauge is not None:
+            self._gauge.set(self.budget.held)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, peer: str, want: int) -> int:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.limits.pin_wait_s
+        while True:
+            granted = self.budget.take(peer, want)
+            if granted:
+                return granted
+            left = end - loop.time()
+            if left <= 0:
+                raise PinLimitExceeded(self._refusal(peer))
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(waiter)
+
+    def _refusal(self, peer: str) -> str:
+        budget, cfg = self.budget, self._config
+        waited = f"no pin came free within TransferConfig.fetch_pin_wait_s={cfg.fetch_pin_wait_s}s"
+        if budget.held >= budget.total:
+            return (
+                f"FetchPages streams hold {budget.held} pinned pages, the cap for all peers "
+                f"together (TransferConfig.fetch_pin_fraction={cfg.fetch_pin_fraction} of the "
+                f"pool: {budget.total}; the rest stays free for requests); {waited}. Retry later"
+            )
+        return (
+            f"FetchPages streams from {peer} hold {budget.held_by(peer)} pinned pages, the cap "
+            f"per peer (TransferConfig.fetch_peer_pin_fraction={cfg.fetch_peer_pin_fraction} of "
+            f"the pool: {budget.per_peer}); {waited}. Read or close the streams already open, "
+            "or retry later"
+        )
+
+
+class _FetchStream:
+    """One FetchPages stream: its peer, the pins it holds, the pages it has sent.
+
+    `close` gives back whatever pins are left (idempotent).
+    """
+
+    __slots__ = ("_held", "_pins", "peer", "sent")
+
+    def __init__(self, pins: _FetchPins, peer: str) -> None:
+        self._pins = pins
+        self.peer = peer
+        self.sent = 0
+        self._held: list[PageId | None] = []
+
+    async def pin(self, hashes: Sequence[PageHash]) -> list[PageId | None]:
+        ids = await self._pins.pin(self.peer, hashes)
+        self._held.extend(pid for pid in ids if pid is not None)
+        return ids
+
+    def release(self, page_id: PageId | None) -> None:
+        """Unpin one page the stream has sent (its bytes are in gRPC's buffers)."""
+        if page_id is not None:
+            self._held.remove(page_id)
+            self._pins.unpin(self.peer, (page_id,))
+
+    def close(self) -> None:
+        held, self._held = self._held, []
+        if held:
+            self._pins.unpin(self.peer, held)
+
+
 # ---------------------------------------------------------------------- server
 
 
@@ -560,6 +848,10 @@ class TransferServer:
         self.config = config if config is not None else TransferConfig()
         self.page_delay_s = page_delay_s
         self._chunk_bytes = chunk_size(self.config)
+        self._pins = _FetchPins(service, self.config)  # refuses impossible fetch limits
+        # The worker's id labels this server's metrics (its address when the
+        # service has no name).
+        self.name: str = getattr(service, "name", "")
         self._credentials = server_credentials(self.config)
         grpc_tuning_options(self.config)  # refuse impossible settings before anything starts
         self._server: grpc.aio.Server | None = None
@@ -599,6 +891,8 @@ class TransferServer:
         if port == 0:
             raise TransportError(f"cannot bind the transfer server to {target}")
         self.port = port
+        self.name = self.name or self.address
+        self._pins.label(self.name)
         await server.start()
         self._server = server
         await self.set_serving(True)
@@ -687,17 +981,87 @@ class TransferServer:
         chunk = self._chunk_bytes
         if request.max_chunk_bytes:
             chunk = max(MIN_CHUNK_BYTES, min(chunk, request.max_chunk_bytes))
-        ids = self.service.pin(hashes)
+        stream = _FetchStream(self._pins, peer_key(context))
+        watch = _StreamWatch(self._pins.limits)
         try:
-            for index, (page_hash, page_id) in enumerate(zip(hashes, ids, strict=True)):
+            await self._stream_pages(hashes, chunk, context, stream, watch)
+        except asyncio.CancelledError:
+            if watch.reason is None:
+                raise  # the client went away or the server is stopping: `finally` unpins
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            error = DeadlineExceeded(self._cut_short(watch.reason, stream, len(hashes)))
+            await self._refuse(context, watch, stream, watch.reason, error)
+        except PinLimitExceeded as exc:
+            await self._refuse(context, watch, stream, "pin_cap", exc)
+        except _WriteFailed as exc:
+            # The call broke under a waiting write (the client cancelled or went
+            # away; gRPC fails the write, no CancelledError): nobody is left to tell.
+            log.debug("FetchPages from %s broke off: %r", stream.peer, exc.__cause__)
+        else:
+            stream.close()
+            # Pages were unpinned as they went out, so the head of the prompt was
+            # released first; touch them all once more, released tail-first, so
+            # that a prefix's head outlives its tail as the pool promises.
+            self.service.unpin(self.service.pin(hashes))
+        finally:
+            # Runs on completion, error and cancellation (the task gets
+            # CancelledError at its current await).
+            watch.close()
+            stream.close()
+
+    async def _stream_pages(
+        self,
+        hashes: list[PageHash],
+        chunk: int,
+        context: grpc.aio.ServicerContext,
+        stream: _FetchStream,
+        watch: _StreamWatch,
+    ) -> None:
+        """Send every page, pinning at most a window of them at a time, each only until its
+        bytes are written."""
+        window = self._pins.limits.window_pages
+        index = 0
+        while index < len(hashes):
+            for page_id in await stream.pin(hashes[index : index + window]):
                 if self.page_delay_s:
                     await asyncio.sleep(self.page_delay_s)
-                for message in self._page_messages(index, page_hash, page_id, chunk):
-                    await context.write(message)
-        finally:
-            # Runs on completion, on error and when the call is cancelled (the
-            # task gets CancelledError at its current await).
-            self.service.unpin(ids)
+                for message in self._page_messages(index, hashes[index], page_id, chunk):
+                    await watch.write(context, message)
+                stream.release(page_id)
+                index += 1
+                stream.sent = index
+
+    def _cut_short(self, reason: str, stream: _FetchStream, asked: int) -> str:
+        limits, peer, sent = self._pins.limits, stream.peer, stream.sent
+        if reason == "fetch_idle":
+            return (
+                f"FetchPages from {peer} stopped: the client read nothing for "
+                f"{limits.idle_timeout_s}s (TransferConfig.fetch_idle_timeout_s) after {sent} of "
+                f"{asked} pages; its pins are released. Read the stream as it comes"
+            )
+        return (
+            f"FetchPages from {peer} ran past its server-side deadline of "
+            f"{limits.stream_timeout_s}s (TransferConfig.fetch_stream_timeout_s) after {sent} of "
+            f"{asked} pages; its pins are released. Ask for fewer pages per call"
+        )
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext,
+        watch: _StreamWatch,
+        stream: _FetchStream,
+        reason: str,
+        error: KVMeshError,
+    ) -> None:
+        """End a stream a limit cut short: pins first (sending the status may wait on a
+        client that does not read), then the metric, the log line and the status."""
+        watch.close()
+        stream.close()
+        TRANSFER_REFUSED.labels(worker=self.name, reason=reason).inc()
+        log.warning("%s", error)
+        await self._abort(context, error)
 
     def _page_messages(
         self, index: int, page_hash: PageHash, page_id: PageId | None, chunk: int
@@ -719,18 +1083,55 @@ class TransferServer:
     ) -> pb.PushResponse:
         assembler = PageAssembler(self.service.store.page_nbytes)
         inserted: list[bool] = []
+        pusher = "grpc:" + _peer_host(context.peer())
         try:
+            # Refused before a byte is read: pushes come only for a request routed here.
+            receiver = self.service.receiving_push(_push_ticket(context), pusher)
             async for raw in request_iterator:
                 page = assembler.add(decode_chunk(raw))
                 if isinstance(page, IncomingPage):
-                    inserted.extend(self.service.insert_many([page]))
+                    inserted.extend(receiver.insert_many([page]))
             assembler.finish()
         except KVMeshError as exc:
             log.warning(
                 "PushPages from %s refused after %d pages: %s", context.peer(), len(inserted), exc
             )
+            # Read what the client already sent (bounded) before answering: closing a call
+            # with its messages unread can reach the client as INTERNAL, not as this error.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_drain(request_iterator, PUSH_DRAIN_MESSAGES), 0.2)
             await self._abort(context, exc)
         return pb.PushResponse(inserted=inserted)
+
+
+async def _drain(messages: AsyncIterator[bytes], limit: int) -> None:
+    """Read and drop up to `limit` messages of a refused stream."""
+    n = 0
+    async for _ in messages:
+        n += 1
+        if n >= limit:
+            return
+
+
+def _push_ticket(context: grpc.aio.ServicerContext) -> bytes:
+    """The push grant's ticket from the call's metadata (empty when absent or not hex)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == PUSH_TICKET_KEY and isinstance(value, str):
+            try:
+                return bytes.fromhex(value)
+            except ValueError:
+                return b""
+    return b""
+
+
+def _peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:127.0.0.1:5555`` -> ``127.0.0.1``)."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer
 
 
 def _parse(cls: Any, raw: bytes) -> Any:
