@@ -60,6 +60,7 @@ from kvmesh.errors import (
     InvalidInput,
     InvariantViolation,
     KVMeshError,
+    PermissionDenied,
     RequestCancelled,
     TransportError,
     UnknownWorker,
@@ -252,7 +253,7 @@ class WorkerActor:
         from kvmesh.worker.kv_store import KVStore
         from kvmesh.worker.model import TinyTransformer
         from kvmesh.worker.page_pool import PagePool
-        from kvmesh.worker.page_service import PageService
+        from kvmesh.worker.page_service import EvictionBudget, PageService, PushGrants
         from kvmesh.worker.serving import ServingEngine
         from kvmesh.worker.transfer_server import ServerThread
 
@@ -276,7 +277,18 @@ class WorkerActor:
         self.pool = pool
         self.cache_manager = KVCacheManager(pool, page_size, enable_caching=cfg.pool.enable_caching)
         self.store = KVStore.from_config(cfg.model, cfg.pool, page_size)
-        self.pages = PageService(pool, self.store, self.hasher, lock=self._lock)
+        self.pages = PageService(
+            pool,
+            self.store,
+            self.hasher,
+            lock=self._lock,
+            grants=PushGrants(cfg.transfer.push_grant_ttl_s),
+            evictions=EvictionBudget(
+                int(cfg.pool.num_pages * cfg.transfer.push_evict_fraction),
+                cfg.transfer.push_evict_window_s,
+            ),
+            name=self.worker_id,
+        )
         self.model = TinyTransformer(cfg.model)
         # Warm the kernels (and the allocator, at a full chunk) before anything is timed.
         warm = min(cfg.model.prefill_chunk_tokens, cfg.model.max_positions - 2)
@@ -382,8 +394,22 @@ class WorkerActor:
             c.prompt_pages += result.pages_hit_local + result.pages_pulled + result.pages_computed
         return result
 
-    def prefill(self, request: GenerateRequest, push_to: str) -> PrefillResult:
-        """Disaggregation, prefill side: compute the prompt's pages, push them to `push_to`.
+    def expect_push(self, request: GenerateRequest) -> bytes:
+        """Disaggregation, decode side: grant a push of `request`'s pages; returns the ticket.
+
+        The grant holds this worker's own proofs of the prompt's full pages
+        (its tokens, salt, LoRA), so only those pages, proven, can be pushed
+        under it, once, within `TransferConfig.push_grant_ttl_s`. The ticket
+        goes to the prefill worker (`prefill`) through the trusted client.
+        """
+        from kvmesh.worker.page_service import ProofBook
+
+        tokens, keys = request.token_ids, request.extra_keys
+        return self.pages.grants.grant(ProofBook.for_prompt(self.hasher, tokens, keys))
+
+    def prefill(self, request: GenerateRequest, push_to: str, ticket: bytes) -> PrefillResult:
+        """Disaggregation, prefill side: compute the prompt's pages, push them to `push_to`
+        under the grant `ticket` that worker handed out (`expect_push`).
 
         Pushes every full page of the prompt (the decode worker skips those it
         already holds). A failed push is not an error: `push_error` says why and
@@ -399,7 +425,7 @@ class WorkerActor:
         hashes = self.hasher.hash_prompt(request.token_ids, request.extra_keys)
         pushed, push_error = 0, None
         try:
-            pushed = self._push(push_to, hashes) if hashes else 0
+            pushed = self._push(push_to, hashes, ticket) if hashes else 0
         except KVMeshError as exc:
             push_error = f"{type(exc).__name__}: {exc}"
             log.warning("push to %s failed; the decode worker will compute: %s", push_to, exc)
@@ -432,49 +458,36 @@ class WorkerActor:
             return client
 
     def _pull(self, ask: Any) -> Any:
-        """The engine's `pull_fn`: the peer's pages for `ask`, in order, up to its first miss.
+        """The engine's `pull_fn`: the peer's pages for `ask`, checked, proven against the
+        request being served and cached in the pool as they arrive (`PulledInPlace`).
 
-        Over gRPC with `TransferConfig.grpc_zero_copy` (the default) the pages
-        are received, checked and cached in place (`PulledInPlace`); otherwise
-        each page was verified by the transfer client (framing, format,
-        checksum, the hash asked for) and the engine checks again and inserts. Over torch.distributed the pages are checked and cached as
-        they arrive (`PulledInPlace`), falling back to gRPC with a logged reason.
+        Over gRPC large pulls are read off the socket straight into reserved
+        pages (`TransferConfig.grpc_zero_copy`), small ones through grpcio's
+        reused channels. Over torch.distributed the pages land in place too,
+        falling back to gRPC with a logged reason.
         """
         if self._dist:
             return self._pull_in_place(ask)
         from kvmesh.worker.serving import PulledInPlace
 
         client = self._peer(ask.peer)
+        self._bump("pulls_grpc")
         try:
-            if client.pulls_in_place(self.pages, len(ask.page_hashes)):  # zero-copy, in place
-                self._bump("pulls_grpc")
-                try:
-                    client.pull_into(self.pages, list(ask.page_hashes))
-                except KVMeshError as exc:  # the whole pages cached before it still count
-                    error = f"{type(exc).__name__}: {exc}"
-                    return PulledInPlace(tuple(ask.page_hashes), "grpc", error)
-                return PulledInPlace(tuple(ask.page_hashes), "grpc")
-            fetched = client.fetch_pages(list(ask.page_hashes))
-        except KVMeshError:
-            raise
+            client.pull_into(self.pages.receiving(ask.proofs(self.hasher.page_size)), list(ask.page_hashes))
+        except KVMeshError as exc:  # the whole pages cached before it still count
+            return PulledInPlace(tuple(ask.page_hashes), "grpc", f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # a transport bug must not fail the request: compute instead
             raise TransportError(f"pull from {ask.peer} failed: {exc}") from exc
-        self._bump("pulls_grpc")
-        out: list[tuple[PageHash, Any]] = []
-        got = iter(fetched.pages)
-        page = next(got, None)
-        for want in ask.page_hashes:
-            if page is None or page.page_hash != want:
-                break  # the peer lacks `want`: the prefix ends here
-            out.append((page.page_hash, page.blob))
-            page = next(got, None)
-        return out
+        return PulledInPlace(tuple(ask.page_hashes), "grpc")
 
-    def _push(self, address: str, hashes: Sequence[PageHash]) -> int:
-        """Push the cached prefix of `hashes` to the worker at `address`; returns pages sent.
+    def _push(self, address: str, hashes: Sequence[PageHash], ticket: bytes) -> int:
+        """Push the cached prefix of `hashes` to the worker at `address` under its grant
+        `ticket`; returns the pages it took. Raises `PermissionDenied` when it refused
+        them (no live grant, or pages its request does not prove).
 
         Over torch.distributed when configured, falling back to gRPC (logged)
-        when the link fails.
+        when the link fails; the fallback presents the same one-use ticket, so
+        it is refused when the link had already delivered the push's preamble.
         """
         from kvmesh.rendezvous import LINK_SERVER_RANK
 
@@ -484,14 +497,20 @@ class WorkerActor:
         todo = list(hashes[:held])
         if self._dist:
             try:
-                sent = self._link(address).push(LINK_SERVER_RANK, todo)
+                sent = self._link(address).push(LINK_SERVER_RANK, todo, ticket)
                 self._bump("pushes_dist")
-                return len(sent.sent)
+                if sent.refused:
+                    raise PermissionDenied(
+                        f"the worker at {address} refused {sent.refused} of "
+                        f"{len(sent.sent)} pushed pages (no live grant, or pages its request "
+                        "does not prove)"
+                    )
+                return sent.stored
             except TransportError as exc:
                 self._drop_link(address)
                 self._bump("dist_fallbacks")
                 log.warning("dist push to %s failed, falling back to gRPC: %s", address, exc)
-        self._peer(address).push_from(self.pages, todo)
+        self._peer(address).push_from(self.pages, todo, ticket)
         self._bump("pushes_grpc")
         return held
 
@@ -503,6 +522,7 @@ class WorkerActor:
         outcome = fetch_with_fallback(
             self.pages,
             ask.page_hashes,
+            ask.proofs(self.hasher.page_size),
             transport="dist",
             dist=lambda: self._link(ask.peer),
             peer_rank=LINK_SERVER_RANK,

@@ -248,6 +248,7 @@ class DistGroup:
         "backend",
         "broken",
         "device",
+        "name",
         "rank",
         "timeout_s",
         "world_size",
@@ -262,7 +263,9 @@ class DistGroup:
         timeout_s: float,
         pg: Any = None,
         store: Any = None,
+        name: str = "",
     ) -> None:
+        self.name = name  # the rendezvous prefix: names the link's two workers
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -336,7 +339,7 @@ class DistGroup:
                 f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "
                 f"{rank}/{world_size} ({backend}) within {timeout_s:g}s: {_first_line(exc)}"
             ) from exc
-        return cls(rank, world_size, backend, dev, timeout_s, pg, store)
+        return cls(rank, world_size, backend, dev, timeout_s, pg, store, prefix)
 
     @classmethod
     def join(
@@ -1065,7 +1068,7 @@ class DistPageTransport:
             raise self._protocol_error(str(exc)) from exc
         if receiver is None:
             try:
-                receiver = self.service.receiving_push(ticket, f"dist-rank:{src}")
+                receiver = self.service.receiving_push(ticket, f"dist:{self.group.name}:{src}")
             except PermissionDenied as exc:
                 # The bytes still follow: take them into spare rows and refuse every page.
                 log.warning("push from rank %d refused: %s", src, exc)

@@ -25,8 +25,8 @@ The proof is the receiver's own (`ProofBook`): the tokens and extra keys
 bytes under a hash the receiver did not ask for, and salted and multimodal
 pages prove like any other (the receiver knows its request's salt and media).
 A pull builds its book from the request it serves; a push is taken only
-against a grant (`grant_push`): the receiving worker made the book from the
-request routed to it and handed the pusher a one-use ticket.
+against a grant (`grants.grant`): the receiving worker made the book from
+the request routed to it and handed the pusher a one-use ticket.
 
 Receiving in place (`reserve` / `commit` / `release`): a transport that
 writes bytes straight into the KV store (torch.distributed) holds uncached
@@ -89,7 +89,7 @@ class PageProof:
 class ProofBook:
     """The pages a receiver may accept, each with the proof it recomputes the hash from.
 
-    Built by the receiver from the request it serves (`for_request`), never
+    Built by the receiver from the request it serves (`for_prompt`, `for_pages`), never
     from what a sender claims. A hash outside the book is refused.
     """
 
@@ -97,6 +97,12 @@ class ProofBook:
 
     def __init__(self, proofs: Mapping[PageHash, PageProof]) -> None:
         self._proofs = dict(proofs)
+
+    @classmethod
+    def for_prompt(cls, hasher: PageHasher, token_ids: Sequence[int], extra: ExtraKeys) -> ProofBook:
+        """Proofs for every full page of a prompt, hashed with `hasher`."""
+        hashes = hasher.hash_prompt(token_ids, extra)
+        return cls.for_pages(hashes, token_ids, extra, hasher.page_size)
 
     @classmethod
     def for_pages(
@@ -448,11 +454,7 @@ class PageService:
                 f"page {page_hash.hex()[:16]} is not a page of a request this worker serves "
                 "or granted a push for; refused without proof of its hash"
             )
-        try:
-            ok = self.hasher.hash_page(proof.parent_hash, proof.token_ids, proof.extra) == page_hash
-        except InvalidInput:
-            ok = False
-        if not ok:
+        if not self._holds(page_hash, proof):
             TRANSFER_REFUSED.labels(worker=self.name, reason="hash_proof").inc()
             raise HashMismatch(
                 f"page {page_hash.hex()[:16]}: the request's {len(proof.token_ids)} tokens "
@@ -461,6 +463,18 @@ class PageService:
                 "was hashed with another seed or hash function"
             )
         return proof
+
+    def proves(self, page_hash: PageHash, proofs: ProofBook) -> bool:
+        """Whether `proofs` proves `page_hash` (like `prove`, without raising or counting)."""
+        proof = proofs.get(page_hash)
+        return proof is not None and self._holds(page_hash, proof)
+
+    def _holds(self, page_hash: PageHash, proof: PageProof) -> bool:
+        try:
+            got = self.hasher.hash_page(proof.parent_hash, proof.token_ids, proof.extra)
+        except InvalidInput:
+            return False
+        return got == page_hash
 
     def check(
         self, page: IncomingPage, proofs: ProofBook, *, with_checksum: bool = True
@@ -722,8 +736,7 @@ class PageReceiver:
         return self.service.insert_many(pages, self.proofs, pusher=self.pusher)
 
     def reserve(self, hashes: Sequence[PageHash]) -> list[Reservation | None]:
-        book = self.proofs
-        provable = [h if h in book else None for h in hashes]
+        provable = [h if self.service.proves(h, self.proofs) else None for h in hashes]
         asked = [h for h in provable if h is not None]
         got = iter(self.service.reserve(asked, pusher=self.pusher)) if asked else iter(())
         return [None if h is None else next(got) for h in provable]

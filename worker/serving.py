@@ -89,14 +89,13 @@ class PullRequest:
     first_page: int = 0
     extra_keys: ExtraKeys = NO_EXTRA
 
-    def proofs(self) -> ProofBook:
+    def proofs(self, page_size: int) -> ProofBook:
         """The receiver's own proof of every page asked for (from the request it serves)."""
-        size = len(self.token_ids) // max(1, len(self.page_hashes))
         return ProofBook.for_pages(
             self.page_hashes,
             self.token_ids,
             self.extra_keys,
-            size,
+            page_size,
             first_page=self.first_page,
             parent=self.parent_hash,
         )

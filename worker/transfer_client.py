@@ -535,7 +535,7 @@ class PeerClient:
         """Push pages for the peer to check and cache; per page: True new, False already held.
 
         `ticket` is the grant the peer handed out for this request's pages
-        (`PageService.grant_push` there); without a live one the peer refuses
+        (`PageService.grants.grant` there); without a live one the peer refuses
         the push (`PermissionDenied`). Never retried (not idempotent from the caller's view: a retry after a
         partial success would be indistinguishable). On failure the pages the
         peer finished before the error stay cached there, the rest do not.

@@ -572,34 +572,14 @@ class FetchLimits:
 
 
 def fetch_limits(config: TransferConfig, num_pages: int) -> FetchLimits:
-    """The FetchPages limits of `config` on a pool of `num_pages` (page 0 included).
-
-    Raises `ConfigError` naming the setting for a value that cannot work.
-    """
-    for name in ("fetch_stream_timeout_s", "fetch_idle_timeout_s"):
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"TransferConfig.{name} must be > 0, got {getattr(config, name)}")
-    if config.fetch_pin_wait_s < 0:
-        raise ConfigError(
-            f"TransferConfig.fetch_pin_wait_s must be >= 0, got {config.fetch_pin_wait_s}"
-        )
-    if config.fetch_window_pages < 1:
-        raise ConfigError(
-            f"TransferConfig.fetch_window_pages must be >= 1, got {config.fetch_window_pages}"
-        )
-    for name in ("fetch_pin_fraction", "fetch_peer_pin_fraction"):
-        value = getattr(config, name)
-        if not 0 < value < 1:
-            raise ConfigError(
-                f"TransferConfig.{name} must be between 0 and 1 (a share of the pool that "
-                f"leaves room for requests), got {value}"
-            )
+    """The FetchPages limits of `config` on a pool of `num_pages` (page 0 included); the
+    caps are shares of the usable pages, at least one pin each (`TransferConfig` checks
+    the settings' ranges)."""
     usable = max(1, num_pages - 1)
-    total = max(1, int(config.fetch_pin_fraction * usable))
     return FetchLimits(
         window_pages=config.fetch_window_pages,
         peer_pins=max(1, int(config.fetch_peer_pin_fraction * usable)),
-        total_pins=total,
+        total_pins=max(1, int(config.fetch_pin_fraction * usable)),
         stream_timeout_s=config.fetch_stream_timeout_s,
         idle_timeout_s=config.fetch_idle_timeout_s,
         pin_wait_s=config.fetch_pin_wait_s,
@@ -848,7 +828,7 @@ class TransferServer:
         self.config = config if config is not None else TransferConfig()
         self.page_delay_s = page_delay_s
         self._chunk_bytes = chunk_size(self.config)
-        self._pins = _FetchPins(service, self.config)  # refuses impossible fetch limits
+        self._pins = _FetchPins(service, self.config)
         # The worker's id labels this server's metrics (its address when the
         # service has no name).
         self.name: str = getattr(service, "name", "")
@@ -1083,7 +1063,7 @@ class TransferServer:
     ) -> pb.PushResponse:
         assembler = PageAssembler(self.service.store.page_nbytes)
         inserted: list[bool] = []
-        pusher = "grpc:" + _peer_host(context.peer())
+        pusher = "grpc:" + peer_key(context)
         try:
             # Refused before a byte is read: pushes come only for a request routed here.
             receiver = self.service.receiving_push(_push_ticket(context), pusher)
@@ -1122,16 +1102,6 @@ def _push_ticket(context: grpc.aio.ServicerContext) -> bytes:
             except ValueError:
                 return b""
     return b""
-
-
-def _peer_host(peer: str) -> str:
-    """The host of a gRPC peer string (``ipv4:127.0.0.1:5555`` -> ``127.0.0.1``)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    return peer
 
 
 def _parse(cls: Any, raw: bytes) -> Any:

@@ -255,7 +255,7 @@ def test_an_in_place_pull_failing_part_way_counts_the_whole_pages_it_cached(
     def lands_three_then_times_out(req: PullRequest) -> PulledInPlace:
         """A transport that caches pages straight into the pool (zero-copy gRPC, dist)."""
         for h, blob in copying_pull_fn(peer, [])(req)[:3]:
-            into.insert(h, blob, req.proofs())
+            into.insert(h, blob, req.proofs(PAGE))
         return PulledInPlace(req.page_hashes, "grpc", "DeadlineExceeded: peer-0 too slow")
 
     hint = RouteHint(promised_pull=6, peer="peer-0")
