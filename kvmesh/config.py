@@ -185,12 +185,27 @@ class TransferConfig:
                 "dist_depth",
                 "dist_connect_timeout_s",
                 "dist_idle_timeout_s",
+                "fetch_stream_timeout_s",
+                "fetch_idle_timeout_s",
+                "fetch_window_pages",
+                "fetch_peer_pin_fraction",
+                "fetch_pin_fraction",
             ),
-            non_negative=("retries", "retry_backoff_s", "grpc_zero_copy_min_bytes"),
+            non_negative=(
+                "retries",
+                "retry_backoff_s",
+                "grpc_zero_copy_min_bytes",
+                "fetch_pin_wait_s",
+            ),
             not_empty=("transport",),
+            fractions=("fetch_peer_pin_fraction",),
         )
         if not 0 <= self.port <= 65535:
             raise _refuse(self, "port", "must be a TCP port in 0..65535 (0: pick a free one)")
+        if self.fetch_pin_fraction >= 1:
+            raise _refuse(
+                self, "fetch_pin_fraction", "must be below 1: the rest of the pool is for requests"
+            )
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
@@ -232,6 +247,12 @@ class TransferConfig:
     # smaller pulls stay on grpcio's reused connections (a zero-copy call opens its own:
     # ~2 ms on loopback; measured break-even 1-8 MiB)
     grpc_zero_copy_min_bytes: int = 4 * 1024 * 1024
+    # pushes (prefill -> decode) are taken only against a grant of the receiving worker,
+    # valid this long; and one peer's pushes may evict at most this fraction of the pool's
+    # pages per window (a token bucket), so pushes cannot flush everyone else's cache
+    push_grant_ttl_s: float = 60.0
+    push_evict_fraction: float = 0.5
+    push_evict_window_s: float = 10.0
     # FetchPages on the serving side: what one stream, one peer and all streams may hold
     # (docs/reliability.md, "A client that stops reading")
     fetch_stream_timeout_s: float = 60.0  # a stream's server-side deadline

@@ -37,7 +37,7 @@ from prometheus_client import REGISTRY
 from reliability_kit import in_process_worker, reference_model, wait_until
 
 from kvmesh.config import ClusterConfig, PoolConfig, TransferConfig
-from kvmesh.errors import ConfigError, InvariantViolation
+from kvmesh.errors import InvalidSetting, InvariantViolation
 from kvmesh.hashing import PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, WorkerId
@@ -526,13 +526,17 @@ def test_the_pin_budget_grants_what_fits_under_both_caps() -> None:
         ("fetch_window_pages", 0),
         ("fetch_pin_fraction", 1.0),
         ("fetch_peer_pin_fraction", 0.0),
+        ("fetch_peer_pin_fraction", 1.5),
         ("fetch_pin_wait_s", -0.5),
     ],
 )
 def test_impossible_fetch_limits_are_refused_naming_the_setting(field: str, value: Any) -> None:
-    config = dataclasses.replace(TransferConfig(), **{field: value})
-    with pytest.raises(ConfigError, match=f"TransferConfig.{field}"):
-        fetch_limits(config, 64)
-    service = PageService(PagePool(8, page_size=PAGE), KVStore(8, 1, 1, 8, PAGE), PageHasher(PAGE))
-    with pytest.raises(ConfigError, match=field):
-        ServerThread(service, config)
+    with pytest.raises(InvalidSetting, match=f"TransferConfig.{field}"):
+        dataclasses.replace(TransferConfig(), **{field: value})
+
+
+def test_the_caps_are_shares_of_the_usable_pages_and_never_zero() -> None:
+    config = TransferConfig(fetch_pin_fraction=0.5, fetch_peer_pin_fraction=0.25)
+    limits = fetch_limits(config, 513)
+    assert (limits.total_pins, limits.peer_pins) == (256, 128)
+    assert (fetch_limits(config, 2).total_pins, fetch_limits(config, 2).peer_pins) == (1, 1)
