@@ -36,12 +36,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvmesh import errors
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import (
@@ -663,6 +665,25 @@ def _check_connect(
         raise ConfigError(f"request_timeout_s must be positive, got {timeout_s}")
 
 
+_REMOTE_KVMESH_ERROR = re.compile(r"^kvmesh\.errors\.(\w+): (.+)$", re.MULTILINE)
+
+
+def _start_error(exc: Exception) -> KVMeshError:
+    """A worker that failed in ``__init__`` (e.g. ``device='cuda'`` on a node without CUDA)
+    as one kvmesh error of the same class. Ray keeps only the text of the creation task's
+    traceback, whose last ``kvmesh.errors.<Class>: <message>`` line is the worker's error."""
+    found = _REMOTE_KVMESH_ERROR.findall(str(exc))
+    if found:
+        name, message = found[-1]
+        cls = getattr(errors, name, None)
+        if isinstance(cls, type) and issubclass(cls, KVMeshError):
+            with contextlib.suppress(TypeError):  # a class that is not built from a message
+                return cls(f"a worker could not start: {message}")
+            return ConfigError(f"a worker could not start: {message}")
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return NoWorkers(f"a worker could not start: {lines[-1] if lines else exc!r}")
+
+
 def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
     """Handles of registered workers whose Ray actors can be found by name."""
     import ray
@@ -730,6 +751,11 @@ def _create_workers(
             f"cluster has {free:g} CPUs free and they need {need_cpus:g} (worker_num_cpus="
             f"{num_cpus:g}): other actors hold the rest, or the nodes are too slow to start"
         ) from None
+    except ray.exceptions.RayActorError as exc:  # a worker's __init__ raised
+        for _, _, h in handles:
+            with contextlib.suppress(Exception):
+                ray.kill(h, no_restart=True)  # type: ignore[arg-type]
+        raise _start_error(exc) from None
     return {
         WorkerId(wid): _Worker(WorkerId(wid), role, info["address"], h)
         for (wid, role, h), info in zip(handles, infos, strict=True)

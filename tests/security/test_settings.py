@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from kvmesh.cli import main
 from kvmesh.client import KVMesh
@@ -146,6 +147,19 @@ def test_a_bad_cluster_flag_is_named_like_a_variable(
     assert main(argv) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"kvmesh {argv[0]}: error: {named}: ")
+    assert not ray.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_the_workers_node_lacks_is_one_error_not_a_ray_traceback(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    # Only the worker's node knows whether it has CUDA: the worker refuses, and its
+    # error reaches the caller (and the CLI, which prints it) as one kvmesh error line.
+    clean_env.setenv("KVMESH_DEVICE", "cuda")
+    with pytest.raises(ConfigError, match=r"a worker could not start: .*CUDA") as bad:
+        KVMesh.connect(num_workers=1, worker_num_cpus=0.5)
+    assert "\n" not in str(bad.value)
     assert not ray.is_initialized()
 
 
