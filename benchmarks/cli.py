@@ -16,6 +16,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "page transfer GB/s over gRPC and torch.distributed",
     ),
     "load": ("kvmesh.benchmarks.bench_load", "concurrent clients against the embedded cluster"),
+    "engines": (
+        "kvmesh.benchmarks.bench_engines",
+        "the gateway in front of two real vLLM CPU engines: kv_aware vs round_robin vs "
+        "approx_prefix",
+    ),
 }
 
 

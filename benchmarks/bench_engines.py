@@ -1,0 +1,428 @@
+"""`kvmesh bench engines`: the gateway in front of two real vLLM CPU engines, per policy.
+
+A slice of the bundled conversation trace (conversations of at least
+``--min-turns`` turns, ``--requests`` requests in all, each trace block as
+``--block-tokens`` token ids, which is the engines' block size) is replayed
+through ``kvmesh gateway`` once per policy, in the same run and against the
+same two engines, whose prefix caches are reset (``/reset_prefix_cache``)
+before each policy:
+
+- ``kv_aware``: routes on the index the engines' own KV events build;
+- ``round_robin``: the baseline that ignores caches;
+- ``approx_prefix``: sees no events; routes from its own routing history,
+  assuming each engine keeps as many blocks as it really has.
+
+``--concurrency`` clients send the slice's requests in trace order (a turn
+waits until its conversation's previous turn was answered), streaming; the
+time to the first SSE chunk is the request's TTFT (client side). Figures per policy: TTFT mean/p50/p99,
+requests/s, each engine's own prefix-cache hit rate from its ``/metrics``
+(``vllm:prefix_cache_hits`` / ``queries``, in tokens) and the slice's bound
+(one infinite shared cache). The engines run from ``.venv-engine``
+(`scripts/setup-engine-venv.sh`), pinned to one core each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
+from kvmesh.errors import ConfigError, TransportError
+from kvmesh.gateway.tokenizer import PromptTokenizer
+from kvmesh.simulate import percentile
+from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
+
+POLICIES = ("kv_aware", "round_robin", "approx_prefix")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=250, help="requests in the slice")
+    parser.add_argument(
+        "--min-turns", type=int, default=8, help="conversations of at least this many turns"
+    )
+    parser.add_argument("--concurrency", type=int, default=4, help="clients sending at once")
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    parser.add_argument(
+        "--block-tokens",
+        type=int,
+        default=32,
+        help="token ids per trace block, and the engines' block size (a multiple of 32)",
+    )
+    parser.add_argument("--engine-blocks", type=int, default=384, help="KV blocks per engine")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the engines' context")
+    parser.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated, run in this order"
+    )
+    parser.add_argument("--trace", default=None, help="a Mooncake trace (default: bundled)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per policy")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of the slice: its conversation and its prompt's token ids."""
+
+    conversation: int
+    prompt: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    policy: str
+    requests: int
+    errors: int
+    ttft_mean_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    requests_per_s: float
+    engine_prefix_hit_rate: float
+    bound_hit_ratio: float
+    engine_hit_rates: dict[str, float] = field(default_factory=dict)
+    engine_requests: dict[str, int] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the slice
+
+
+def conversations(reqs: list[TraceRequest]) -> list[int]:
+    """Each request's conversation: a turn extends an earlier turn's blocks.
+
+    A request joins the conversation of the latest request sharing its
+    longest leading run of at least two blocks (the first block alone is the
+    service's common system prompt); otherwise it starts a new one.
+    """
+    owner: dict[tuple[int, ...], int] = {}
+    out: list[int] = []
+    fresh = 0
+    for r in reqs:
+        h = r.hash_ids
+        conv = next((owner[h[:k]] for k in range(len(h) - 1, 1, -1) if h[:k] in owner), None)
+        if conv is None:
+            conv, fresh = fresh, fresh + 1
+        out.append(conv)
+        for k in range(2, len(h)):
+            owner[h[:k]] = conv
+    return out
+
+
+def trace_slice(
+    reqs: list[TraceRequest], n: int, min_turns: int, max_blocks: int
+) -> list[tuple[int, TraceRequest]]:
+    """The first `n` requests, in trace order, of conversations of >= `min_turns` turns.
+
+    Conversations with a prompt longer than `max_blocks` are left out whole.
+    Trace order interleaves many conversations, as a chat service sees them.
+    """
+    conv_of = conversations(reqs)
+    turns: dict[int, int] = {}
+    longest: dict[int, int] = {}
+    for c, r in zip(conv_of, reqs, strict=True):
+        turns[c] = turns.get(c, 0) + 1
+        longest[c] = max(longest.get(c, 0), len(r.hash_ids))
+    picked = [
+        (c, r)
+        for c, r in zip(conv_of, reqs, strict=True)
+        if turns[c] >= min_turns and longest[c] <= max_blocks
+    ][:n]
+    if len(picked) < n:
+        raise ConfigError(
+            f"the trace has only {len(picked)} requests in conversations of >= {min_turns} "
+            f"turns within {max_blocks} blocks; ask for fewer --requests"
+        )
+    return picked
+
+
+def to_turns(picked: list[tuple[int, TraceRequest]], block_tokens: int, vocab: int) -> list[Turn]:
+    table = blocks_tokens({b for _, r in picked for b in r.hash_ids}, block_tokens, vocab)
+    return [Turn(c, tuple(t for b in r.hash_ids for t in table[b])) for c, r in picked]
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def block_bytes(model: Path, block_tokens: int) -> int:
+    """KV bytes of one block of the model (keys and values, every layer)."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    width = 4 if "32" in str(dtype) else 2
+    return 2 * cfg["num_hidden_layers"] * block_tokens * heads * head_dim * width
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def cache_counters(client: httpx.AsyncClient, engine: VLLMEngine) -> tuple[float, float]:
+    text = (await client.get(engine.url + "/metrics")).text
+    return (
+        metric_sum(text, "vllm:prefix_cache_hits_total"),
+        metric_sum(text, "vllm:prefix_cache_queries_total"),
+    )
+
+
+async def reset_cache(client: httpx.AsyncClient, engine: VLLMEngine) -> None:
+    for _ in range(50):
+        resp = await client.post(engine.url + "/reset_prefix_cache")
+        if resp.status_code == 200 and resp.json().get("success"):
+            return
+        await asyncio.sleep(0.2)
+    raise TransportError(f"engine {engine.name} did not reset its prefix cache")
+
+
+# ----------------------------------------------------------------------------- gateway
+
+
+def start_gateway(
+    engines: list[VLLMEngine], policy: str, block_tokens: int, engine_blocks: int, port: int
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "kvmesh.cli", "gateway",
+        "--tokenizer", str(engine_model()),
+        "--block-size", str(block_tokens),
+        "--policy", policy,
+        "--history-blocks", str(engine_blocks),
+        "--events-topic", engines[0].spec.topic,
+        "--port", str(port),
+        "--log-level", "warning",
+    ]  # fmt: skip
+    for e in engines:
+        cmd += ["--engine", e.url, "--name", e.name]
+        if e.events_endpoint and e.replay_endpoint:
+            cmd += ["--events", e.events_endpoint, "--replay", e.replay_endpoint]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT)
+
+
+async def wait_healthy(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TransportError(f"the gateway exited with {proc.returncode}")
+        try:
+            if (await client.get(url + "/health")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.2)
+    raise TransportError("the gateway did not become healthy in 60 s")
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+@dataclass(slots=True)
+class Replay:
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str = ""
+    by_engine: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, why: str) -> None:
+        self.errors += 1
+        if not self.first_error:
+            self.first_error = why
+            print(f"request failed: {why}", file=sys.stderr, flush=True)
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, prompt: tuple[int, ...], max_tokens: int, out: Replay
+) -> None:
+    body = {"prompt": list(prompt), "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.fail(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
+                return
+            engine = resp.headers.get("x-kvmesh-engine", "?")
+            async for line in resp.aiter_lines():
+                if ttft is None and line.startswith("data:"):
+                    ttft = time.perf_counter() - t0
+                if line.startswith('data: {"error"'):
+                    out.fail(line[:300])
+                    return
+    except httpx.HTTPError as exc:
+        out.fail(f"{type(exc).__name__}: {exc}")
+        return
+    if ttft is None:
+        out.fail("the stream ended without a chunk")
+        return
+    out.ttfts.append(ttft)
+    out.by_engine[engine] = out.by_engine.get(engine, 0) + 1
+
+
+async def replay(
+    url: str, turns: list[Turn], concurrency: int, max_tokens: int
+) -> tuple[Replay, float]:
+    """`concurrency` clients take the turns in trace order; a turn waits for its predecessor."""
+    out = Replay()
+    last: dict[int, asyncio.Event] = {}
+    todo: deque[tuple[Turn, asyncio.Event | None, asyncio.Event]] = deque()
+    for turn in turns:
+        done = asyncio.Event()
+        todo.append((turn, last.get(turn.conversation), done))
+        last[turn.conversation] = done
+    timeout = httpx.Timeout(600.0, connect=5.0)
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def client_loop() -> None:
+            while todo:
+                turn, previous, done = todo.popleft()
+                if previous is not None:
+                    await previous.wait()
+                try:
+                    await one_request(client, url, turn.prompt, max_tokens, out)
+                finally:
+                    done.set()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return out, wall
+
+
+async def run_policy(
+    policy: str,
+    engines: list[VLLMEngine],
+    turns: list[Turn],
+    args: argparse.Namespace,
+    bound: float,
+) -> PolicyResult:
+    async with httpx.AsyncClient(timeout=30) as client:
+        for e in engines:
+            await reset_cache(client, e)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port)
+        try:
+            await wait_healthy(client, url, proc)
+            before = [await cache_counters(client, e) for e in engines]
+            result, wall = await replay(url, turns, args.concurrency, args.max_tokens)
+            after = [await cache_counters(client, e) for e in engines]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    ms = [t * 1000 for t in result.ttfts]
+    n = len(ms)
+    return PolicyResult(
+        policy,
+        n,
+        result.errors,
+        sum(ms) / n if n else 0.0,
+        percentile(ms, 50),
+        percentile(ms, 99),
+        n / wall if wall > 0 else 0.0,
+        sum(hits) / sum(queries) if sum(queries) else 0.0,
+        bound,
+        {e.name: (h / q if q else 0.0) for e, h, q in zip(engines, hits, queries, strict=True)},
+        dict(sorted(result.by_engine.items())),
+    )
+
+
+def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_info: str) -> None:
+    print(slice_info)
+    print(
+        f"{'policy':<14} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} "
+        f"{'engine hit':>10} {'bound':>6}  per engine (requests, hit rate)"
+    )
+    for r in results:
+        per = ", ".join(
+            f"{e}: {r.engine_requests.get(e, 0)} @ {h:.2f}" for e, h in r.engine_hit_rates.items()
+        )
+        print(
+            f"{r.policy:<14} {r.ttft_mean_ms:>8.1f}ms {r.ttft_p50_ms:>6.1f}ms "
+            f"{r.ttft_p99_ms:>6.1f}ms {r.requests_per_s:>7.2f} {r.engine_prefix_hit_rate:>10.3f} "
+            f"{r.bound_hit_ratio:>6.3f}  {per}" + (f"  ERRORS {r.errors}" if r.errors else "")
+        )
+    by = {r.policy: r for r in results}
+    kv = by.get("kv_aware")
+    if kv is not None and kv.ttft_mean_ms > 0:
+        for other in ("round_robin", "approx_prefix"):
+            if other in by:
+                ratio = by[other].ttft_mean_ms / kv.ttft_mean_ms
+                print(f"mean TTFT {other} / kv_aware = {ratio:.2f}x")
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError("--policies names no policy")
+    for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    spec = EngineSpec(
+        block_size=args.block_tokens,
+        kv_cache_memory_bytes=args.engine_blocks * block_bytes(engine_model(), args.block_tokens),
+        max_model_len=args.max_model_len,
+    )
+    max_blocks = (args.max_model_len - args.max_tokens) // args.block_tokens
+    picked = trace_slice(load_trace(args.trace), args.requests, args.min_turns, max_blocks)
+    bound = infinite_cache_hit_ratio([r for _, r in picked])
+    vocab = PromptTokenizer(engine_model()).vocab_size  # ids the engines' tokenizer knows
+    turns = to_turns(picked, args.block_tokens, vocab)
+    blocks = [len(t.prompt) // args.block_tokens for t in turns]
+    slice_info = (
+        f"slice: {len(turns)} requests of {len({t.conversation for t in turns})} conversations "
+        f"(>= {args.min_turns} turns) in trace order, {sum(blocks) / len(blocks):.1f} blocks of "
+        f"{args.block_tokens} tokens per prompt, bound hit ratio {bound:.3f}; "
+        f"{args.concurrency} clients; engines: {args.engine_blocks} blocks, one core each"
+    )
+    print(slice_info, file=sys.stderr, flush=True)
+    cores = os.cpu_count() or 1
+    engines = [
+        VLLMEngine(replace(spec, cpu_bind=str(i % cores)), name=f"engine-{i}") for i in range(2)
+    ]
+    results: list[PolicyResult] = []
+    try:
+        for e in engines:
+            e.start()
+        asyncio.run(warm_up(engines, args))
+        for policy in policies:
+            print(f"running {policy} ...", file=sys.stderr, flush=True)
+            results.append(asyncio.run(run_policy(policy, engines, turns, args, bound)))
+    finally:
+        for e in engines:
+            e.stop()
+    if args.json:
+        for r in results:
+            print(json.dumps(asdict(r)))
+    else:
+        print_table(results, args, slice_info)
+    return 0
+
+
+async def warm_up(engines: list[VLLMEngine], args: argparse.Namespace) -> None:
+    """One request per engine, so that the first measured request pays no start-up cost."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        for e in engines:
+            body = {
+                "model": e.spec.served_model_name,
+                "prompt": list(range(3, 3 + 4 * args.block_tokens)),
+                "max_tokens": args.max_tokens,
+            }
+            resp = await client.post(e.url + "/v1/completions", json=body)
+            if resp.status_code != 200:
+                raise TransportError(f"engine {e.name} warm-up failed: {resp.text[:200]}")
