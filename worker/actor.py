@@ -77,6 +77,7 @@ from kvmesh.worker.cancellation import (
     count_cancelled,
     current_task_cancelled,
     ray_job_is_dead,
+    request_deadline,
 )
 
 log = logging.getLogger(__name__)
@@ -356,8 +357,7 @@ class WorkerActor:
         """
         from kvmesh.worker.serving import RouteHint
 
-        clock = self.engine.clock
-        deadline = None if request.timeout_s is None else clock() + request.timeout_s
+        deadline = request_deadline(request.timeout_s, request.caller_job, self.engine.clock)
         hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
         pull = self._pull if request.peer_address else None
         self._announce(request)

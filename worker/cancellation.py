@@ -24,6 +24,7 @@ its driver's job dead at once (about 0.1 s after ``os._exit`` here), which
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from typing import Final
 
 from prometheus_client import REGISTRY
 
-from kvmesh.errors import RequestCancelled, RequestExpired
+from kvmesh.errors import InvalidInput, RequestCancelled, RequestExpired
 from kvmesh.metrics import REQUESTS_CANCELLED
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,30 @@ GCS_TIMEOUT_S = 5.0
 
 CANCEL_REASONS: Final = ("cancelled", "deadline", "caller_gone")
 """The `reason` label of `kvmesh_requests_cancelled_total`."""
+
+
+def request_deadline(
+    timeout_s: object, caller_job: object, clock: Callable[[], float]
+) -> float | None:
+    """The time on `clock` at which a request that arrived now must stop (None: never).
+
+    Raises `InvalidInput` for a `timeout_s` that is not a positive number of
+    seconds or a `caller_job` that is not a string, before any work starts.
+    """
+    if caller_job is not None and not isinstance(caller_job, str):
+        raise InvalidInput(f"caller_job must be a Ray job id string or None, got {caller_job!r}")
+    if timeout_s is None:
+        return None
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise InvalidInput(
+            f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}"
+        )
+    return clock() + timeout_s
 
 
 def current_task_cancelled() -> Callable[[], bool] | None:

@@ -11,13 +11,14 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import REGISTRY
 
-from kvmesh.errors import RequestCancelled, RequestExpired
+from kvmesh.errors import InvalidInput, RequestCancelled, RequestExpired
 from kvmesh.worker.cancellation import (
     CallerWatch,
     StopSignals,
     cancelled_count,
     count_cancelled,
     current_task_cancelled,
+    request_deadline,
 )
 
 POLL_S = 0.005
@@ -153,3 +154,10 @@ def test_cancelled_requests_are_counted_by_worker_and_reason() -> None:
 
 def test_outside_a_ray_task_there_is_no_cancel_flag_to_read() -> None:
     assert current_task_cancelled() is None
+
+
+def test_a_deadline_is_the_budget_counted_from_arrival_on_the_workers_clock() -> None:
+    assert request_deadline(2.5, "02000000", lambda: 10.0) == 12.5
+    assert request_deadline(None, None, lambda: 10.0) is None
+    with pytest.raises(InvalidInput, match="timeout_s"):
+        request_deadline(0, None, lambda: 10.0)

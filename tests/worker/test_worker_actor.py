@@ -24,7 +24,7 @@ from worker_kit import (
 
 from kvmesh.config import TransferConfig
 from kvmesh.coordinator.service import Coordinator
-from kvmesh.errors import ConfigError, TransportError
+from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportError
 from kvmesh.events import decode_batch
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor, WorkerSpec
@@ -261,3 +261,36 @@ def test_a_worker_refuses_to_bind_beyond_loopback_unless_asked(link: Link) -> No
     remote = dataclasses.replace(CONFIG, transfer=TransferConfig(host="0.0.0.0"))
     with pytest.raises(ConfigError, match=r"0\.0\.0\.0"):
         WorkerActor(WorkerSpec(WorkerId("exposed"), remote), link)
+
+
+def test_a_request_past_its_deadline_is_stopped_counted_and_holds_nothing(
+    workers: list[WorkerActor],
+) -> None:
+    w0 = workers[0]
+    before = w0.stats()
+    late = dataclasses.replace(request(prompt(3)), timeout_s=1e-9)  # over before it starts
+    with pytest.raises(RequestExpired, match="passed its deadline before it started"):
+        w0.generate(late)
+    after = w0.stats()
+    assert after.requests_cancelled == before.requests_cancelled + 1
+    assert (after.requests, after.errors) == (before.requests, before.errors)
+    assert (after.pages_used, after.cached_pages) == (0, before.cached_pages)
+    w0.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"timeout_s": -1.0}, "timeout_s must be a positive"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a positive"),
+        ({"timeout_s": "5"}, "timeout_s must be a positive"),
+        ({"caller_job": 7}, "caller_job must be"),
+    ],
+)
+def test_a_bad_deadline_or_caller_is_refused_before_any_work(
+    workers: list[WorkerActor], change: dict[str, Any], message: str
+) -> None:
+    w0 = workers[0]
+    with pytest.raises(InvalidInput, match=message):
+        w0.generate(dataclasses.replace(request(prompt(2)), **change))
+    assert w0.stats().pages_used == 0 and w0.pool.cached_hashes() == set()
