@@ -537,17 +537,19 @@ class EngineSubscriber:
                                 stream.spec.worker_id, start)  # fmt: skip
                     return covered
                 frames = await sock.recv_multipart()
-                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
+                # vLLM answers [b"", topic, seq, payload], SGLang [b"", seq, payload].
+                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != SEQ_BYTES:
                     self._bad(stream, "frame", f"replay sent {len(frames)} frames")
                     return covered
-                if frames[2] == END_SEQ:
+                seq_frame, payload = frames[-2], frames[-1]
+                if seq_frame == END_SEQ:
                     return covered
-                seq = int.from_bytes(frames[2], "big")
+                seq = int.from_bytes(seq_frame, "big")
                 if stream.incarnation != incarnation or seq > stream.last_seq:
                     continue  # a later life's batches, or ones the live stream will bring
                 if first:
                     covered, first = seq <= start, False
-                batch = self._decode(stream, incarnation, seq, frames[3])
+                batch = self._decode(stream, incarnation, seq, payload)
                 if batch is None:
                     return False  # the same bad bytes: this gap cannot be healed
                 self._apply(stream, batch)

@@ -87,6 +87,7 @@ class Publisher:
         self.lock = threading.Lock()
         self.replay_requests: list[int] = []
         self.answer_replay = True
+        self.replay_with_topic = True  # vLLM's replay frames; SGLang's carry no topic
         self.stopping = threading.Event()
         self.replay_thread: threading.Thread | None = None
         if replay_at is not None:
@@ -113,9 +114,11 @@ class Publisher:
                 continue
             with self.lock:
                 items = [(s, p) for s, p in self.buffer if s >= first]
+            head = [client, b""] + ([self.topic] if self.replay_with_topic else [])
             for s, p in items:
-                self.router.send_multipart([client, b"", self.topic, s.to_bytes(8, "big"), p])
-            self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+                self.router.send_multipart([*head, s.to_bytes(8, "big"), p])
+            self.router.send_multipart([*head[:2], *([b""] if self.replay_with_topic else []),
+                                        END_SEQ, b""])  # fmt: skip
 
     def publish_payload(self, payload: bytes, *, send: bool = True) -> int:
         seq = self.seq
@@ -126,7 +129,7 @@ class Publisher:
             self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
         return seq
 
-    def publish(self, *events: dict[str, Any], send: bool = True) -> int:
+    def publish(self, *events: dict[str, Any] | list[Any], send: bool = True) -> int:
         """Publish one batch; `send=False` keeps it only in the replay buffer (lost on the wire)."""
         body: list[Any] = [time.time(), list(events)]
         if self.rank is not None:
@@ -407,6 +410,20 @@ def test_frames_dropped_by_the_fault_hook_are_healed_like_lost_ones() -> None:
         assert index.worker_pages(WorkerId("engine-0")) == {h(10), h(11), h(12), h(13)}
 
     run_scenario(scenario, drop=lambda wid, seq: seq == 1)
+
+
+def test_an_sglang_style_stream_of_array_events_decodes_and_heals() -> None:
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        pub.rank = None  # SGLang's batches are [ts, events]
+        pub.replay_with_topic = False
+        pub.publish(["BlockStored", [1, 2], None, [1, 2, 3, 4], 2, None])
+        pub.publish(["BlockRemoved", [1]], send=False)
+        pub.publish(["BlockStored", [3], 2, [5, 6], 2, None])
+        await until(fresh_at(index, 2), "healing")
+        assert pages(index) == {h(2), h(3)}
+        assert pub.replay_requests == [1]
+
+    run_scenario(scenario)
 
 
 # ---------------------------------------------------------------- restarts
