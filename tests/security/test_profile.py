@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -364,3 +368,68 @@ def test_an_accepted_production_config_refuses_plaintext(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     finally:
         channel.close()
+
+
+# ------------------------------------------ the production profile from the Python API
+
+# Ray reads RAY_AUTH_MODE once per process, so the production cluster runs in its own.
+PRODUCTION_DRIVER = """
+import json, sys
+from kvmesh.client import KVMesh
+from kvmesh.config import TransferConfig
+from kvmesh.errors import TransportError
+from kvmesh.worker.transfer_client import SyncPeerClient
+
+tls = TransferConfig(**json.loads(sys.argv[1]))
+plaintext = TransferConfig(auth_token=tls.auth_token, deadline_s=3.0, retries=0)
+with KVMesh.connect(worker_num_cpus=0.5) as mesh:  # no config: the environment's settings
+    tokens = list(range(40))
+    out = {"profile": mesh.config.security.profile}
+    out["answer"] = len(mesh.generate(tokens, max_tokens=1).tokens)
+    hashes = mesh.hashes(tokens)
+    address = mesh.workers()[0]["address"]
+    with SyncPeerClient(address, tls) as peer:
+        out["with_tls"] = peer.lookup(hashes)
+    with SyncPeerClient(address, plaintext) as outsider:
+        try:
+            out["plaintext"] = outsider.lookup(hashes, deadline_s=3.0)
+        except TransportError as exc:
+            out["plaintext"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def test_the_python_api_starts_a_production_cluster_from_the_environment(
+    pki: dict[str, str],
+) -> None:
+    """`KVMesh.connect()` with no config and every production piece in ``KVMESH_*``: its
+    workers serve mutual TLS with the token and refuse plaintext (was: a dev cluster)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMESH_", "RAY_ADDRESS"))}
+    env.update(
+        RAY_AUTH_MODE="token",
+        KVMESH_PROFILE="production",
+        KVMESH_TLS_CERT=pki["server_cert"],
+        KVMESH_TLS_KEY=pki["server_key"],
+        KVMESH_TLS_CA=pki["ca"],
+        KVMESH_AUTH_TOKEN=TOKEN,
+        KVMESH_SEED="per-cluster-secret-seed",
+        KVMESH_NUM_WORKERS="1",
+        KVMESH_NUM_PAGES="64",
+    )
+    client = json.dumps(dataclasses.asdict(_client(pki)))
+    res = subprocess.run(
+        [sys.executable, "-c", PRODUCTION_DRIVER, client],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {
+        "profile": "production",
+        "answer": 1,
+        "with_tls": [True, True],
+        "plaintext": out["plaintext"],
+    }
+    assert out["plaintext"] in ("TransportError", "DeadlineExceeded")
