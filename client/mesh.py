@@ -594,7 +594,11 @@ class KVMesh:
         pre_req = dataclasses.replace(
             base, promised_local=local, promised_pull=pull, peer_address=peer
         )
-        pre = await self._call(pre_w.actor.prefill.remote(pre_req, dec_w.address), pre_w.worker_id)
+        # The decode worker takes pushed pages only under its own grant for this request.
+        ticket = await self._call(dec_w.actor.expect_push.remote(base), dec_w.worker_id)
+        pre = await self._call(
+            pre_w.actor.prefill.remote(pre_req, dec_w.address, ticket), pre_w.worker_id
+        )
         await self._record(local, pull, pre.pages_hit_local, pre.pages_pulled)
         limit = (n - 1) // self.config.hash.page_size
         promised = min(limit, max(dec_d.local_pages, pre.pages_pushed))

@@ -190,6 +190,8 @@ class TransferConfig:
                 "fetch_window_pages",
                 "fetch_peer_pin_fraction",
                 "fetch_pin_fraction",
+                "push_grant_ttl_s",
+                "push_evict_window_s",
             ),
             non_negative=(
                 "retries",
@@ -198,7 +200,7 @@ class TransferConfig:
                 "fetch_pin_wait_s",
             ),
             not_empty=("transport",),
-            fractions=("fetch_peer_pin_fraction",),
+            fractions=("fetch_peer_pin_fraction", "push_evict_fraction"),
         )
         if not 0 <= self.port <= 65535:
             raise _refuse(self, "port", "must be a TCP port in 0..65535 (0: pick a free one)")
