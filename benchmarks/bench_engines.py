@@ -63,6 +63,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated, run in this order"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="replays per policy, in alternating order (figures pool every round)",
+    )
     parser.add_argument("--trace", default=None, help="a Mooncake trace (default: bundled)")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
 
@@ -268,10 +274,12 @@ async def one_request(
 
 
 async def replay(
-    url: str, turns: list[Turn], concurrency: int, max_tokens: int
-) -> tuple[Replay, float]:
-    """`concurrency` clients take the turns in trace order; a turn waits for its predecessor."""
-    out = Replay()
+    url: str, turns: list[Turn], concurrency: int, max_tokens: int, out: Replay
+) -> float:
+    """`concurrency` clients take the turns in trace order; a turn waits for its predecessor.
+
+    Returns the wall time; TTFTs and errors go to `out`.
+    """
     last: dict[int, asyncio.Event] = {}
     todo: deque[tuple[Turn, asyncio.Event | None, asyncio.Event]] = deque()
     for turn in turns:
@@ -294,17 +302,27 @@ async def replay(
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return out, wall
+        return time.perf_counter() - t0
 
 
-async def run_policy(
+@dataclass(slots=True)
+class Measured:
+    """One policy's replays so far (rounds add up)."""
+
+    replay: Replay = field(default_factory=Replay)
+    wall_s: float = 0.0
+    hits: dict[str, float] = field(default_factory=dict)
+    queries: dict[str, float] = field(default_factory=dict)
+
+
+async def measure(
     policy: str,
     engines: list[VLLMEngine],
     turns: list[Turn],
     args: argparse.Namespace,
-    bound: float,
-) -> PolicyResult:
+    into: Measured,
+) -> None:
+    """One replay of the slice under `policy`, after resetting the engines' prefix caches."""
     async with httpx.AsyncClient(timeout=30) as client:
         for e in engines:
             await reset_cache(client, e)
@@ -314,7 +332,7 @@ async def run_policy(
         try:
             await wait_healthy(client, url, proc)
             before = [await cache_counters(client, e) for e in engines]
-            result, wall = await replay(url, turns, args.concurrency, args.max_tokens)
+            wall = await replay(url, turns, args.concurrency, args.max_tokens, into.replay)
             after = [await cache_counters(client, e) for e in engines]
         finally:
             proc.terminate()
@@ -323,22 +341,28 @@ async def run_policy(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
-    ms = [t * 1000 for t in result.ttfts]
+    into.wall_s += wall
+    for e, a, b in zip(engines, after, before, strict=True):
+        into.hits[e.name] = into.hits.get(e.name, 0.0) + a[0] - b[0]
+        into.queries[e.name] = into.queries.get(e.name, 0.0) + a[1] - b[1]
+
+
+def summarize(policy: str, m: Measured, bound: float) -> PolicyResult:
+    ms = [t * 1000 for t in m.replay.ttfts]
     n = len(ms)
+    hits, queries = sum(m.hits.values()), sum(m.queries.values())
     return PolicyResult(
         policy,
         n,
-        result.errors,
+        m.replay.errors,
         sum(ms) / n if n else 0.0,
         percentile(ms, 50),
         percentile(ms, 99),
-        n / wall if wall > 0 else 0.0,
-        sum(hits) / sum(queries) if sum(queries) else 0.0,
+        n / m.wall_s if m.wall_s > 0 else 0.0,
+        hits / queries if queries else 0.0,
         bound,
-        {e.name: (h / q if q else 0.0) for e, h, q in zip(engines, hits, queries, strict=True)},
-        dict(sorted(result.by_engine.items())),
+        {e: (m.hits[e] / q if q else 0.0) for e, q in m.queries.items()},
+        dict(sorted(m.replay.by_engine.items())),
     )
 
 
@@ -370,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies names no policy")
-    for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks"):
+    for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     spec = EngineSpec(
@@ -388,21 +412,24 @@ def run(args: argparse.Namespace) -> int:
         f"slice: {len(turns)} requests of {len({t.conversation for t in turns})} conversations "
         f"(>= {args.min_turns} turns) in trace order, {sum(blocks) / len(blocks):.1f} blocks of "
         f"{args.block_tokens} tokens per prompt, bound hit ratio {bound:.3f}; "
-        f"{args.concurrency} clients; engines: {args.engine_blocks} blocks, one core each"
+        f"{args.concurrency} clients, {args.rounds} round(s); engines: {args.engine_blocks} "
+        "blocks, one core each"
     )
     print(slice_info, file=sys.stderr, flush=True)
     cores = os.cpu_count() or 1
     engines = [
         VLLMEngine(replace(spec, cpu_bind=str(i % cores)), name=f"engine-{i}") for i in range(2)
     ]
-    results: list[PolicyResult] = []
     try:
         for e in engines:
             e.start()
         asyncio.run(warm_up(engines, args))
-        for policy in policies:
-            print(f"running {policy} ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_policy(policy, engines, turns, args, bound)))
+        measured = {p: Measured() for p in policies}
+        for round_ in range(args.rounds):
+            for policy in policies if round_ % 2 == 0 else policies[::-1]:
+                print(f"round {round_ + 1}: {policy} ...", file=sys.stderr, flush=True)
+                asyncio.run(measure(policy, engines, turns, args, measured[policy]))
+        results = [summarize(p, measured[p], bound) for p in policies]
     finally:
         for e in engines:
             e.stop()

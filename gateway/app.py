@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -44,7 +44,7 @@ from kvmesh.errors import (
     TransportError,
     UnknownModel,
 )
-from kvmesh.gateway.config import GatewayConfig
+from kvmesh.gateway.config import EngineTarget, GatewayConfig
 from kvmesh.gateway.engines import EnginePool, EngineState, Ticket
 from kvmesh.gateway.openai import (
     ChatStreamTranslator,
@@ -80,6 +80,10 @@ _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolErro
 """Failures before the engine answered: nothing reached the caller, another engine may serve."""
 
 
+EngineCheck = Callable[[EngineTarget], Awaitable[object]]
+"""A check an engine must pass before its events are trusted (the hash-parity canary)."""
+
+
 class EventSource(Protocol):
     """Something that keeps the gateway's index in step with an engine (a KV event subscriber)."""
 
@@ -94,7 +98,8 @@ class Gateway:
     `hasher` must be configured as the engines are (algorithm, seed, block
     size, int hashes): all engines behind one gateway share it. `index` is
     the one the `sources` feed; the router reads it (or, for
-    ``approx_prefix``, keeps its own history instead).
+    ``approx_prefix``, keeps its own history instead). `verify` runs for
+    each engine when it is first seen up and after every time it was down.
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class Gateway:
         index: GlobalIndex | None = None,
         sources: Sequence[EventSource] = (),
         tenants: TenantPolicy | None = None,
+        verify: EngineCheck | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -118,8 +124,10 @@ class Gateway:
         )
         self.pool = EnginePool(config.engines)
         self.models: list[str] = [config.served_model] if config.served_model else []
+        self.verify = verify
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task[None] | None = None
+        self._checks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,11 +147,19 @@ class Gateway:
             await source.start()
         await self.pool.check_all(self._client, cfg.health_timeout_s)
         await self._learn_models()
+        if self.verify is not None:
+            self.pool.on_up = self._verify_later
+            for engine in self.pool.up():
+                self._verify_later(engine)
         self._health = asyncio.create_task(
             self.pool.health_loop(self._client, cfg.health_interval_s, cfg.health_timeout_s)
         )
 
     async def stop(self) -> None:
+        for task in list(self._checks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._health is not None:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -154,6 +170,28 @@ class Gateway:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    def _verify_later(self, engine: EngineState) -> None:
+        """Run `verify` for an engine that is (again) up, without holding up requests.
+
+        A failing check is logged loudly; the check itself takes the engine's
+        affinity away (the canary quarantines it), so it still serves, never
+        with a wrong cache match.
+        """
+        if self.verify is None:
+            return
+        check = self.verify
+
+        async def run() -> None:
+            try:
+                await check(engine.spec)
+                log.info("engine %s passed its hash-parity check", engine.spec.name)
+            except KVMeshError as exc:
+                log.error("engine %s gets no cache affinity: %s", engine.spec.name, exc)
+
+        task = asyncio.create_task(run())
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     async def _learn_models(self) -> None:
         if self.models:

@@ -21,7 +21,7 @@ from kvmesh.config import CoordinatorConfig, from_env
 from kvmesh.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvmesh.gateway.app import EventSource, Gateway
+    from kvmesh.gateway.app import EngineCheck, EventSource, Gateway
     from kvmesh.gateway.config import GatewayConfig
 
 
@@ -49,7 +49,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="ENDPOINT",
         help="the engine's replay_endpoint, in --engine order (heals gaps in its events)",
     )
-    g.add_argument("--events-topic", default="", help="the engines' KV event topic (default any)")
+    g.add_argument(
+        "--events-topic",
+        default="",
+        help="the topic in the engines' --kv-events-config (vLLM's default: empty)",
+    )
     g.add_argument(
         "--name",
         action="append",
@@ -140,11 +144,12 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 def build_gateway(args: argparse.Namespace) -> Gateway:
     """The gateway the flags describe, with a KV event subscriber when the policy reads events."""
+    from kvmesh.coordinator.canary import run_hash_parity_canary
     from kvmesh.coordinator.engine_subscriber import EngineEventsEndpoint, EngineSubscriber
     from kvmesh.coordinator.index import GlobalIndex
     from kvmesh.engine_hash import EngineHasher
     from kvmesh.gateway.app import Gateway
-    from kvmesh.gateway.config import HISTORY_POLICY
+    from kvmesh.gateway.config import HISTORY_POLICY, EngineTarget
     from kvmesh.gateway.tokenizer import PromptTokenizer
     from kvmesh.security import TenantPolicy
 
@@ -152,14 +157,23 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     hasher = EngineHasher(args.hash_algo, args.block_size, args.hash_seed, not args.digest_hashes)
     index = GlobalIndex()
     sources: list[EventSource] = []
-    followed = [t for t in config.engines if t.events]
+    verify: EngineCheck | None = None
+    followed = {t.name for t in config.engines if t.events}
     if followed and config.policy != HISTORY_POLICY:
         endpoints = [
             EngineEventsEndpoint(t.name, t.events, t.replay, args.events_topic)
-            for t in followed
+            for t in config.engines
             if t.events is not None
         ]
-        sources.append(EngineSubscriber(index, endpoints))
+        subscriber = EngineSubscriber(index, endpoints)
+        sources.append(subscriber)
+
+        async def verify(target: EngineTarget) -> object:
+            """The hash-parity canary, for engines whose events the gateway follows."""
+            if target.name not in followed:
+                return None
+            return await run_hash_parity_canary(subscriber, target.name, target.base_url, hasher)
+
     tenants = TenantPolicy.from_file(args.api_keys) if args.api_keys else TenantPolicy.from_env()
     return Gateway(
         config,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -87,6 +87,8 @@ class EnginePool:
         self.engines: dict[WorkerId, EngineState] = {
             WorkerId(s.name): EngineState(s) for s in specs
         }
+        self.on_up: Callable[[EngineState], None] | None = None
+        """Called when a down engine answers its health check again (a restart, maybe)."""
         for state in self.engines.values():
             _export(state)
 
@@ -128,10 +130,13 @@ class EnginePool:
         engine.last_error = reason
 
     def mark_up(self, engine: EngineState) -> None:
-        if not engine.up:
-            log.info("engine %s is up again", engine.spec.name)
+        was_down = not engine.up
         engine.up = True
         engine.last_error = ""
+        if was_down:
+            log.info("engine %s is up again", engine.spec.name)
+            if self.on_up is not None:
+                self.on_up(engine)
 
     async def check(self, client: httpx.AsyncClient, engine: EngineState, timeout_s: float) -> bool:
         """One ``GET /health``; marks the engine up or down and says which."""

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.engine_hash import EngineHasher
-from kvmesh.gateway.app import Gateway, create_app
+from kvmesh.gateway.app import EngineCheck, Gateway, create_app
 from kvmesh.gateway.config import EngineTarget, GatewayConfig
 from kvmesh.gateway.tokenizer import PromptTokenizer
 from kvmesh.security import TenantPolicy
@@ -198,12 +198,14 @@ def make_gateway(
     engines: Sequence[FakeEngine],
     tokenizer: PromptTokenizer,
     tenants: TenantPolicy | None = None,
+    verify: EngineCheck | None = None,
     **config: Any,
 ) -> Gateway:
     specs = tuple(EngineTarget(e.name, e.url) for e in engines)
     config.setdefault("health_interval_s", 0.2)
+    hasher = EngineHasher(block_size=BLOCK)
     return Gateway(
-        GatewayConfig(specs, **config), tokenizer, EngineHasher(block_size=BLOCK), tenants=tenants
+        GatewayConfig(specs, **config), tokenizer, hasher, tenants=tenants, verify=verify
     )
 
 

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from kvmesh.engine_hash import EngineHasher
 from kvmesh.events import PagesStored, make_batch
 from kvmesh.gateway.app import ENGINE_HEADER, MATCHED_HEADER, Gateway
+from kvmesh.gateway.config import EngineTarget
 from kvmesh.gateway.tokenizer import PromptTokenizer
 from kvmesh.security import TenantPolicy
 from kvmesh.types import WorkerId
@@ -313,6 +314,39 @@ async def test_an_engine_failing_its_health_check_gets_no_requests_until_it_reco
         well = await c.post(s.url + "/v1/completions", json={"prompt": ids})
     assert {r.headers[ENGINE_HEADER] for r in sick} == {"engine-1"}
     assert well.headers[ENGINE_HEADER] == "engine-0"
+
+
+async def test_an_engine_is_verified_when_first_up_and_again_after_it_was_down(
+    tokenizer: PromptTokenizer,
+) -> None:
+    import asyncio
+
+    from kvmesh.errors import HashParityError
+
+    engines = two_engines()
+    checked: list[str] = []
+
+    async def verify(target: EngineTarget) -> None:
+        checked.append(target.name)
+        if target.name == "engine-0":
+            raise HashParityError("engine-0 hashes differently")
+
+    async with (
+        engines_and_gateway(engines, tokenizer, verify=verify) as s,
+        httpx.AsyncClient() as c,
+    ):
+        await asyncio.sleep(0.1)
+        assert sorted(checked) == ["engine-0", "engine-1"]
+        engines[1].sick = True
+        await asyncio.sleep(0.5)
+        engines[1].sick = False
+        await asyncio.sleep(0.5)
+        # a failed check is loud but the engine still serves
+        answers = [
+            await c.post(s.url + "/v1/completions", json={"prompt": [i] * 9}) for i in range(8)
+        ]
+    assert sorted(checked) == ["engine-0", "engine-1", "engine-1"]
+    assert {a.status_code for a in answers} == {200}
 
 
 # ------------------------------------------------------------------------ routing
