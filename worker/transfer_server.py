@@ -4,7 +4,7 @@ The server adapts a `PageService` to gRPC (`grpc.aio`):
 
 - ``Lookup``: which hashes are held, in order;
 - ``FetchPages``: pins pages as the stream goes, a window
-  (``fetch_window_pages``) at a time, each only until its bytes are written,
+  (``fetch_window_pages``) at a time, released once its pages are written,
   within caps per peer and for all streams (`PinBudget`: a stream over one
   waits ``fetch_pin_wait_s``, then ``RESOURCE_EXHAUSTED``); a server-side
   deadline (``fetch_stream_timeout_s``) and an idle timeout (one write the
@@ -776,10 +776,7 @@ class _FetchPins:
 
 
 class _FetchStream:
-    """One FetchPages stream: its peer, the pins it holds, the pages it has sent.
-
-    `close` gives back whatever pins are left (idempotent).
-    """
+    """One FetchPages stream: its peer, the pins it holds, the pages it has sent."""
 
     __slots__ = ("_held", "_pins", "peer", "sent")
 
@@ -794,13 +791,8 @@ class _FetchStream:
         self._held.extend(pid for pid in ids if pid is not None)
         return ids
 
-    def release(self, page_id: PageId | None) -> None:
-        """Unpin one page the stream has sent (its bytes are in gRPC's buffers)."""
-        if page_id is not None:
-            self._held.remove(page_id)
-            self._pins.unpin(self.peer, (page_id,))
-
-    def close(self) -> None:
+    def release(self) -> None:
+        """Give back every pin the stream holds (idempotent)."""
         held, self._held = self._held, []
         if held:
             self._pins.unpin(self.peer, held)
@@ -980,7 +972,7 @@ class TransferServer:
             # away; gRPC fails the write, no CancelledError): nobody is left to tell.
             log.debug("FetchPages from %s broke off: %r", stream.peer, exc.__cause__)
         else:
-            stream.close()
+            stream.release()
             # Pages were unpinned as they went out, so the head of the prompt was
             # released first; touch them all once more, released tail-first, so
             # that a prefix's head outlives its tail as the pool promises.
@@ -989,7 +981,7 @@ class TransferServer:
             # Runs on completion, error and cancellation (the task gets
             # CancelledError at its current await).
             watch.close()
-            stream.close()
+            stream.release()
 
     async def _stream_pages(
         self,
@@ -999,8 +991,8 @@ class TransferServer:
         stream: _FetchStream,
         watch: _StreamWatch,
     ) -> None:
-        """Send every page, pinning at most a window of them at a time, each only until its
-        bytes are written."""
+        """Send every page, a window of them pinned at a time and released once its pages
+        are written (their bytes are in gRPC's buffers)."""
         window = self._pins.limits.window_pages
         index = 0
         while index < len(hashes):
@@ -1009,9 +1001,9 @@ class TransferServer:
                     await asyncio.sleep(self.page_delay_s)
                 for message in self._page_messages(index, hashes[index], page_id, chunk):
                     await watch.write(context, message)
-                stream.release(page_id)
                 index += 1
                 stream.sent = index
+            stream.release()
 
     def _cut_short(self, reason: str, stream: _FetchStream, asked: int) -> str:
         limits, peer, sent = self._pins.limits, stream.peer, stream.sent
@@ -1038,7 +1030,7 @@ class TransferServer:
         """End a stream a limit cut short: pins first (sending the status may wait on a
         client that does not read), then the metric, the log line and the status."""
         watch.close()
-        stream.close()
+        stream.release()
         TRANSFER_REFUSED.labels(worker=self.name, reason=reason).inc()
         log.warning("%s", error)
         await self._abort(context, error)
