@@ -75,12 +75,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import hmac
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -99,6 +97,14 @@ from kvmesh.errors import (
     PinLimitExceeded,
     TransportError,
 )
+from kvmesh.grpc_security import (  # shared with the coordinator's routing API
+    ERROR_METADATA_KEY,
+    TokenAuthInterceptor,
+    server_credentials,
+)
+from kvmesh.grpc_security import HEALTH_METHOD_PREFIX as HEALTH_METHOD_PREFIX
+from kvmesh.grpc_security import client_tls_material as client_tls_material
+from kvmesh.grpc_security import read_pem as read_pem
 from kvmesh.metrics import FETCH_PINNED_PAGES, TRANSFER_REFUSED
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId
@@ -108,8 +114,6 @@ from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService, chec
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVWorker"].full_name  # "kvmesh.v1.KVWorker"
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-ERROR_METADATA_KEY = "kvmesh-error"
 PUSH_TICKET_KEY = "kvmesh-push-ticket"  # hex of the receiver's push grant (PushPages)
 PUSH_DRAIN_MESSAGES = 64  # messages a refused push may still have in flight, read and dropped
 MAX_HASHES_PER_CALL = 100_000
@@ -353,95 +357,7 @@ def incoming_page(header: pb.PageHeader, data: bytes | memoryview) -> IncomingPa
 # ------------------------------------------------------------------ security
 
 
-def read_pem(path: str | None, what: str) -> bytes | None:
-    """The bytes of a certificate / key file named in config (None: not set)."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path!r}: {exc.strerror}") from None
-
-
-def client_tls_material(config: TransferConfig) -> tuple[bytes | None, bytes | None, bytes | None]:
-    """(root CA, client key, client certificate) for dialing peers; all None: plaintext.
-
-    TLS is on when any of tls_root_ca, tls_ca or tls_cert is set; the client
-    presents tls_cert/tls_key (mutual TLS) when both are set.
-    """
-    root = read_pem(config.tls_root_ca or config.tls_ca, "TLS root CA")
-    if root is None and config.tls_cert is None:
-        return None, None, None
-    if (config.tls_cert is None) != (config.tls_key is None):
-        raise ConfigError("a client certificate needs both tls_cert and tls_key")
-    return root, read_pem(config.tls_key, "TLS key"), read_pem(config.tls_cert, "TLS certificate")
-
-
-def server_credentials(config: TransferConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials from `config` (None: plaintext); mutual TLS when `tls_ca` is set."""
-    if config.tls_cert is None and config.tls_key is None:
-        if config.tls_ca is not None:
-            raise ConfigError("tls_ca (mutual TLS) needs tls_cert and tls_key for the server too")
-        return None
-    if config.tls_cert is None or config.tls_key is None:
-        raise ConfigError("TLS needs both tls_cert and tls_key")
-    cert = read_pem(config.tls_cert, "TLS certificate")
-    key = read_pem(config.tls_key, "TLS key")
-    ca = read_pem(config.tls_ca, "TLS client CA")
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls whose ``authorization`` metadata is not ``Bearer <token>``.
-
-    The health service is exempt: load-balancer and Kubernetes probes carry no
-    token, and health says nothing about the cache. Comparison is constant-time.
-    """
-
-    def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = (HEALTH_METHOD_PREFIX,)):
-        if not token:
-            raise ConfigError("auth_token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-        self._exempt = exempt_prefixes
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method
-        handler = await continuation(handler_call_details)
-        if handler is None or method.startswith(self._exempt):
-            return handler
-        got = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-        if hmac.compare_digest(got, self._expected):
-            return handler
-        reason = "no bearer token" if not got else "wrong bearer token"
-        return _deny(
-            handler, f"{reason} for {method}: set TransferConfig.auth_token to the cluster's token"
-        )
-
-
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            message,
-            trailing_metadata=((ERROR_METADATA_KEY, "Unauthenticated"),),
-        )
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
+# read_pem, client_tls_material, server_credentials, TokenAuthInterceptor: kvmesh.grpc_security
 
 
 MIN_FRAME_BYTES = 16 * 1024
