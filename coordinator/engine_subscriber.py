@@ -371,6 +371,8 @@ class EngineSubscriber:
             stream.quarantined = reason
             self._resync(stream)
             with self.lock:
+                if wid not in self.index.workers():  # nothing heard from it yet
+                    self.index.register_worker(wid)
                 self.index.mark_stale(wid)
         log.error("engine %s quarantined: %s", engine_id, reason)
 

@@ -534,6 +534,17 @@ def test_a_quarantined_engine_gets_no_entries_until_released() -> None:
     run_scenario(scenario)
 
 
+def test_an_engine_quarantined_before_its_first_batch_stays_without_affinity() -> None:
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        sub.quarantine("engine-0", "no events for the canary")
+        assert index.is_stale(WorkerId("engine-0"))
+        pub.publish(stored(1))
+        await until(seen(sub, "engine-0", 0), "the first batch")
+        assert h(1) not in index and index.is_stale(WorkerId("engine-0"))
+
+    run_scenario(scenario)
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
