@@ -259,7 +259,7 @@ class TransferConfig:
     # (docs/reliability.md, "A client that stops reading")
     fetch_stream_timeout_s: float = 60.0  # a stream's server-side deadline
     fetch_idle_timeout_s: float = 5.0  # one write that waits this long for the client to read
-    fetch_window_pages: int = 8  # pages one stream pins at a time (pinned as it goes)
+    fetch_window_pages: int = 4  # pages one stream pins at a time (pinned as it goes)
     fetch_peer_pin_fraction: float = 0.25  # share of the pool one peer's streams may pin
     fetch_pin_fraction: float = 0.5  # share of the pool all streams may pin (rest: requests)
     fetch_pin_wait_s: float = 1.0  # a stream over a cap waits this long for room, then refused
@@ -301,6 +301,15 @@ class CoordinatorConfig:
     link_accept_timeout_s: float = 10.0  # how long the serving worker may take to accept a link
     # routing RNG (ties, random, softmax sampling)
     seed: int = field(default=0, metadata={"env": "KVMESH_ROUTER_SEED"})
+    # at scale (docs/scale.md): the index split across this many shard actors (by worker), and
+    # this many router replicas, each with its own copy of every shard fed the same events
+    index_shards: int = 1  # 1: one coordinator actor holds the whole index
+    router_replicas: int = 1
+    # the gRPC routing API (proto's Coordinator service) for routers outside Ray: -1 off,
+    # 0 a free port; TLS, mutual TLS and the bearer token are TransferConfig's
+    api_host: str = "127.0.0.1"
+    api_port: int = -1
+    api_deadline_s: float = 5.0  # the longest any routing API call may take on the server
 
     def __post_init__(self) -> None:
         # policy: a name in kvmesh.coordinator.policies.REGISTRY, default_tier one of
@@ -314,6 +323,9 @@ class CoordinatorConfig:
                 "consistent_hash_vnodes",
                 "reorder_window",
                 "link_accept_timeout_s",
+                "index_shards",
+                "router_replicas",
+                "api_deadline_s",
             ),
             non_negative=(
                 "overlap_weight",
@@ -332,6 +344,8 @@ class CoordinatorConfig:
             raise _refuse(self, "max_restarts", "must be >= 0, or -1 for no limit")
         if self.consistent_hash_load_factor < 1:
             raise _refuse(self, "consistent_hash_load_factor", "must be >= 1")
+        if not -1 <= self.api_port <= 65535:
+            raise _refuse(self, "api_port", "must be a TCP port in 0..65535, or -1 for no API")
         if self.seed > MAX_SEED:
             raise _refuse(self, "seed", f"must be at most {MAX_SEED}")
 
