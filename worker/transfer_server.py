@@ -638,7 +638,11 @@ class _FetchPins:
         """Pin the first n >= 1 of `hashes` (n: what the caps grant); None for a miss."""
         want = len(hashes)
         granted = self.budget.take(peer, want) or await self._wait(peer, want)
-        ids = self.service.pin(hashes[:granted])
+        try:
+            ids = self.service.pin(hashes[:granted])
+        except BaseException:
+            self.budget.give(peer, granted)
+            raise
         self.budget.give(peer, sum(1 for pid in ids if pid is None))
         self._changed()
         return ids
@@ -889,10 +893,7 @@ class TransferServer:
             log.debug("FetchPages from %s broke off: %r", stream.peer, exc.__cause__)
         else:
             stream.release()
-            # Pages were unpinned as they went out, so the head of the prompt was
-            # released first; touch them all once more, released tail-first, so
-            # that a prefix's head outlives its tail as the pool promises.
-            self.service.unpin(self.service.pin(hashes))
+            self._release_head_last(hashes)
         finally:
             # Runs on completion, error and cancellation (the task gets
             # CancelledError at its current await).
@@ -920,6 +921,19 @@ class TransferServer:
                 index += 1
                 stream.sent = index
             stream.release()
+
+    def _release_head_last(self, hashes: Sequence[PageHash]) -> None:
+        """Queue the served pages for eviction tail-first, as a request's pages are.
+
+        Windows were released in stream order, so the head of a prefix would be
+        evicted first; touching the pages once more and freeing them in reverse,
+        under one hold of the lock (nobody sees them pinned), puts the head last.
+        """
+        pool = self.service.pool
+        with self.service.lock:
+            pages = [p for p in map(pool.get_cached_page, hashes) if p is not None]
+            pool.touch(pages)
+            pool.free_pages(reversed(pages))
 
     def _cut_short(self, reason: str, stream: _FetchStream, asked: int) -> str:
         limits, peer, sent = self._pins.limits, stream.peer, stream.sent
