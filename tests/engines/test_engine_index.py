@@ -25,13 +25,14 @@ from kvmesh.coordinator.engine_subscriber import (
 )
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
-from kvmesh.engine_launcher import VLLMEngine
+from kvmesh.engine_launcher import EngineSpec, VLLMEngine
 from kvmesh.errors import HashParityError
 from kvmesh.types import PageHash, WorkerId
 
 StartEngine = Callable[..., VLLMEngine]
 BOUND_S = 60.0
 BLOCK = 32
+REPLAY_STEPS = 3
 HASHER = EngineHasher("sha256", BLOCK)
 
 
@@ -97,7 +98,8 @@ def counter(name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def followed(start_engine: StartEngine) -> Iterator[Followed]:
-    engine = start_engine(name="engine-idx")
+    # a short replay buffer, so that a test can lose more batches than replay still has
+    engine = start_engine(EngineSpec(replay_buffer_steps=REPLAY_STEPS), name="engine-idx")
     index = GlobalIndex()
     drop: set[int] = set()
     subscriber = EngineSubscriber(
@@ -172,6 +174,32 @@ def test_a_dropped_event_batch_is_healed_from_the_engines_replay_socket(
     wait_until(lambda: want <= followed.pages() and not followed.stale(), "replay")
     after = counter("kvmesh_engine_event_gaps", engine=followed.engine.name, outcome="healed")
     assert after == healed + 1
+
+
+def test_losing_more_batches_than_replay_holds_drops_the_entries_then_follows_afresh(
+    followed: Followed,
+) -> None:
+    uncovered = counter("kvmesh_engine_event_gaps", engine=followed.engine.name, outcome="uncovered")
+    lost_from = followed.subscriber.stream_state(followed.wid).last_seq + 1
+    followed.drop.update(range(lost_from, lost_from + REPLAY_STEPS + 1))
+    kept_before = followed.pages()
+    assert kept_before
+    for _ in range(4 * REPLAY_STEPS):  # each request publishes a batch; the first few are lost
+        if followed.subscriber.stream_state(followed.wid).last_seq > lost_from:
+            break
+        followed.complete(followed.prompt(1))
+        time.sleep(0.2)
+    else:
+        raise AssertionError("no batch after the lost ones arrived")
+    wait_until(lambda: counter("kvmesh_engine_event_gaps", engine=followed.engine.name,
+                               outcome="uncovered") == uncovered + 1, "an uncovered gap")  # fmt: skip
+    wait_until(lambda: not followed.stale(), "following afresh")
+    assert not kept_before & followed.pages()  # a lost batch could have evicted them
+    tokens = followed.prompt(2)
+    followed.complete(tokens)
+    want = set(HASHER.hash_prompt(tokens))
+    wait_until(lambda: want <= followed.pages(), "new blocks indexed again")
+    assert not followed.stale()
 
 
 def test_a_restarted_engine_is_a_new_incarnation_with_only_its_new_blocks(
