@@ -1,21 +1,25 @@
 """The global index: which worker holds which KV page, in which tier.
 
-Pure (no Ray, no gRPC). One dict maps every page hash any worker holds to a
-bit mask of holders, four bits per worker slot (one per tier)::
+Pure (no Ray, no gRPC). Every page hash any worker holds has a bit mask of
+holders, four bits per worker slot (one per tier)::
 
     mask = ... | tier bits of slot 1 | tier bits of slot 0
                  [other disk cpu gpu]  [other disk cpu gpu]
                   bit 7 ........ 4      bit 3 ........ 0
 
-and a second dict keeps each page's parent hash (the chain). Because page
-hashes are chained, a request's hashes are themselves the chain: `match`
-walks them once, keeping the set of workers that held every page so far (an
-AND of masks), and records each worker's length when it drops out. The cost
-grows with the prompt's pages, not with the cluster's pages or workers.
+and a parent hash (the chain). Because page hashes are chained, a request's
+hashes are themselves the chain: `match` walks them once, keeping the set of
+workers that held every page so far (an AND of masks), and records each
+worker's length when it drops out. The cost grows with the prompt's pages,
+not with the cluster's pages or workers.
 
-Each worker also keeps the set of hashes it holds, so dropping it (death,
-drain, a new incarnation, a snapshot, `AllPagesCleared`) costs O(its pages).
-Memory grows with distinct pages (plus one set entry per worker and page).
+The pages live in a columnar `PageStore` (`coordinator.index_store`):
+compact 8-byte keys with exact digest checks, interned holder masks, parent
+rows, and a roaring bitmap of rows per worker slot, so dropping a worker
+(death, drain, a new incarnation, a snapshot, `AllPagesCleared`) costs
+O(its pages). Memory grows with distinct pages (about 40-80 bytes each,
+digest width included) and distinct holder sets, not with requests.
+Consecutive stored events of one worker and tier are applied as one run.
 
 Event batches are applied per worker in sequence order:
 
@@ -54,6 +58,7 @@ from typing import Any
 
 import msgpack
 
+from kvmesh.coordinator.index_store import PageStore
 from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
 from kvmesh.events import (
     AllPagesCleared,
@@ -144,7 +149,6 @@ class _Worker:
         "last_seq",
         "last_ts",
         "needs_snapshot",
-        "pages",
         "pending",
         "registered",
         "retired",
@@ -162,7 +166,6 @@ class _Worker:
         self.stale = False
         # True once held-back batches were dropped: only a snapshot can help now.
         self.needs_snapshot = False
-        self.pages: set[PageHash] = set()
         self.pending: dict[int, EventBatch] = {}
         self.retired: deque[str] = deque(maxlen=16)
         self.registered = registered
@@ -247,8 +250,7 @@ class GlobalIndex:
         self.default_tier = default_tier
         self._default_bit = TIER_NAMES.index(default_tier)
         self.reorder_window = reorder_window
-        self._holders: dict[PageHash, int] = {}
-        self._parents: dict[PageHash, PageHash | None] = {}
+        self._store = PageStore()
         self._workers: dict[WorkerId, _Worker] = {}
         self._by_slot: list[WorkerId | None] = []
         self._free_slots: list[int] = []
@@ -265,6 +267,7 @@ class GlobalIndex:
             slot = len(self._by_slot)
             self._by_slot.append(worker_id)
         w = _Worker(worker_id, slot * _BITS, registered)
+        self._store.ensure_slot(slot)
         self._workers[worker_id] = w
         self._ones |= 1 << w.shift
         return w
@@ -285,8 +288,7 @@ class GlobalIndex:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return 0
-        n = len(w.pages)
-        self._drop_all(w)
+        n = self._drop_all(w)
         slot = w.shift // _BITS
         self._by_slot[slot] = None
         self._free_slots.append(slot)
@@ -299,7 +301,12 @@ class GlobalIndex:
     def worker_state(self, worker_id: WorkerId) -> WorkerIndexState:
         w = self._get(worker_id)
         return WorkerIndexState(
-            w.worker_id, w.incarnation, w.last_seq, w.stale, len(w.pages), len(w.pending)
+            w.worker_id,
+            w.incarnation,
+            w.last_seq,
+            w.stale,
+            self._store.slot_count(w.shift // _BITS),
+            len(w.pending),
         )
 
     def is_stale(self, worker_id: WorkerId) -> bool:
@@ -316,7 +323,7 @@ class GlobalIndex:
         w.needs_snapshot = True
 
     def worker_pages(self, worker_id: WorkerId) -> frozenset[PageHash]:
-        return frozenset(self._get(worker_id).pages)
+        return frozenset(self._store.slot_pages(self._get(worker_id).shift // _BITS))
 
     def _get(self, worker_id: WorkerId) -> _Worker:
         w = self._workers.get(worker_id)
@@ -406,73 +413,53 @@ class GlobalIndex:
         w.pending.clear()
 
     def _apply_events(self, w: _Worker, events: Iterable[KVEvent]) -> None:
-        holders = self._holders
-        parents = self._parents
-        pages = w.pages
-        shift = w.shift
+        store = self._store
+        slot = w.shift // _BITS
+        run: list[tuple[tuple[PageHash, ...], PageHash | None]] = []
+        run_tier = -1
         for ev in events:
             if isinstance(ev, PagesStored):
-                bit = 1 << (shift + tier_of(ev.medium, self._default_bit))
-                hs = ev.page_hashes
-                if not hs:
-                    continue
-                # C-level bulk updates; a chained hash has one parent, so
-                # rewriting it for an already indexed page changes nothing.
-                pages.update(hs)
-                parents.update(zip(hs, (ev.parent_hash, *hs[:-1]), strict=True))
-                if holders.keys().isdisjoint(hs):  # all new: no Python-level loop
-                    holders.update(dict.fromkeys(hs, bit))
-                else:
-                    get = holders.get
-                    for h in hs:
-                        holders[h] = get(h, 0) | bit
-            elif isinstance(ev, PagesRemoved):
-                if ev.medium is None:
-                    clear = _WORKER_BITS << shift
-                else:
-                    clear = 1 << (shift + tier_of(ev.medium, self._default_bit))
-                self._remove(w, ev.page_hashes, clear)
-            else:
-                self._drop_all(w)
-
-    def _remove(self, w: _Worker, hashes: Iterable[PageHash], clear: int) -> None:
-        holders = self._holders
-        parents = self._parents
-        pages = w.pages
-        keep = ~clear
-        mine = _WORKER_BITS << w.shift
-        for h in hashes:
-            m = holders.get(h)
-            if m is None or not m & clear:
+                tier = tier_of(ev.medium, self._default_bit)
+                if run and tier != run_tier:
+                    store.store(run, slot, 1 << (w.shift + run_tier))
+                    run = []
+                run.append((ev.page_hashes, ev.parent_hash))
+                run_tier = tier
                 continue
-            m &= keep
-            if m:
-                holders[h] = m
-                if not m & mine:
-                    pages.discard(h)
+            if run:
+                store.store(run, slot, 1 << (w.shift + run_tier))
+                run = []
+            if isinstance(ev, PagesRemoved):
+                if ev.medium is None:
+                    clear = _WORKER_BITS << w.shift
+                else:
+                    clear = 1 << (w.shift + tier_of(ev.medium, self._default_bit))
+                store.remove(ev.page_hashes, slot, clear)
             else:
-                del holders[h]
-                del parents[h]
-                pages.discard(h)
+                store.drop_slot(slot)
+        if run:
+            store.store(run, slot, 1 << (w.shift + run_tier))
 
-    def _drop_all(self, w: _Worker) -> None:
-        if w.pages:
-            self._remove(w, list(w.pages), _WORKER_BITS << w.shift)
-            w.pages.clear()
+    def _drop_all(self, w: _Worker) -> int:
+        return self._store.drop_slot(w.shift // _BITS)
 
     # ------------------------------------------------------------------ lookups
 
     def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no one holds."""
-        holders = self._holders
+        masks = self._store.masks
         alive = self._ones
         tiers = 0
         dropped: list[tuple[int, int]] = []
         n = 0
-        for h in hashes:
-            m = holders.get(h)
-            if m is None:
-                break
+        last = -1
+        still = alive
+        for mid in self._store.holder_ids(hashes) if hashes else ():
+            if mid == last:  # same holders as the page before: nobody drops out
+                n += 1
+                continue
+            last = mid
+            m = masks[mid]
             x = m | m >> 2  # fold each worker's four tier bits onto its lowest bit
             still = (x | x >> 1) & alive
             if still != alive:
@@ -501,7 +488,7 @@ class GlobalIndex:
 
     def holders(self, page_hash: PageHash) -> dict[WorkerId, tuple[str, ...]]:
         """Who holds one page, and in which tiers."""
-        m = self._holders.get(page_hash, 0)
+        m = self._store.mask(page_hash)
         out: dict[WorkerId, tuple[str, ...]] = {}
         for wid, w in self._workers.items():
             bits = m >> w.shift & _WORKER_BITS
@@ -511,33 +498,37 @@ class GlobalIndex:
 
     def parent(self, page_hash: PageHash) -> PageHash | None:
         """The page before `page_hash` in its chain; raises `KeyError` if nobody holds it."""
-        return self._parents[page_hash]
+        return self._store.parent(page_hash)
 
     def chain(self, page_hash: PageHash) -> list[PageHash]:
         """The held chain ending at `page_hash`, first page first, as far back as it is indexed."""
         out: list[PageHash] = []
         h: PageHash | None = page_hash
         seen: set[PageHash] = set()
-        while h is not None and h in self._parents and h not in seen:
+        while h is not None and h in self._store and h not in seen:
             seen.add(h)
             out.append(h)
-            h = self._parents[h]
+            h = self._store.parent(h)
         out.reverse()
         return out
 
     def __len__(self) -> int:
         """Distinct pages indexed."""
-        return len(self._holders)
+        return len(self._store)
 
     def __contains__(self, page_hash: object) -> bool:
-        return page_hash in self._holders
+        return page_hash in self._store
 
     def all_pages(self) -> set[PageHash]:
-        return set(self._holders)
+        return set(self._store.pages())
 
     def num_entries(self) -> int:
         """(worker, page) pairs indexed."""
-        return sum(len(w.pages) for w in self._workers.values())
+        return self._store.num_entries()
+
+    def extra_bytes(self) -> int:
+        """Memory the index holds outside Python's allocator (its roaring bitmaps), for benchmarks."""
+        return self._store.extra_bytes()
 
     # ------------------------------------------------------------------ snapshot
 
@@ -559,14 +550,17 @@ class GlobalIndex:
             for wid, w in ((wid, self._workers[wid]) for wid in order)
         ]
         pages: list[list[Any]] = []
-        for h in sorted(self._holders):
-            m = self._holders[h]
-            held: list[int] = []
-            for wid in order:
-                bits = m >> self._workers[wid].shift & _WORKER_BITS
-                if bits:
-                    held.extend((pos[wid], bits))
-            pages.append([h, self._parents[h], held])
+        held_of: dict[int, list[int]] = {}  # pages share holder masks: spell each out once
+        for h, parent, m in self._store.items():
+            held = held_of.get(m)
+            if held is None:
+                held = []
+                for wid in order:
+                    bits = m >> self._workers[wid].shift & _WORKER_BITS
+                    if bits:
+                        held.extend((pos[wid], bits))
+                held_of[m] = held
+            pages.append([h, parent, held])
         return msgpack.packb(
             {
                 "format": SNAPSHOT_FORMAT,
@@ -592,8 +586,7 @@ class GlobalIndex:
         except Exception as exc:  # msgpack and type errors of a malformed snapshot
             raise InvalidInput(f"not a kvmesh index snapshot: {exc}") from exc
         fresh.check_invariants()
-        self._holders = fresh._holders
-        self._parents = fresh._parents
+        self._store = fresh._store
         self._workers = fresh._workers
         self._by_slot = fresh._by_slot
         self._free_slots = fresh._free_slots
@@ -629,6 +622,9 @@ class GlobalIndex:
             w.last_ts = float(last_ts)
             w.retired.extend(retired)
             ws.append(w)
+        hashes: list[PageHash] = []
+        parents: list[PageHash | None] = []
+        masks: list[int] = []
         for item in raw["pages"]:
             h, parent, held = item
             _check_hash(h, "index snapshot page")
@@ -644,42 +640,26 @@ class GlobalIndex:
                 if type(bits) is not int or not 0 < bits <= _WORKER_BITS:
                     raise InvalidInput(f"index snapshot: bad tier bits {bits!r}")
                 mask |= bits << ws[k].shift
-                ws[k].pages.add(PageHash(h))
-            if h in self._holders:
-                raise InvalidInput("index snapshot: a page is listed twice")
-            self._holders[PageHash(h)] = mask
-            self._parents[PageHash(h)] = None if parent is None else PageHash(parent)
+            hashes.append(PageHash(h))
+            parents.append(None if parent is None else PageHash(parent))
+            masks.append(mask)
+        if len(set(hashes)) != len(hashes):
+            raise InvalidInput("index snapshot: a page is listed twice")
+        self._store.load(hashes, parents, masks, [w.shift // _BITS for w in ws])
 
     # ------------------------------------------------------------------ checks
 
     def check_invariants(self) -> None:
         """Raise `InvariantViolation` with the bad state if the index is inconsistent. O(entries)."""
-        if self._holders.keys() != self._parents.keys():
-            extra = self._holders.keys() ^ self._parents.keys()
-            raise InvariantViolation(f"holder and parent maps differ on {len(extra)} hashes")
         ones = 0
         for wid, w in self._workers.items():
             slot = w.shift // _BITS
             if self._by_slot[slot] != wid:
                 raise InvariantViolation(f"slot {slot} names {self._by_slot[slot]!r}, not {wid!r}")
             ones |= 1 << w.shift
-            mine = _WORKER_BITS << w.shift
-            for h in w.pages:
-                if not self._holders.get(h, 0) & mine:
-                    raise InvariantViolation(f"{wid!r} lists page {h.hex()} without a holder bit")
         if ones != self._ones:
             raise InvariantViolation(f"live-slot mask {self._ones:#x} != {ones:#x}")
-        entries = 0
-        for h, m in self._holders.items():
-            if not m:
-                raise InvariantViolation(f"page {h.hex()} has an empty holder mask")
-            if m & ~(ones * _WORKER_BITS):
-                raise InvariantViolation(f"page {h.hex()} names a free slot: mask {m:#x}")
-            entries += sum(1 for w in self._workers.values() if m >> w.shift & _WORKER_BITS)
-        if entries != self.num_entries():
-            raise InvariantViolation(
-                f"holder bits name {entries} (worker, page) pairs, worker sets {self.num_entries()}"
-            )
+        self._store.check_invariants([w.shift // _BITS for w in self._workers.values()])
         for wid, w in self._workers.items():
             if w.pending and not w.stale:
                 raise InvariantViolation(

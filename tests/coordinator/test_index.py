@@ -271,7 +271,7 @@ def test_restore_rejects_garbage_and_keeps_the_index() -> None:
 def test_check_invariants_reports_a_corrupted_index() -> None:
     ix = GlobalIndex()
     ix.apply(batch(A, 0, stored(P[:2])))
-    ix._holders[P[0]] = 0
+    ix._store._holders[ix._store.find([P[0]])[0]] = 0
     with pytest.raises(InvariantViolation, match="holder"):
         ix.check_invariants()
 

@@ -1,0 +1,582 @@
+"""Columnar page storage under `GlobalIndex`: compact keys, interned holder masks.
+
+Pure (no Ray, no gRPC); numpy arrays and one roaring bitmap per worker slot.
+One row per page, its "ordinal"; rows are reused once freed::
+
+    digest   uint64[rows, words]  the page hash, zero-padded to words * 8 bytes
+    length   uint8[rows]          its length in bytes (1-64); 0 marks a free row
+    holders  int32[rows]          id of the page's holder mask; 0: nobody holds it
+    parent   int32[rows]          row of the page's parent, -1 for none
+    kids     int32[rows]          rows whose parent is this row
+
+Invariants, and why:
+
+- a digest has at most one row, found by its compact key (the first 8 bytes
+  as a uint64): keys sit in a sorted array (`np.searchsorted`; a deleted key
+  is tombstoned) plus a dict of recent keys merged in once it outgrows 1/16
+  of the sorted part, so an insert never re-sorts everything. Only a digest
+  longer than 8 bytes can share its key with another; the second one goes to
+  a small dict keyed by the full digest. Every lookup compares the whole
+  digest and its length, so answers are exact, never probabilistic;
+- a holder mask is the index's 4-bits-per-worker-slot int (see
+  `coordinator.index`), interned: pages held by the same workers in the same
+  tiers share one Python int and rows store its id, so a page costs 4 bytes
+  of holders however many workers hold it (the cost moves to the number of
+  distinct holder sets, small in practice because the pages of one prefix
+  are held together);
+- a page nobody holds any more but that is still another row's parent stays
+  as a "ghost" row (holders 0, no parent of its own) so that its child can
+  name its parent; it is freed with its last kid. A ghost is not indexed:
+  lookups, `len`, snapshots skip it;
+- each worker slot's roaring bitmap lists exactly the rows whose mask has a
+  bit of that slot, so dropping a worker costs O(its pages).
+
+Operations take whole runs of hashes (one event or consecutive events of one
+worker and tier) and cost a fixed number of numpy calls plus O(distinct holder
+masks touched) Python steps, not a Python step per page.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+from pyroaring import BitMap
+
+from kvmesh.errors import InvariantViolation
+from kvmesh.types import PageHash
+
+Rows = npt.NDArray[np.int64]
+
+_BITS = 4
+_WORKER_BITS = 0b1111
+_MIN_ROWS = 1024
+_MERGE_MIN = 4096
+_MERGE_FRACTION = 16
+_NO_ROWS: Rows = np.empty(0, np.int64)
+
+
+def _as_rows(values: Iterable[int] | npt.NDArray[np.integer]) -> Rows:
+    return np.asarray(values, dtype=np.int64)
+
+
+class PageStore:
+    """Digest -> row, with holder masks, parent links and per-slot page sets; see the module docstring.
+
+    Not thread-safe. `masks` (id -> mask int) is public for `GlobalIndex.match`'s walk.
+    """
+
+    def __init__(self) -> None:
+        self._words = 1
+        self._digest = np.zeros((0, 1), np.uint64)
+        self._length = np.zeros(0, np.uint8)
+        self._holders = np.zeros(0, np.int32)
+        self._parent = np.zeros(0, np.int32)
+        self._kids = np.zeros(0, np.int32)
+        self._top = 0  # rows [0, top) have been used
+        self._free_rows: list[int] = []
+        self._sorted_keys = np.zeros(0, np.uint64)
+        self._sorted_rows = np.zeros(0, np.int32)  # -1: tombstone
+        self._recent: dict[int, int] = {}
+        self._clash: dict[bytes, int] = {}
+        self.masks: list[int] = [0]
+        self._mask_ids: dict[int, int] = {0: 0}
+        self._mask_rows: list[int] = [0]  # rows per mask id; id 0 (nobody) is not counted
+        self._free_mask_ids: list[int] = []
+        self._held = 0
+        self._slots: list[BitMap] = []
+
+    # ------------------------------------------------------------------ rows
+
+    def _grow(self, need: int) -> None:
+        cap = len(self._length)
+        if need <= cap:
+            return
+        new = max(need, cap + cap // 2, _MIN_ROWS)
+        self._digest = np.concatenate(
+            [self._digest, np.zeros((new - cap, self._words), np.uint64)]
+        )
+        self._length = np.concatenate([self._length, np.zeros(new - cap, np.uint8)])
+        self._holders = np.concatenate([self._holders, np.zeros(new - cap, np.int32)])
+        self._parent = np.concatenate([self._parent, np.full(new - cap, -1, np.int32)])
+        self._kids = np.concatenate([self._kids, np.zeros(new - cap, np.int32)])
+
+    def _widen(self, words: int) -> None:
+        if words > self._words:
+            wider = np.zeros((len(self._length), words), np.uint64)
+            wider[:, : self._words] = self._digest
+            self._digest = wider
+            self._words = words
+
+    def _alloc(self, n: int) -> Rows:
+        reused = self._free_rows[-n:] if n else []
+        del self._free_rows[len(self._free_rows) - len(reused) :]
+        fresh = n - len(reused)
+        self._grow(self._top + fresh)
+        rows = np.concatenate([_as_rows(reused), np.arange(self._top, self._top + fresh)])
+        self._top += fresh
+        return rows
+
+    def _encode(self, hashes: Sequence[bytes]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]:
+        """Digests as zero-padded uint64 rows (at least the store's width) and their lengths."""
+        n = len(hashes)
+        lo, hi = min(map(len, hashes)), max(map(len, hashes))
+        words = max(self._words, (hi + 7) // 8)
+        if lo == hi == words * 8:
+            digests = np.frombuffer(b"".join(hashes), np.uint64).reshape(n, words)
+            return digests, np.full(n, hi, np.uint8)
+        buf = np.zeros((n, words * 8), np.uint8)
+        lengths = np.fromiter(map(len, hashes), np.uint8, n)
+        for size in np.unique(lengths).tolist():
+            at = np.flatnonzero(lengths == size)
+            joined = b"".join([hashes[i] for i in at.tolist()])
+            buf[at, :size] = np.frombuffer(joined, np.uint8).reshape(len(at), size)
+        return buf.view(np.uint64), lengths
+
+    def _find(
+        self,
+        hashes: Sequence[bytes],
+        digests: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.uint8],
+    ) -> tuple[Rows, Rows]:
+        """(rows, by_key): each digest's row or -1; the row its compact key names, or -1."""
+        n = len(hashes)
+        keys = digests[:, 0]
+        if self._recent:
+            get = self._recent.get
+            by_key = np.fromiter((get(k, -1) for k in keys.tolist()), np.int64, n)
+        else:
+            by_key = np.full(n, -1, np.int64)
+        size = len(self._sorted_keys)
+        if size:
+            miss = np.flatnonzero(by_key < 0)
+            if len(miss):
+                wanted = keys[miss]
+                pos = np.minimum(np.searchsorted(self._sorted_keys, wanted), size - 1)
+                found = self._sorted_keys[pos] == wanted
+                by_key[miss[found]] = self._sorted_rows[pos[found]]
+        rows = by_key.copy()
+        hit = np.flatnonzero(rows >= 0)
+        if len(hit):
+            r = rows[hit]
+            same = (self._length[r] == lengths[hit]) & (
+                self._digest[r] == digests[hit, : self._words]
+            ).all(axis=1)
+            rows[hit[~same]] = -1
+        if self._clash:
+            get_clash = self._clash.get
+            for i in np.flatnonzero(rows < 0).tolist():
+                rows[i] = get_clash(hashes[i], -1)
+        return rows, by_key
+
+    def find(self, hashes: Sequence[bytes]) -> Rows:
+        """Each digest's row, or -1 where none exists (ghost rows included)."""
+        if not hashes:
+            return _NO_ROWS
+        digests, lengths = self._encode(hashes)
+        return self._find(hashes, digests, lengths)[0]
+
+    def _rows_for(self, hashes: Sequence[bytes]) -> Rows:
+        """Each digest's row, creating (as ghosts) the missing ones."""
+        digests, lengths = self._encode(hashes)
+        rows, by_key = self._find(hashes, digests, lengths)
+        new = np.flatnonzero(rows < 0)
+        if not len(new):
+            return rows
+        wanted = [hashes[i] for i in new.tolist()]
+        distinct = list(dict.fromkeys(wanted))
+        if len(distinct) == len(wanted):
+            first = new
+            made = self._alloc(len(new))
+            rows[new] = made
+        else:
+            where = {d: i for i, d in enumerate(distinct)}
+            slot = np.fromiter((where[d] for d in wanted), np.int64, len(wanted))
+            first = new[np.unique(slot, return_index=True)[1]]
+            made = self._alloc(len(distinct))
+            rows[new] = made[slot]
+        self._widen(digests.shape[1])
+        self._digest[made, : digests.shape[1]] = digests[first]
+        self._length[made] = lengths[first]
+        keys = digests[first, 0]
+        # A key already naming another digest, or named twice in this run, clashes.
+        taken = by_key[first] >= 0
+        _, once = np.unique(keys, return_index=True)
+        repeated = np.ones(len(keys), bool)
+        repeated[once] = False
+        clash = taken | repeated
+        primary = np.flatnonzero(~clash)
+        self._recent.update(zip(keys[primary].tolist(), made[primary].tolist(), strict=True))
+        for i in np.flatnonzero(clash).tolist():
+            self._clash[bytes(distinct[i])] = int(made[i])
+        if len(self._recent) > max(_MERGE_MIN, len(self._sorted_keys) // _MERGE_FRACTION):
+            self._merge()
+        return rows
+
+    def _merge(self) -> None:
+        """Fold the recent keys into the sorted array and drop tombstones: O(rows)."""
+        live = self._sorted_rows >= 0
+        keys = self._sorted_keys[live]
+        rows = self._sorted_rows[live]
+        new_keys = np.fromiter(self._recent.keys(), np.uint64, len(self._recent))
+        new_rows = np.fromiter(self._recent.values(), np.int32, len(self._recent))
+        order = np.argsort(new_keys, kind="stable")
+        new_keys, new_rows = new_keys[order], new_rows[order]
+        at = np.searchsorted(keys, new_keys)
+        self._sorted_keys = np.insert(keys, at, new_keys)
+        self._sorted_rows = np.insert(rows, at, new_rows)
+        self._recent = {}
+
+    def _free(self, rows: Rows) -> None:
+        """Forget rows nobody holds and nobody names as parent."""
+        if not len(rows):
+            return
+        keys = self._digest[rows, 0]
+        if self._clash:
+            for r in rows.tolist():
+                d = self._digest_bytes(r)
+                if self._clash.get(d) == r:
+                    del self._clash[d]
+        size = len(self._sorted_keys)
+        if size:
+            pos = np.minimum(np.searchsorted(self._sorted_keys, keys), size - 1)
+            mine = (self._sorted_keys[pos] == keys) & (self._sorted_rows[pos] == rows)
+            self._sorted_rows[pos[mine]] = -1
+        if self._recent:
+            recent = self._recent
+            for k, r in zip(keys.tolist(), rows.tolist(), strict=True):
+                if recent.get(k) == r:
+                    del recent[k]
+        self._length[rows] = 0
+        self._digest[rows] = 0
+        self._free_rows.extend(rows.tolist())
+
+    def _unlink(self, rows: Rows) -> None:
+        """Rows that lost their last holder: drop their parent links, free what nobody needs."""
+        parents = self._parent[rows]
+        self._parent[rows] = -1
+        parents = parents[parents >= 0]
+        if len(parents):
+            np.subtract.at(self._kids, parents, 1)
+            rows = np.concatenate([rows, parents])
+        self._free(self._orphaned(rows))
+
+    def _set_parents(self, rows: Rows, parents: Rows) -> None:
+        """Point `rows` at `parents` (the last one wins for a repeated row), keeping kid counts."""
+        if len(np.unique(rows)) != len(rows):
+            last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
+            rows, parents = rows[last], parents[last]
+        old = self._parent[rows]
+        changed = old != parents
+        if not changed.any():
+            return
+        rows, old, parents = rows[changed], old[changed], parents[changed]
+        np.add.at(self._kids, parents[parents >= 0], 1)
+        self._parent[rows] = parents
+        old = old[old >= 0]
+        if len(old):
+            np.subtract.at(self._kids, old, 1)
+            self._free(self._orphaned(old))
+
+    def _orphaned(self, rows: Rows) -> Rows:
+        """Distinct rows among `rows` that nobody holds and nobody names as parent."""
+        rows = np.unique(rows)
+        return rows[(self._kids[rows] == 0) & (self._holders[rows] == 0) & (self._length[rows] > 0)]
+
+    # ------------------------------------------------------------------ masks
+
+    def _intern(self, mask: int) -> int:
+        mid = self._mask_ids.get(mask)
+        if mid is None:
+            if self._free_mask_ids:
+                mid = self._free_mask_ids.pop()
+                self.masks[mid] = mask
+                self._mask_rows[mid] = 0
+            else:
+                mid = len(self.masks)
+                self.masks.append(mask)
+                self._mask_rows.append(0)
+            self._mask_ids[mask] = mid
+        return mid
+
+    def _recount(self, mid: int, delta: int) -> None:
+        if mid:
+            n = self._mask_rows[mid] + delta
+            self._mask_rows[mid] = n
+            if not n:
+                del self._mask_ids[self.masks[mid]]
+                self._free_mask_ids.append(mid)
+
+    def _remask(self, rows: Rows, set_bits: int, clear_bits: int, slot: int) -> Rows:
+        """mask := (mask | set_bits) & ~clear_bits on distinct `rows`; returns rows left with no holder.
+
+        Keeps per-mask row counts and `slot`'s page set (the only slot the bits touch).
+        """
+        ids = self._holders[rows]
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        counts = np.bincount(inverse)
+        mine = _WORKER_BITS << (slot * _BITS)
+        keep = ~clear_bits
+        new_ids = np.empty(len(uniq), np.int32)
+        gained = np.zeros(len(uniq), bool)
+        lost = np.zeros(len(uniq), bool)
+        for i, (mid, n) in enumerate(zip(uniq.tolist(), counts.tolist(), strict=True)):
+            old = self.masks[mid]
+            new = (old | set_bits) & keep
+            if new == old:
+                new_ids[i] = mid
+                continue
+            nid = self._intern(new)
+            self._recount(nid, n)
+            self._recount(mid, -n)
+            new_ids[i] = nid
+            gained[i] = not old & mine and bool(new & mine)
+            lost[i] = bool(old & mine) and not new & mine
+            if not old:
+                self._held += n
+            elif not new:
+                self._held -= n
+        self._holders[rows] = new_ids[inverse]
+        pages = self._slots[slot]
+        if gained.any():
+            pages |= BitMap(array.array("I", rows[gained[inverse]].astype(np.uint32).tobytes()))
+        if lost.any():
+            pages -= BitMap(array.array("I", rows[lost[inverse]].astype(np.uint32).tobytes()))
+        return rows[new_ids[inverse] == 0]
+
+    # ------------------------------------------------------------------ updates
+
+    def ensure_slot(self, slot: int) -> None:
+        while len(self._slots) <= slot:
+            self._slots.append(BitMap())
+
+    def store(
+        self, events: Sequence[tuple[Sequence[PageHash], PageHash | None]], slot: int, bit: int
+    ) -> None:
+        """Consecutive stored events (hashes, parent of the first) of one slot, all with tier `bit`.
+
+        Each page's parent becomes the page before it (the event's parent for
+        the first), as the events say, even for a page already indexed.
+        """
+        hashes: list[PageHash] = []
+        starts: list[int] = []
+        parent_of_first: list[PageHash] = []
+        has_parent: list[bool] = []
+        for hs, parent in events:
+            if hs:
+                starts.append(len(hashes))
+                hashes.extend(hs)
+                has_parent.append(parent is not None)
+                if parent is not None:
+                    parent_of_first.append(parent)
+        if not hashes:
+            return
+        n = len(hashes)
+        rows = self._rows_for([*hashes, *parent_of_first])
+        rows, named = rows[:n], rows[n:]
+        parents = np.empty(n, np.int64)
+        parents[1:] = rows[:-1]
+        first_parents = np.full(len(starts), -1, np.int64)
+        first_parents[np.asarray(has_parent, bool)] = named
+        parents[np.asarray(starts, np.int64)] = first_parents
+        self._remask(np.unique(rows), bit, 0, slot)
+        self._set_parents(rows, parents)
+        if len(named):  # a parent named only by a page that later names another one
+            self._free(self._orphaned(named))
+
+    def remove(self, hashes: Sequence[PageHash], slot: int, clear_bits: int) -> None:
+        """Clear `clear_bits` (bits of `slot`) on the pages indexed among `hashes`."""
+        if not hashes:
+            return
+        rows = self.find(hashes)
+        rows = np.unique(rows[rows >= 0])
+        if len(rows):
+            rows = rows[self._holders[rows] != 0]
+        if len(rows):
+            self._unlink(self._remask(rows, 0, clear_bits, slot))
+
+    def drop_slot(self, slot: int) -> int:
+        """Clear every bit of `slot`: O(its pages). Returns how many pages it held."""
+        if slot >= len(self._slots) or not self._slots[slot]:
+            return 0
+        rows = np.frombuffer(self._slots[slot].to_array(), np.uint32).astype(np.int64)
+        self._unlink(self._remask(rows, 0, _WORKER_BITS << (slot * _BITS), slot))
+        return len(rows)
+
+    def load(
+        self,
+        hashes: Sequence[PageHash],
+        parents: Sequence[PageHash | None],
+        masks: Sequence[int],
+        slots: Sequence[int],
+    ) -> None:
+        """Bulk insert of distinct, not yet indexed pages with their holder masks (restore)."""
+        if not hashes:
+            return
+        n = len(hashes)
+        named = [p for p in parents if p is not None]
+        rows = self._rows_for([*hashes, *named])
+        rows, named_rows = rows[:n], rows[n:]
+        parent_rows = np.full(n, -1, np.int64)
+        parent_rows[np.array([p is not None for p in parents], bool)] = named_rows
+        by_mask: dict[int, list[int]] = {}
+        for i, m in enumerate(masks):
+            by_mask.setdefault(m, []).append(i)
+        for m, at in by_mask.items():
+            mid = self._intern(m)
+            self._recount(mid, len(at))
+            these = rows[at]
+            self._holders[these] = mid
+            for slot in slots:
+                if m >> (slot * _BITS) & _WORKER_BITS:
+                    self._slots[slot] |= BitMap(array.array("I", these.astype(np.uint32).tobytes()))
+        self._held += n
+        self._set_parents(rows, parent_rows)
+        if len(named_rows):
+            self._free(self._orphaned(named_rows))
+
+    # ------------------------------------------------------------------ reads
+
+    def _digest_bytes(self, row: int) -> PageHash:
+        return PageHash(self._digest[row].tobytes()[: self._length[row]])
+
+    def _digests(self, rows: Rows) -> list[PageHash]:
+        width = self._words * 8
+        raw = self._digest[rows].tobytes()
+        lengths = self._length[rows].tolist()
+        return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
+
+    def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
+        """Mask ids of the longest run of indexed pages at the head of `hashes`."""
+        rows = self.find(hashes)
+        stop = np.flatnonzero(rows < 0)
+        if len(stop):
+            rows = rows[: stop[0]]
+        ids = self._holders[rows]
+        stop = np.flatnonzero(ids == 0)
+        if len(stop):
+            ids = ids[: stop[0]]
+        return ids.tolist()
+
+    def _row(self, page_hash: PageHash) -> int:
+        """The row of an indexed page, or -1."""
+        if type(page_hash) is not bytes or not 0 < len(page_hash) <= 64:
+            return -1
+        row = int(self.find([page_hash])[0])
+        return row if row >= 0 and self._holders[row] else -1
+
+    def mask(self, page_hash: PageHash) -> int:
+        row = self._row(page_hash)
+        return self.masks[self._holders[row]] if row >= 0 else 0
+
+    def parent(self, page_hash: PageHash) -> PageHash | None:
+        """Raises `KeyError` if nobody holds `page_hash`."""
+        row = self._row(page_hash)
+        if row < 0:
+            raise KeyError(page_hash)
+        p = int(self._parent[row])
+        return None if p < 0 else self._digest_bytes(p)
+
+    def __len__(self) -> int:
+        return self._held
+
+    def __contains__(self, page_hash: object) -> bool:
+        return isinstance(page_hash, bytes) and self._row(PageHash(page_hash)) >= 0
+
+    def _held_rows(self) -> Rows:
+        return np.flatnonzero(self._holders[: self._top] != 0)
+
+    def pages(self) -> list[PageHash]:
+        return self._digests(self._held_rows())
+
+    def slot_pages(self, slot: int) -> list[PageHash]:
+        if slot >= len(self._slots):
+            return []
+        rows = np.frombuffer(self._slots[slot].to_array(), np.uint32).astype(np.int64)
+        return self._digests(rows)
+
+    def slot_count(self, slot: int) -> int:
+        return len(self._slots[slot]) if slot < len(self._slots) else 0
+
+    def num_entries(self) -> int:
+        return sum(len(s) for s in self._slots)
+
+    def items(self) -> list[tuple[PageHash, PageHash | None, int]]:
+        """(hash, parent, mask) of every indexed page, sorted by hash."""
+        rows = self._held_rows()
+        hashes = self._digests(rows)
+        parent_rows = self._parent[rows].astype(np.int64)
+        has_parent = parent_rows >= 0
+        named = iter(self._digests(parent_rows[has_parent]))
+        parents: list[PageHash | None] = []
+        for p in has_parent.tolist():
+            parents.append(next(named) if p else None)
+        masks = [self.masks[m] for m in self._holders[rows].tolist()]
+        return sorted(zip(hashes, parents, masks, strict=True))
+
+    def extra_bytes(self) -> int:
+        """Bytes held outside Python's allocator (roaring bitmaps), which tracemalloc cannot see."""
+        total = 0
+        for pages in self._slots:
+            stats = pages.get_statistics()
+            total += stats["n_bytes_array_containers"] + stats["n_bytes_run_containers"]
+            total += stats["n_bytes_bitset_containers"] + 48 * stats["n_containers"]
+        return total
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self, live_slots: Sequence[int]) -> None:
+        """Raise `InvariantViolation` if the columns, keys, masks or slot sets disagree. O(rows * slots)."""
+        top = self._top
+        used = np.flatnonzero(self._length[:top] > 0)
+        free = np.flatnonzero(self._length[:top] == 0)
+        if len(free) != len(self._free_rows) or set(free.tolist()) != set(self._free_rows):
+            raise InvariantViolation(f"{len(free)} free rows, free list has {len(self._free_rows)}")
+        found = self.find(self._digests(used))
+        if not np.array_equal(found, used):
+            bad = used[found != used]
+            raise InvariantViolation(f"rows {bad[:5].tolist()} are not found by their own digest")
+        live_keys = int((self._sorted_rows >= 0).sum()) + len(self._recent) + len(self._clash)
+        if live_keys != len(used):
+            raise InvariantViolation(f"{live_keys} keys name {len(used)} rows")
+        ids = self._holders[used]
+        held = int((ids != 0).sum())
+        if held != self._held:
+            raise InvariantViolation(f"{held} pages have holder masks, count says {self._held}")
+        if (self._holders[free] != 0).any():
+            raise InvariantViolation("a free row has a holder mask")
+        counts = np.bincount(ids, minlength=len(self.masks))
+        for mid, mask in enumerate(self.masks):
+            if mid and mid not in self._free_mask_ids and (
+                counts[mid] != self._mask_rows[mid] or self._mask_ids.get(mask) != mid
+            ):
+                raise InvariantViolation(
+                    f"holder mask {mid} ({mask:#x}) counts {self._mask_rows[mid]} rows, "
+                    f"{counts[mid]} have it"
+                )
+            if mid and mid in self._free_mask_ids and counts[mid]:
+                raise InvariantViolation(f"freed holder mask {mid} is still used")
+        parents = self._parent[used]
+        kids = np.bincount(parents[parents >= 0], minlength=top)[:top]
+        if not np.array_equal(kids, self._kids[:top]):
+            raise InvariantViolation("kid counts differ from the parent links")
+        ghosts = used[ids == 0]
+        if (self._kids[ghosts] == 0).any() or (self._parent[ghosts] >= 0).any():
+            raise InvariantViolation("an unheld row is kept without being a parent")
+        allowed = 0
+        for slot in live_slots:
+            allowed |= _WORKER_BITS << (slot * _BITS)
+        for mid in set(ids.tolist()):
+            if self.masks[mid] & ~allowed:
+                raise InvariantViolation(f"holder mask {self.masks[mid]:#x} names a free slot")
+        for slot, pages in enumerate(self._slots):
+            mine = _WORKER_BITS << (slot * _BITS)
+            with_slot = [mid for mid in set(ids.tolist()) if self.masks[mid] & mine]
+            want = used[np.isin(ids, with_slot)]
+            have = np.frombuffer(pages.to_array(), np.uint32).astype(np.int64)
+            if not np.array_equal(np.sort(want), have):
+                raise InvariantViolation(
+                    f"slot {slot} lists {len(have)} pages, holder masks give {len(want)}"
+                )
