@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.engine_events import EngineBatch, decode_engine_payload, decode_seq
+from kvmesh.engine_hash import EngineHasher
 from kvmesh.errors import EventDecodeError
 from kvmesh.events import AllPagesCleared, PagesRemoved, PagesStored
 from kvmesh.types import PageHash, WorkerId
@@ -64,6 +65,30 @@ def test_a_vllm_032_batch_of_maps_decodes_to_kvmesh_events() -> None:
         ),
         0,
     )
+
+
+# Encoded by vLLM 0.32's own KVEventBatch (msgspec) in .venv-engine: a BlockStored of the
+# two blocks of token ids 5..68 (their real hashes), a BlockRemoved, an AllBlocksCleared.
+VLLM_032_PAYLOAD = bytes.fromhex(
+    "93cb41dac16b18e00000938ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf"
+    "50b45e1a85936f95cf98b200da158bb656b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69"
+    "6473dc004005060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b"
+    "2c2d2e2f303132333435363738393a3b3c3d3e3f4041424344aa626c6f636b5f73697a6520a76c6f72615f69"
+    "64c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797392c0c0a967726f7570"
+    "5f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e83a4747970"
+    "65ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf50b45e1a85936f95a66d656469756d"
+    "a347505581a474797065b0416c6c426c6f636b73436c656172656400"
+)
+
+
+def test_bytes_vllms_own_encoder_wrote_decode_to_the_hashes_kvmesh_computes() -> None:
+    batch = decode_engine_payload(VLLM_032_PAYLOAD)
+    want = EngineHasher("sha256", 32).hash_prompt(range(5, 69))
+    assert batch.data_parallel_rank == 0 and batch.ts == 1795533923.5
+    stored_ev, removed_ev, cleared_ev = batch.events
+    assert stored_ev == PagesStored(tuple(want), None, tuple(range(5, 69)), 32, None, "GPU")
+    assert removed_ev == PagesRemoved((want[0],), "GPU")
+    assert cleared_ev == AllPagesCleared()
 
 
 def test_the_older_array_encoding_decodes_the_same() -> None:
