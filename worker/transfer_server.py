@@ -887,6 +887,13 @@ class TransferServer:
             await self._refuse(context, watch, stream, watch.reason, error)
         except PinLimitExceeded as exc:
             await self._refuse(context, watch, stream, "pin_cap", exc)
+        except KVMeshError as exc:  # e.g. a page the store cannot export
+            watch.close()
+            stream.release()
+            log.warning(
+                "FetchPages from %s failed after %d pages: %s", stream.peer, stream.sent, exc
+            )
+            await self._abort(context, exc)
         except _WriteFailed as exc:
             # The call broke under a waiting write (the client cancelled or went
             # away; gRPC fails the write, no CancelledError): nobody is left to tell.

@@ -282,6 +282,39 @@ def test_stopping_the_server_releases_the_pins_of_streams_nobody_reads(
         server.stop()
 
 
+class FailingExport:
+    """A real `PageService` whose `export` fails from the `fail_at`-th call on."""
+
+    def __init__(self, service: PageService, fail_at: int) -> None:
+        self._service = service
+        self._fail_at = fail_at
+        self.exports = 0
+
+    def export(self, page_id: Any) -> Any:
+        self.exports += 1
+        if self.exports >= self._fail_at:
+            raise InvariantViolation(f"page {page_id} cannot be exported (test)")
+        return self._service.export(page_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._service, name)
+
+
+def test_an_error_mid_stream_is_sent_as_its_kvmesh_error_and_releases_the_pins(
+    owner: WorkerActor,
+) -> None:
+    cached = fill(owner)
+    failing = FailingExport(owner.pages, fail_at=3)
+    config = dataclasses.replace(QUIET, retries=0)
+    with (
+        serving(failing, config) as server,  # type: ignore[arg-type]
+        SyncPeerClient(server.address, config) as client,
+        pytest.raises(InvariantViolation, match="cannot be exported"),
+    ):
+        client.fetch_pages(cached[:10], streams=1)
+    assert wait_until(lambda: pinned(owner.pages) == 0, 10)
+
+
 # ---------------------------------------------------------------- caps
 
 
