@@ -46,7 +46,8 @@ from typing import Any
 import msgpack
 import ray
 
-from kvmesh.config import CoordinatorConfig
+from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, WorkerLoad
 from kvmesh.coordinator.registry import Role, WorkerInfo
@@ -55,6 +56,7 @@ from kvmesh.coordinator.service import (
     RebuildResult,
     Registration,
     ReportResult,
+    RouteView,
 )
 from kvmesh.errors import KVMeshError, TransportError
 from kvmesh.rendezvous import DistRendezvous, LinkBook
@@ -128,9 +130,10 @@ class WorkerStore:
 class CoordinatorActor:
     """Ray actor wrapping `Coordinator`; build it with `get_or_create_coordinator`."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, security: TransferConfig | None = None) -> None:
         self.config = config
         self.core = Coordinator(config)
+        self._api: CoordinatorAPIServer | None = None
         self.store = WorkerStore(config)
         self._ready = asyncio.Event()
         self._snapshot_asked: dict[WorkerId, float] = {}
@@ -138,7 +141,13 @@ class CoordinatorActor:
         self._link_store: Any = None  # torch's TCPStore serving every link's rendezvous
         self._links_lock = asyncio.Lock()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recover()), loop.create_task(self._expire_loop())]
+        self._tasks: list[asyncio.Task[Any]] = [
+            loop.create_task(self._recover()),
+            loop.create_task(self._expire_loop()),
+        ]
+        if config.api_port >= 0:
+            self._api = CoordinatorAPIServer(self, config, security or TransferConfig())
+            self._tasks.append(loop.create_task(self._api.start()))
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -278,6 +287,32 @@ class CoordinatorActor:
 
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return self.core.match(hashes)
+
+    async def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
+        """Overlaps and loads for a router in front of shards; waits for the start-up rebuild.
+
+        A shard answers only once its index is rebuilt from the workers'
+        snapshots, so a restarted shard never hands a router a half-empty
+        index (that would be a wrong answer, not a slow one).
+        """
+        await self._ready.wait()
+        return self.core.view(hashes, role)
+
+    async def address_of(self, worker_id: WorkerId) -> str:
+        """The worker's serving address; raises `UnknownWorker`."""
+        return self.core.registry_info(worker_id).address
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "serving": self._ready.is_set(),
+            "workers": len(self.core.workers()),
+            "shards": 1,
+            "replicas": 1,
+        }
+
+    async def api_address(self) -> str | None:
+        """host:port of the gRPC routing API this actor serves (None: not served)."""
+        return None if self._api is None else self._api.address
 
     async def record_result(
         self, promised_local: int, promised_pull: int, realized_local: int, realized_pull: int

@@ -114,6 +114,18 @@ class CoordinatorStats:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class RouteView:
+    """What a policy decides from: each worker's held prefix and every candidate's load.
+
+    `loads` is in worker-id order (the order policies break ties in); a
+    sharded router merges one view per shard (`kvmesh.coordinator.shards`).
+    """
+
+    overlaps: dict[WorkerId, int]
+    loads: tuple[WorkerLoad, ...]
+
+
 class Coordinator:
     """Thread-safe coordinator core; see the module docstring for the worker side.
 
@@ -345,6 +357,11 @@ class Coordinator:
     def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         with self._lock:
             return self.index.match(hashes)
+
+    def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
+        """The index's overlaps for `hashes` and the loads of the workers serving `role`."""
+        with self._lock:
+            return RouteView(self.index.match(hashes).pages, tuple(self._current_loads(role)))
 
     def route(
         self,

@@ -163,10 +163,10 @@ def error_from_rpc(err: grpc.RpcError, what: str, address: str) -> KVMeshError:
     The class named in ``kvmesh-error`` is trusted only when its status code
     agrees, so a server cannot make a client raise an arbitrary class.
     """
-    code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
-    details: str = err.details() or ""  # type: ignore[attr-defined]
+    code: grpc.StatusCode = err.code()
+    details: str = err.details() or ""
     name = None
-    for key, value in err.trailing_metadata() or ():  # type: ignore[attr-defined]
+    for key, value in err.trailing_metadata() or ():
         if key == ERROR_METADATA_KEY:
             name = value if isinstance(value, str) else bytes(value).decode(errors="replace")
     cls = _all_errors(KVMeshError).get(name or "")

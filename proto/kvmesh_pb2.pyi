@@ -71,15 +71,25 @@ class PushResponse(_message.Message):
     def __init__(self, inserted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("page_hashes", "num_tokens")
+    __slots__ = ("page_hashes", "num_tokens", "page_size", "allow_pull", "role", "policy", "request_id")
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PULL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
-    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    page_size: int
+    allow_pull: bool
+    role: str
+    policy: str
+    request_id: str
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., allow_pull: _Optional[bool] = ..., role: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy")
+    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy", "total_pages", "degraded", "cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +97,9 @@ class RouteResponse(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_PAGES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
     matched_pages: int
@@ -94,19 +107,68 @@ class RouteResponse(_message.Message):
     peer_address: str
     peer_pages: int
     policy: str
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    total_pages: int
+    degraded: bool
+    cost: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ..., total_pages: _Optional[int] = ..., degraded: _Optional[bool] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "capacity", "incarnation", "role")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    capacity: int
+    incarnation: str
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[int] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("needs_snapshot", "heartbeat_interval_s", "heartbeat_timeout_s")
+    NEEDS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    needs_snapshot: bool
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, needs_snapshot: _Optional[bool] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class WorkerLoadReport(_message.Message):
+    __slots__ = ("active_prefill_tokens", "active_decode_pages", "free_pages", "total_pages", "active_requests")
+    ACTIVE_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_DECODE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    active_prefill_tokens: int
+    active_decode_pages: int
+    free_pages: int
+    total_pages: int
+    active_requests: int
+    def __init__(self, active_prefill_tokens: _Optional[int] = ..., active_decode_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "worker_id", "batches", "load")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
-    def __init__(self, batch: _Optional[bytes] = ...) -> None: ...
+    worker_id: str
+    batches: _containers.RepeatedScalarFieldContainer[bytes]
+    load: WorkerLoadReport
+    def __init__(self, batch: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., batches: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[WorkerLoadReport, _Mapping]] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
-    __slots__ = ("resync",)
+    __slots__ = ("resync", "results")
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     resync: bool
-    def __init__(self, resync: _Optional[bool] = ...) -> None: ...
+    results: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, resync: _Optional[bool] = ..., results: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -124,3 +186,19 @@ class StatsResponse(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "workers", "shards", "replicas")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    workers: int
+    shards: int
+    replicas: int
+    def __init__(self, serving: _Optional[bool] = ..., workers: _Optional[int] = ..., shards: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...

@@ -201,7 +201,13 @@ class KVWorker:
 
 class CoordinatorStub:
     """----------------------------------------------------------- coordinator
-    The coordinator's API for routers and engines outside the Ray cluster.
+    The coordinator's API for routers, gateways and engines outside the Ray
+    cluster (kvmesh.coordinator.grpc_api). Same TLS / mutual TLS and bearer
+    token as KVWorker; a kvmesh error travels as its status code with its class
+    name in the `kvmesh-error` trailing metadata. Every call is idempotent but
+    Report (a batch applied twice is ignored by its seq, so retrying it is safe
+    too). The standard grpc.health.v1.Health service answers for
+    "kvmesh.v1.Coordinator" (probes need no token); Health below says more.
 
     """
 
@@ -216,6 +222,11 @@ class CoordinatorStub:
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/kvmesh.v1.Coordinator/Register',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RegisterResponse.FromString,
+                _registered_method=True)
         self.Report = channel.unary_unary(
                 '/kvmesh.v1.Coordinator/Report',
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ReportRequest.SerializeToString,
@@ -226,22 +237,42 @@ class CoordinatorStub:
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/kvmesh.v1.Coordinator/Health',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.HealthRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.HealthResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
     """----------------------------------------------------------- coordinator
-    The coordinator's API for routers and engines outside the Ray cluster.
+    The coordinator's API for routers, gateways and engines outside the Ray
+    cluster (kvmesh.coordinator.grpc_api). Same TLS / mutual TLS and bearer
+    token as KVWorker; a kvmesh error travels as its status code with its class
+    name in the `kvmesh-error` trailing metadata. Every call is idempotent but
+    Report (a batch applied twice is ignored by its seq, so retrying it is safe
+    too). The standard grpc.health.v1.Health service answers for
+    "kvmesh.v1.Coordinator" (probes need no token); Health below says more.
 
     """
 
     def Route(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Pick a worker for a request (the same decision as the Ray API's route).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Register(self, request, context):
+        """Add (or refresh) a worker or an engine before it reports.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """A KV event batch, msgpack-encoded as in kvmesh.events.encode_batch.
+        """KV event batches (msgpack, as kvmesh.events.encode_batch) and the load of
+        the worker that sent them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,6 +280,14 @@ class CoordinatorServicer:
 
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Whether this router routes: its index (every shard) is rebuilt from the
+        workers' snapshots.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -261,6 +300,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RouteResponse.SerializeToString,
             ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.RegisterRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.RegisterResponse.SerializeToString,
+            ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ReportRequest.FromString,
@@ -270,6 +314,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.StatsRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.StatsResponse.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.HealthRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -281,7 +330,13 @@ def add_CoordinatorServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Coordinator:
     """----------------------------------------------------------- coordinator
-    The coordinator's API for routers and engines outside the Ray cluster.
+    The coordinator's API for routers, gateways and engines outside the Ray
+    cluster (kvmesh.coordinator.grpc_api). Same TLS / mutual TLS and bearer
+    token as KVWorker; a kvmesh error travels as its status code with its class
+    name in the `kvmesh-error` trailing metadata. Every call is idempotent but
+    Report (a batch applied twice is ignored by its seq, so retrying it is safe
+    too). The standard grpc.health.v1.Health service answers for
+    "kvmesh.v1.Coordinator" (probes need no token); Health below says more.
 
     """
 
@@ -302,6 +357,33 @@ class Coordinator:
             '/kvmesh.v1.Coordinator/Route',
             kvmesh_dot_proto_dot_kvmesh__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvmesh__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Coordinator/Register',
+            kvmesh_dot_proto_dot_kvmesh__pb2.RegisterRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -356,6 +438,33 @@ class Coordinator:
             '/kvmesh.v1.Coordinator/Stats',
             kvmesh_dot_proto_dot_kvmesh__pb2.StatsRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvmesh__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Coordinator/Health',
+            kvmesh_dot_proto_dot_kvmesh__pb2.HealthRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

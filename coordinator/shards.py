@@ -1,0 +1,305 @@
+"""The index split across shards, and the router that asks them all.
+
+Pure (no Ray, no gRPC): `kvmesh.coordinator.router` runs each shard as a
+Ray actor and this module's `ShardRouter` in front of them;
+`ShardedCoordinator` runs the same pieces in one process (tests, benchmarks).
+
+Placement: by worker. A worker (with every page it holds, its registry
+entry, its load, its sequence numbers and incarnation) lives in exactly one
+shard, ``shard_of(worker_id, n)``: xxh64 of the id, modulo the shard count.
+Every router computes the same placement from the id alone, so nothing about
+placement has to be stored or agreed. docs/scale.md says why by worker and
+not by page hash (measured: a hash-placed shard cannot answer for a worker on
+its own, and each route and event batch is split N ways).
+
+Why the merge is exact. A shard is a whole `Coordinator` over its workers:
+for a request's hashes it returns each of its workers' longest held prefix
+(`GlobalIndex.match`, which depends only on that worker's pages) and its
+workers' loads. A worker's prefix in the sharded index is therefore the one
+the single index computes, and the union of the shards' answers is the
+single index's answer; the loads, merged in worker-id order, are the single
+coordinator's list. The policy then gets identical inputs. Stale detection,
+snapshots and incarnations are per worker, so they stay inside its shard.
+
+    request hashes ──► shard 0: {w0: 5, w4: 2}, loads(w0, w4)   ─┐
+                  ──► shard 1: {w1: 7},        loads(w1, w3)   ─┼─► union + merged loads ─► policy
+                  ──► shard 2: {},             loads(w2)       ─┘
+
+Replicas. For two routers to decide the same on the same view, the policy's
+random choices (ties, sampling) must not depend on what else a router routed:
+with ``per_request_rng`` the generator is reseeded from the request itself
+(`request_seed`) before every decision. `round_robin` keeps a turn counter,
+which is its own routing history by definition: replicas agree on every
+other policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.index import MatchResult
+from kvmesh.coordinator.policies import (
+    REGISTRY,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerLoad,
+    make_policy,
+)
+from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.service import (
+    Coordinator,
+    RebuildResult,
+    Registration,
+    ReportResult,
+    RouteView,
+)
+from kvmesh.errors import InvalidInput
+from kvmesh.types import PageHash, WorkerId
+
+ROUTER_COUNTERS = (
+    "routes",
+    "degraded_routes",
+    "promised_local_pages",
+    "promised_pull_pages",
+)
+"""Counters a router keeps itself: the shards see views, never decisions."""
+
+
+def shard_of(worker_id: str, num_shards: int) -> int:
+    """The shard holding `worker_id`: stable across processes and restarts (xxh64, not `hash`)."""
+    if num_shards <= 0:
+        raise InvalidInput(f"num_shards must be positive, got {num_shards}")
+    return xxhash.xxh64_intdigest(worker_id.encode()) % num_shards
+
+
+def merge_views(views: Iterable[RouteView]) -> RouteView:
+    """One view from the shards' views: overlaps united, loads merged in worker-id order.
+
+    Shards hold disjoint workers, so no worker appears twice.
+    """
+    views = list(views)
+    if len(views) == 1:
+        return views[0]
+    overlaps: dict[WorkerId, int] = {}
+    for v in views:
+        overlaps.update(v.overlaps)
+    loads = tuple(heapq.merge(*(v.loads for v in views), key=lambda load: load.worker_id))
+    return RouteView(overlaps, loads)
+
+
+def merge_matches(results: Sequence[MatchResult]) -> MatchResult:
+    """The single index's `MatchResult` from the shards' (disjoint workers)."""
+    pages: dict[WorkerId, int] = {}
+    tiers: dict[WorkerId, tuple[str, ...]] = {}
+    for r in results:
+        pages.update(r.pages)
+        tiers.update(r.tiers)
+    return MatchResult(pages, tiers, results[0].num_hashes if results else 0)
+
+
+def request_seed(seed: int, request: RouteRequest) -> int:
+    """A seed from the request alone, so that every replica draws the same random choices."""
+    h = xxhash.xxh64(struct.pack("<qqq", seed, request.num_tokens, request.page_size))
+    h.update(request.request_id.encode())
+    for page_hash in request.hashes:
+        h.update(page_hash)
+    return h.intdigest()
+
+
+def merge_stats(
+    shard_stats: Sequence[Mapping[str, Any]], router: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The cluster's counters: the shards' summed, routing counters from the router.
+
+    `indexed_pages` sums the shards', so a page held by workers of two shards
+    counts twice (it is stored twice).
+    """
+    out: dict[str, Any] = {}
+    for stats in shard_stats:
+        for key, value in stats.items():
+            if key in ROUTER_COUNTERS or key in ("routes_by_worker", "route_time_mean_us"):
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+    out.update(router)
+    return out
+
+
+class ShardRouter:
+    """The policy step of a sharded coordinator: a merged view in, a decision out.
+
+    Thread-safe only behind its owner's lock (policies keep state). `rng` is
+    shared by the policies, as in `Coordinator`; with `per_request_rng` it is
+    reseeded per request (replicas).
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        rng: random.Random | None = None,
+        *,
+        per_request_rng: bool = False,
+    ) -> None:
+        self.config = config
+        self.per_request_rng = per_request_rng
+        self._rng = rng if rng is not None else random.Random(config.seed)
+        self._policies: dict[str, RoutingPolicy] = {}
+        self.counts: Counter[str] = Counter()
+        self.by_worker: Counter[str] = Counter()
+        self.route_ns = 0
+
+    def policy(self, name: str | None) -> RoutingPolicy:
+        """The policy named `name` (None: the config's); raises `ConfigError` for unknown names."""
+        key = name or self.config.policy
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = make_policy(key, self.config, self._rng)
+            self._policies[key] = policy
+        return policy
+
+    def decide(
+        self, request: RouteRequest, view: RouteView, policy: str | None = None
+    ) -> RouteDecision:
+        """The policy's decision on `view`; raises `NoWorkers` when it has no load at all."""
+        if policy is not None and policy not in REGISTRY:
+            make_policy(policy)  # raises ConfigError naming the known policies
+        chosen = self.policy(policy)
+        t0 = time.perf_counter_ns()
+        if self.per_request_rng:
+            self._rng.seed(request_seed(self.config.seed, request))
+        decision = chosen.choose(request, view.overlaps, view.loads)
+        self.route_ns += time.perf_counter_ns() - t0
+        c = self.counts
+        c["routes"] += 1
+        c["degraded_routes"] += decision.degraded
+        c["promised_local_pages"] += decision.local_pages
+        c["promised_pull_pages"] += decision.peer_pages if request.allow_pull else 0
+        self.by_worker[decision.worker_id] += 1
+        return decision
+
+    def stats(self) -> dict[str, Any]:
+        routes = self.counts["routes"]
+        out: dict[str, Any] = {k: self.counts[k] for k in ROUTER_COUNTERS}
+        out["route_time_mean_us"] = self.route_ns / routes / 1e3 if routes else 0.0
+        out["routes_by_worker"] = dict(self.by_worker)
+        return out
+
+
+class ShardedCoordinator:
+    """`config.index_shards` `Coordinator` cores and a `ShardRouter`, in one process.
+
+    The same API as `Coordinator` for what workers and clients call; what it
+    decides is what the single `Coordinator` decides on the same calls (the
+    property test in tests/coordinator/test_shards.py replays the bundled
+    trace through both).
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        per_request_rng: bool = False,
+    ) -> None:
+        self.config = config or CoordinatorConfig()
+        self.shards = [
+            Coordinator(self.config, clock=clock) for _ in range(self.config.index_shards)
+        ]
+        self.router = ShardRouter(self.config, rng, per_request_rng=per_request_rng)
+
+    def shard(self, worker_id: WorkerId) -> Coordinator:
+        """The shard holding `worker_id` (`shard_of`)."""
+        return self.shards[shard_of(worker_id, len(self.shards))]
+
+    def register_worker(
+        self,
+        worker_id: WorkerId,
+        address: str,
+        capacity: int,
+        incarnation: str,
+        role: Role = "both",
+        *,
+        actor_name: str | None = None,
+        actor_namespace: str | None = None,
+    ) -> Registration:
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidInput(f"worker_id must be a non-empty string, got {worker_id!r}")
+        return self.shard(worker_id).register_worker(
+            worker_id,
+            address,
+            capacity,
+            incarnation,
+            role,
+            actor_name=actor_name,
+            actor_namespace=actor_namespace,
+        )
+
+    def report(
+        self,
+        worker_id: WorkerId,
+        encoded_batches: Sequence[bytes] = (),
+        load: WorkerLoad | None = None,
+    ) -> ReportResult:
+        return self.shard(worker_id).report(worker_id, encoded_batches, load)
+
+    def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
+        return self.shard(worker_id).heartbeat(worker_id, load)
+
+    def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
+        self.shard(worker_id).drain_worker(worker_id, draining)
+
+    def remove_worker(self, worker_id: WorkerId) -> bool:
+        return self.shard(worker_id).remove_worker(worker_id)
+
+    def expire(self, now: float | None = None) -> list[WorkerId]:
+        return sorted(w for s in self.shards for w in s.expire(now))
+
+    def workers(self, role: Role | None = None) -> list[WorkerInfo]:
+        return sorted((i for s in self.shards for i in s.workers(role)), key=lambda i: i.worker_id)
+
+    def rebuild_from_snapshots(self, snapshots: Mapping[WorkerId, bytes]) -> RebuildResult:
+        """Each snapshot to its worker's shard; one bad snapshot fails only its worker."""
+        applied: dict[WorkerId, Any] = {}
+        failed: dict[WorkerId, str] = {}
+        for i, shard in enumerate(self.shards):
+            mine = {w: d for w, d in snapshots.items() if shard_of(w, len(self.shards)) == i}
+            if mine:
+                r = shard.rebuild_from_snapshots(mine)
+                applied.update(r.applied)
+                failed.update(r.failed)
+        return RebuildResult(applied, failed)
+
+    def match(self, hashes: Sequence[PageHash]) -> MatchResult:
+        return merge_matches([s.match(hashes) for s in self.shards])
+
+    def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
+        return merge_views(s.view(hashes, role) for s in self.shards)
+
+    def route(
+        self,
+        hashes: Sequence[PageHash],
+        num_tokens: int,
+        *,
+        page_size: int = 16,
+        allow_pull: bool = False,
+        role: Role | None = None,
+        policy: str | None = None,
+        request_id: str = "",
+    ) -> RouteDecision:
+        """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""
+        request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
+        return self.router.decide(request, self.view(request.hashes, role), policy)
+
+    def stats(self) -> dict[str, Any]:
+        return merge_stats([s.stats().as_dict() for s in self.shards], self.router.stats())

@@ -1,0 +1,263 @@
+"""The sharded index decides what the single index decides; replicas decide alike (no Ray)."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
+from kvmesh.coordinator.service import Coordinator, RouteView
+from kvmesh.coordinator.shards import (
+    ShardedCoordinator,
+    ShardRouter,
+    merge_views,
+    request_seed,
+    shard_of,
+)
+from kvmesh.errors import InvalidInput, NoWorkers
+from kvmesh.events import encode_batch, make_batch
+from kvmesh.simulate import PreparedTrace, prepare_trace
+from kvmesh.trace import load_trace
+from kvmesh.types import PageHash, WorkerId
+from kvmesh.worker.page_pool import PagePool
+
+MAX_PAGES = 48
+POOL_PAGES = 96
+POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "least_loaded", "random", "round_robin")
+
+
+@functools.cache
+def trace() -> PreparedTrace:
+    return prepare_trace(load_trace(limit=400))
+
+
+class TraceWorker:
+    """A worker's side: a real page pool, its seq counter, its incarnation."""
+
+    def __init__(self, worker_id: str, incarnation: str = "inc-0") -> None:
+        self.worker_id = WorkerId(worker_id)
+        self.incarnation = incarnation
+        self.pool = PagePool(POOL_PAGES, page_size=16)
+        self.seq = 0
+
+    def serve(self, hashes: Sequence[PageHash]) -> None:
+        hit = self.pool.match_prefix(hashes, len(hashes))
+        self.pool.touch(hit)
+        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
+        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
+        self.pool.free_pages(list(reversed(pages)))
+
+    def batch(self) -> bytes:
+        data = encode_batch(
+            make_batch(self.pool.take_events(), self.worker_id, self.incarnation, self.seq)
+        )
+        self.seq += 1
+        return data
+
+    def snapshot(self) -> bytes:
+        self.pool.take_events()
+        data = encode_batch(
+            make_batch(
+                self.pool.snapshot_events(),
+                self.worker_id,
+                self.incarnation,
+                self.seq,
+                snapshot=True,
+            )
+        )
+        self.seq += 1
+        return data
+
+    def restart(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self.pool = PagePool(POOL_PAGES, page_size=16)
+        self.seq = 0
+
+
+def replay(
+    coordinators: Sequence[Coordinator | ShardedCoordinator],
+    *,
+    workers: int,
+    seed: int,
+    policy: str,
+    start: int,
+    requests: int,
+) -> int:
+    """Route trace requests through every coordinator alike; assert they agree; returns routes."""
+    rng = random.Random(seed)
+    reqs = trace().requests[start : start + requests]
+    pool = [TraceWorker(f"w{i}") for i in range(workers)]
+
+    def register(w: TraceWorker) -> None:
+        for c in coordinators:
+            c.register_worker(w.worker_id, f"host:{w.worker_id}", POOL_PAGES - 1, w.incarnation)
+
+    def report(w: TraceWorker, data: bytes, load: WorkerLoad | None = None) -> None:
+        replies = [c.report(w.worker_id, [data], load) for c in coordinators]
+        assert all(r == replies[0] for r in replies)
+
+    for w in pool:
+        register(w)
+    routed = 0
+    for n, req in enumerate(reqs):
+        hashes = req.page_hashes[: rng.randint(1, MAX_PAGES)]
+        w = rng.choice(pool)
+        roll = rng.random()
+        if roll < 0.05:  # a lost batch: the worker goes stale until its snapshot
+            w.serve(trace().requests[rng.randrange(len(trace().requests))].page_hashes[:8])
+            w.batch()
+        elif roll < 0.10:
+            report(w, w.snapshot())
+        elif roll < 0.13:  # a restart: a new incarnation replaces the old entries
+            w.restart(f"inc-{n}")
+            register(w)
+        elif roll < 0.15:
+            draining = rng.random() < 0.5
+            for c in coordinators:
+                c.drain_worker(w.worker_id, draining)
+        load = WorkerLoad(
+            w.worker_id,
+            active_prefill_tokens=rng.randrange(0, 4000),
+            active_decode_pages=rng.randrange(0, 50),
+            free_pages=rng.randrange(0, POOL_PAGES),
+            total_pages=POOL_PAGES - 1,
+        )
+        report(w, w.batch(), load)
+        matches = [c.match(hashes) for c in coordinators]
+        assert all(m == matches[0] for m in matches), f"request {req.request_id}"
+        pull = rng.random() < 0.5
+        decisions = [
+            c.route(
+                hashes,
+                req.input_tokens,
+                page_size=16,
+                allow_pull=pull,
+                policy=policy,
+                request_id=req.request_id,
+            )
+            for c in coordinators
+        ]
+        assert all(d == decisions[0] for d in decisions), (req.request_id, decisions)
+        routed += 1
+        chosen = next(x for x in pool if x.worker_id == decisions[0].worker_id)
+        chosen.serve(hashes)
+        report(chosen, chosen.batch())
+    return routed
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    shards=st.integers(2, 5),
+    workers=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    policy=st.sampled_from(POLICIES),
+    start=st.integers(0, 300),
+)
+def test_sharded_index_decides_as_the_single_index_on_the_replayed_trace(
+    shards: int, workers: int, seed: int, policy: str, start: int
+) -> None:
+    single = CoordinatorConfig(seed=seed)
+    sharded = CoordinatorConfig(seed=seed, index_shards=shards)
+    routed = replay(
+        [Coordinator(single, clock=lambda: 0.0), ShardedCoordinator(sharded, clock=lambda: 0.0)],
+        workers=workers,
+        seed=seed,
+        policy=policy,
+        start=start,
+        requests=60,
+    )
+    assert routed == 60
+
+
+def test_the_sharded_stats_count_every_shards_workers_and_the_routers_routes() -> None:
+    one = Coordinator(CoordinatorConfig(), clock=lambda: 0.0)
+    four = ShardedCoordinator(CoordinatorConfig(index_shards=4), clock=lambda: 0.0)
+    replay([one, four], workers=7, seed=3, policy="kv_aware", start=0, requests=40)
+    single, split = one.stats().as_dict(), four.stats()
+    for key in ("workers", "index_entries", "routes", "promised_local_pages", "batches_applied"):
+        assert split[key] == single[key], key
+    assert split["routes_by_worker"] == single["routes_by_worker"]
+    assert sum(len(s.workers()) for s in four.shards) == 7
+    assert sum(1 for s in four.shards if s.workers()) > 1  # 7 workers do not all land in one
+
+
+def test_a_worker_lives_in_one_shard_chosen_by_its_id_alone() -> None:
+    ids = [f"worker-{i}" for i in range(64)]
+    placed = [shard_of(w, 4) for w in ids]
+    assert placed == [shard_of(w, 4) for w in ids]
+    assert set(placed) == {0, 1, 2, 3}
+    assert all(shard_of(w, 1) == 0 for w in ids)
+    with pytest.raises(InvalidInput, match="num_shards"):
+        shard_of("w", 0)
+
+
+def test_merged_views_keep_worker_id_order_for_the_policies_tie_breaks() -> None:
+    a = RouteView({WorkerId("w3"): 2}, (WorkerLoad(WorkerId("w1")), WorkerLoad(WorkerId("w3"))))
+    b = RouteView({WorkerId("w2"): 5}, (WorkerLoad(WorkerId("w0")), WorkerLoad(WorkerId("w2"))))
+    merged = merge_views([a, b])
+    assert [x.worker_id for x in merged.loads] == ["w0", "w1", "w2", "w3"]
+    assert merged.overlaps == {"w3": 2, "w2": 5}
+
+
+def test_a_sharded_coordinator_without_workers_refuses_to_route() -> None:
+    with pytest.raises(NoWorkers):
+        ShardedCoordinator(CoordinatorConfig(index_shards=3)).route([b"h" * 16], 16)
+
+
+def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() -> None:
+    """Two replicas see the same events and loads but each routes a different mix of requests.
+
+    What one replica decided must not change what the other decides: the
+    random tie-breaks are drawn from the request (`request_seed`).
+    """
+    config = CoordinatorConfig(index_shards=2, temperature=0.5, seed=11)
+    a = ShardedCoordinator(config, clock=lambda: 0.0, per_request_rng=True)
+    b = ShardedCoordinator(config, clock=lambda: 0.0, per_request_rng=True)
+    rng = random.Random(5)
+    pool = [TraceWorker(f"w{i}") for i in range(6)]
+    for w in pool:
+        for c in (a, b):
+            c.register_worker(w.worker_id, "h", POOL_PAGES - 1, w.incarnation)
+    reqs = trace().requests
+    agreed = 0
+    for n in range(10_000):
+        w = pool[n % len(pool)]
+        if n % 10 == 0:
+            w.serve(reqs[rng.randrange(len(reqs))].page_hashes[:MAX_PAGES])
+            data = w.batch()
+            load = WorkerLoad(w.worker_id, active_prefill_tokens=rng.randrange(0, 3000))
+            for c in (a, b):
+                c.report(w.worker_id, [data], load)
+        req = reqs[rng.randrange(len(reqs))]
+        hashes = req.page_hashes[: rng.randint(1, MAX_PAGES)]
+        only_a = rng.random() < 0.3  # a's own history: requests b never sees
+        da = a.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
+        if only_a:
+            a.route(hashes[:1], 16, request_id=f"x{n}", policy="random")
+            continue
+        db = b.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
+        assert da == db, n
+        agreed += 1
+    assert agreed > 6000
+
+
+def test_a_request_seed_depends_on_the_request_only() -> None:
+    r1 = RouteRequest((b"a" * 16, b"b" * 16), 40, 16, False, "x")
+    r2 = RouteRequest((b"a" * 16, b"b" * 16), 40, 16, False, "x")
+    r3 = RouteRequest((b"a" * 16, b"c" * 16), 40, 16, False, "x")
+    assert request_seed(1, r1) == request_seed(1, r2)
+    assert request_seed(1, r1) != request_seed(1, r3)
+    assert request_seed(1, r1) != request_seed(2, r1)
+
+
+def test_a_router_refuses_an_unknown_policy_by_name() -> None:
+    router = ShardRouter(CoordinatorConfig())
+    view = RouteView({}, (WorkerLoad(WorkerId("w0")),))
+    with pytest.raises(Exception, match="nope"):
+        router.decide(RouteRequest((), 1), view, "nope")
