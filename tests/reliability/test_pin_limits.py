@@ -94,6 +94,19 @@ def pinned(service: PageService) -> int:
     return sum(service.ref_counts())
 
 
+def stalled_with(service: PageService, pins: int, timeout_s: float = 10.0) -> bool:
+    """Whether the pins on `service` settle at `pins`: the same count for 0.2 s (a running
+    stream with a one-page window drops to 0 between pages, a stalled one does not)."""
+    end = time.monotonic() + timeout_s
+    steady = 0
+    while time.monotonic() < end:
+        steady = steady + 1 if pinned(service) == pins else 0
+        if steady >= 20:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def rotated(hashes: Sequence[PageHash], k: int, repeat: int = 20) -> list[PageHash]:
     """`hashes` from position k on, wrapping, `repeat` times: streams that stall on
     different pages."""
@@ -336,8 +349,8 @@ def test_fetch_pins_never_take_more_than_their_share_of_the_pool_so_requests_get
         before = refused(server.server.name, "pin_cap")
         for k in range(cap):
             bad.fetch(rotated(cached, k))
-            assert wait_until(lambda k=k: pinned(owner.pages) == k + 1, 10), pinned(owner.pages)
-        over = read_to_end(bad.fetch(rotated(cached, cap)))
+            assert stalled_with(owner.pages, k + 1), pinned(owner.pages)
+        over = read_to_end(bad.fetch(rotated(cached, cap), timeout_s=20.0))
         assert over.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert over.error == "PinLimitExceeded"
         assert "fetch_pin_fraction" in over.details and "fetch_pin_wait_s" in over.details
@@ -443,8 +456,8 @@ def test_a_peer_over_its_pin_cap_is_refused_while_another_peer_pulls(
         before = refused(server.server.name, "pin_cap")
         for k in range(cap):
             bad.fetch(rotated(cached, 5 * k))
-            assert wait_until(lambda k=k: pinned(owner.pages) == k + 1, 10), pinned(owner.pages)
-        over = read_to_end(bad.fetch(rotated(cached, 17)))
+            assert stalled_with(owner.pages, k + 1), pinned(owner.pages)
+        over = read_to_end(bad.fetch(rotated(cached, 17), timeout_s=20.0))
         assert over.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert over.error == "PinLimitExceeded"
         assert "cert:attacker" in over.details and "fetch_peer_pin_fraction" in over.details
