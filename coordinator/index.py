@@ -455,6 +455,8 @@ class GlobalIndex:
         last = -1
         still = alive
         for mid in self._store.holder_ids(hashes) if hashes else ():
+            if not mid:
+                break
             if mid == last:  # same holders as the page before: nobody drops out
                 n += 1
                 continue

@@ -141,30 +141,28 @@ class PageStore:
         digests: npt.NDArray[np.uint64],
         lengths: npt.NDArray[np.uint8],
     ) -> tuple[Rows, Rows]:
-        """(rows, by_key): each digest's row or -1; the row its compact key names, or -1."""
+        """(rows, by_key): each digest's row or -1; the row its compact key names, or -1.
+
+        A fixed number of numpy calls whatever `len(hashes)`, plus one dict probe
+        per hash while recent keys wait to be merged.
+        """
         n = len(hashes)
+        if not self._top:
+            return np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         keys = digests[:, 0]
-        if self._recent:
-            get = self._recent.get
-            by_key = np.fromiter((get(k, -1) for k in keys.tolist()), np.int64, n)
+        if len(self._sorted_keys):
+            pos = np.searchsorted(self._sorted_keys, keys)
+            named = self._sorted_rows.take(pos, mode="clip").astype(np.int64)
+            by_key = np.where(self._sorted_keys.take(pos, mode="clip") == keys, named, -1)
         else:
             by_key = np.full(n, -1, np.int64)
-        size = len(self._sorted_keys)
-        if size:
-            miss = np.flatnonzero(by_key < 0)
-            if len(miss):
-                wanted = keys[miss]
-                pos = np.minimum(np.searchsorted(self._sorted_keys, wanted), size - 1)
-                found = self._sorted_keys[pos] == wanted
-                by_key[miss[found]] = self._sorted_rows[pos[found]]
-        rows = by_key.copy()
-        hit = np.flatnonzero(rows >= 0)
-        if len(hit):
-            r = rows[hit]
-            same = (self._length[r] == lengths[hit]) & (
-                self._digest[r] == digests[hit, : self._words]
-            ).all(axis=1)
-            rows[hit[~same]] = -1
+        if self._recent:  # a key is live in one place: the other says -1
+            get = self._recent.get
+            by_key = np.maximum(by_key, [get(k, -1) for k in keys.tolist()])
+        same = (self._length.take(by_key, mode="clip") == lengths) & (
+            self._digest.take(by_key, axis=0, mode="clip") == digests[:, : self._words]
+        ).all(axis=1)
+        rows = np.where(same & (by_key >= 0), by_key, -1)
         if self._clash:
             get_clash = self._clash.get
             for i in np.flatnonzero(rows < 0).tolist():
@@ -201,16 +199,21 @@ class PageStore:
         self._digest[made, : digests.shape[1]] = digests[first]
         self._length[made] = lengths[first]
         keys = digests[first, 0]
+        key_list = keys.tolist()
         # A key already naming another digest, or named twice in this run, clashes.
-        taken = by_key[first] >= 0
-        _, once = np.unique(keys, return_index=True)
-        repeated = np.ones(len(keys), bool)
-        repeated[once] = False
-        clash = taken | repeated
-        primary = np.flatnonzero(~clash)
-        self._recent.update(zip(keys[primary].tolist(), made[primary].tolist(), strict=True))
-        for i in np.flatnonzero(clash).tolist():
-            self._clash[bytes(distinct[i])] = int(made[i])
+        clash = by_key[first] >= 0
+        if len(set(key_list)) != len(key_list):
+            _, once = np.unique(keys, return_index=True)
+            repeated = np.ones(len(keys), bool)
+            repeated[once] = False
+            clash |= repeated
+        if clash.any():
+            primary = np.flatnonzero(~clash)
+            key_list = keys[primary].tolist()
+            for i in np.flatnonzero(clash).tolist():
+                self._clash[bytes(distinct[i])] = int(made[i])
+            made = made[primary]
+        self._recent.update(zip(key_list, made.tolist(), strict=True))
         if len(self._recent) > max(_MERGE_MIN, len(self._sorted_keys) // _MERGE_FRACTION):
             self._merge()
         return rows
@@ -263,9 +266,9 @@ class PageStore:
             rows = np.concatenate([rows, parents])
         self._free(self._orphaned(rows))
 
-    def _set_parents(self, rows: Rows, parents: Rows) -> None:
+    def _set_parents(self, rows: Rows, parents: Rows, repeats: bool = True) -> None:
         """Point `rows` at `parents` (the last one wins for a repeated row), keeping kid counts."""
-        if len(np.unique(rows)) != len(rows):
+        if repeats and len(np.unique(rows)) != len(rows):
             last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
             rows, parents = rows[last], parents[last]
         old = self._parent[rows]
@@ -381,8 +384,9 @@ class PageStore:
         first_parents = np.full(len(starts), -1, np.int64)
         first_parents[np.asarray(has_parent, bool)] = named
         parents[np.asarray(starts, np.int64)] = first_parents
-        self._remask(np.unique(rows), bit, 0, slot)
-        self._set_parents(rows, parents)
+        distinct = np.unique(rows)
+        self._remask(distinct, bit, 0, slot)
+        self._set_parents(rows, parents, len(distinct) != n)
         if len(named):  # a parent named only by a page that later names another one
             self._free(self._orphaned(named))
 
@@ -449,16 +453,11 @@ class PageStore:
         return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
 
     def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
-        """Mask ids of the longest run of indexed pages at the head of `hashes`."""
+        """Each hash's holder-mask id, 0 where nobody holds the page (callers stop there)."""
+        if not self._top:
+            return [0] * len(hashes)
         rows = self.find(hashes)
-        stop = np.flatnonzero(rows < 0)
-        if len(stop):
-            rows = rows[: stop[0]]
-        ids = self._holders[rows]
-        stop = np.flatnonzero(ids == 0)
-        if len(stop):
-            ids = ids[: stop[0]]
-        return ids.tolist()
+        return np.where(rows >= 0, self._holders.take(rows, mode="clip"), 0).tolist()
 
     def _row(self, page_hash: PageHash) -> int:
         """The row of an indexed page, or -1."""
