@@ -37,7 +37,7 @@ from prometheus_client import REGISTRY
 from reliability_kit import in_process_worker, reference_model, wait_until
 
 from kvmesh.config import ClusterConfig, PoolConfig, TransferConfig
-from kvmesh.errors import InvalidSetting, InvariantViolation
+from kvmesh.errors import InvalidSetting, InvariantViolation, PinLimitExceeded
 from kvmesh.hashing import PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, WorkerId
@@ -443,12 +443,16 @@ def test_a_peer_over_its_pin_cap_is_refused_while_another_peer_pulls(
     )
     cap = fetch_limits(config, BASE.pool.num_pages).peer_pins
     assert cap == 3
-    honest = dataclasses.replace(
-        TransferConfig(deadline_s=30.0, retries=0),
-        tls_root_ca=str(ca),
-        tls_cert=str(certs["worker-b"].cert),
-        tls_key=str(certs["worker-b"].key),
-    )
+
+    def client_config(name: str) -> TransferConfig:
+        return TransferConfig(
+            deadline_s=30.0,
+            retries=0,
+            tls_root_ca=str(ca),
+            tls_cert=str(certs[name].cert),
+            tls_key=str(certs[name].key),
+        )
+
     with (
         serving(owner.pages, config) as server,
         attacker(server.address, certs["attacker"].credentials(ca)) as bad,
@@ -462,9 +466,15 @@ def test_a_peer_over_its_pin_cap_is_refused_while_another_peer_pulls(
         assert over.error == "PinLimitExceeded"
         assert "cert:attacker" in over.details and "fetch_peer_pin_fraction" in over.details
         assert refused(server.server.name, "pin_cap") == before + 1
+        # kvmesh's own client raises the server's error, so a pull computes instead.
+        with (
+            SyncPeerClient(server.address, client_config("attacker")) as same_peer,
+            pytest.raises(PinLimitExceeded, match="fetch_peer_pin_fraction"),
+        ):
+            same_peer.fetch_pages(cached[:4])
         # Another peer is not held back by the attacker's streams.
         wanted = cached[:12]
-        with SyncPeerClient(server.address, honest) as client:
+        with SyncPeerClient(server.address, client_config("worker-b")) as client:
             result = client.fetch_pages(wanted)
         assert [p.page_hash for p in result.pages] == wanted
         assert pinned(owner.pages) == cap
