@@ -1,6 +1,7 @@
-"""`kvmesh bench router`: route decision latency, event ingestion rate, index memory.
+"""`kvmesh bench router`: route decision latency, event ingestion rate, index ops, index memory.
 
-Workload (synthetic, deterministic): ``--workers`` workers hold at least
+Workload (synthetic, deterministic): ``--workers`` workers (a comma list runs
+each count in turn, one result per count) hold at least
 ``--pages`` distinct pages (32-byte hashes, as SHA-256 page hashes are).
 Pages form 32-page conversations; every 32 conversations share a 4-page
 system prompt; a conversation lives on one worker and, one time in four, on a
@@ -25,9 +26,23 @@ Measured in one run:
 - the machine: ``load_avg_1m`` and ``cpus``, because on a shared machine the
   wall-clock p99 measures the scheduler as much as the code;
   ``route_cpu_p99_ms`` is the same percentile of the calls' thread CPU time.
+- index operations, Dynamo's definition (events applied plus prefix
+  matches) on a bare `GlobalIndex` in this one process: every stored and
+  removal batch (decoded beforehand: decoding belongs to the transport) and
+  ``--routes`` prefix matches. ``index_ops_per_s`` counts each page hash of an
+  event as one op and each match as one (``index_event_ops_per_s`` counts each
+  KV event as one instead); ``cpu_s_per_million_ops`` is process CPU seconds
+  per million page ops.
 - memory: a fresh `GlobalIndex` is built from the same batches under
-  `tracemalloc`; ``bytes_per_page`` = bytes still allocated / distinct
-  pages indexed (hash objects included; per-worker sets included).
+  `tracemalloc`; ``bytes_per_page`` = bytes still allocated (Python objects
+  and numpy arrays, which report to tracemalloc) plus the bytes of the
+  index's native containers that tracemalloc cannot see (`extra_bytes`,
+  roaring bitmaps), / distinct pages indexed. ``rss_bytes_per_page`` is the
+  process's resident-set growth while a second fresh index is built without
+  tracemalloc, / the same pages (coarser: it also counts allocator slack).
+
+Each measurement is one function taking the workload and returning its
+figures, so further dimensions (shards, replicas) add a function and a flag.
 """
 
 from __future__ import annotations
@@ -59,12 +74,29 @@ PAGE_SIZE = 16
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=64, help="workers in the index")
+    parser.add_argument(
+        "--workers",
+        type=_counts,
+        default=[64],
+        help="workers in the index; a comma list (8,64,256) measures each",
+    )
     parser.add_argument("--pages", type=int, default=1_000_000, help="distinct pages, at least")
     parser.add_argument("--routes", type=int, default=10_000, help="route calls timed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc build")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected worker counts like 8,64,256, got {text!r}"
+        ) from None
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"each worker count must be at least 2, got {text!r}")
+    return counts
 
 
 def _h(i: int) -> PageHash:
@@ -187,12 +219,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    t_build = time.perf_counter()
-    wl = _Workload(args.workers, args.pages, args.seed)
-    build_s = time.perf_counter() - t_build
-
-    coord = Coordinator(CoordinatorConfig(policy="kv_aware"), rng=random.Random(args.seed))
+def _ingest(wl: _Workload, coord: Coordinator, naive: _NaiveIndex) -> dict[str, Any]:
+    """Stored then removal batches through `Coordinator.report`; the naive sets as baseline."""
     for w in wl.worker_ids:
         coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
     gc.collect()
@@ -204,17 +232,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for wid, data in wl.removed_batches:
         coord.report(wid, [data])
     remove_s = time.perf_counter() - t0
-
-    naive = _NaiveIndex()
     t0, c0 = time.perf_counter(), time.process_time()
     for _, data in wl.stored_batches:
         naive.apply_encoded(data)
     naive_ingest_s, naive_cpu = time.perf_counter() - t0, time.process_time() - c0
     for _, data in wl.removed_batches:
         naive.apply_encoded(data)
+    return {
+        "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
+        "remove_page_events_per_s": round(wl.removed_events / remove_s),
+        "naive_ingest_page_events_per_s": round(wl.stored_events / naive_ingest_s),
+        "ingest_ratio_vs_naive": round(naive_ingest_s / ingest_s, 2),
+        "ingest_page_events_per_cpu_s": round(wl.stored_events / ingest_cpu),
+        "naive_ingest_page_events_per_cpu_s": round(wl.stored_events / naive_cpu),
+        "page_events_ingested": wl.stored_events,
+    }
 
-    rng = random.Random(args.seed + 1)
-    prompts = wl.prompts(args.routes, rng)
+
+def _routing(
+    wl: _Workload,
+    coord: Coordinator,
+    naive: _NaiveIndex,
+    prompts: list[list[PageHash]],
+    rng: random.Random,
+    seed: int,
+) -> dict[str, Any]:
+    """`Coordinator.route` per call (wall and thread CPU) against the naive per-worker probe."""
     loads = [
         WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
         for w in wl.worker_ids
@@ -224,7 +267,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for p in prompts[:200]:  # same overlaps from both indexes
         if coord.match(p).pages != naive.match(p):
             raise SystemExit("bench router: index and naive baseline disagree on a prefix")
-
     ours: list[float] = []
     ours_cpu: list[float] = []
     for p in prompts:
@@ -233,10 +275,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
         ours.append((time.perf_counter_ns() - t) / 1e6)
         ours_cpu.append((time.thread_time_ns() - c) / 1e6)
-    policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(args.seed))
-    n_naive = max(200, args.routes // 10)
+    policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(seed))
     theirs: list[float] = []
-    for p in prompts[:n_naive]:
+    for p in prompts[: max(200, len(prompts) // 10)]:
         t = time.perf_counter_ns()
         req = RouteRequest(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)
         policy.choose(req, naive.match(p), loads)
@@ -246,37 +287,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter_ns()
         coord.index.match(p)
         match_us.append((time.perf_counter_ns() - t) / 1e3)
-
     stats = coord.stats()
-    result: dict[str, Any] = {
-        "workers": args.workers,
-        "indexed_pages": wl.distinct_pages,
+    return {
         "route_p50_ms": round(_pct(ours, 0.50), 4),
         "route_p99_ms": round(_pct(ours, 0.99), 4),
         "route_mean_ms": round(statistics.fmean(ours), 4),
+        "route_cpu_p50_ms": round(_pct(ours_cpu, 0.50), 4),
         "route_cpu_p99_ms": round(_pct(ours_cpu, 0.99), 4),
         "match_p50_us": round(_pct(match_us, 0.50), 1),
         "naive_route_p50_ms": round(_pct(theirs, 0.50), 4),
         "naive_route_p99_ms": round(_pct(theirs, 0.99), 4),
         "route_p99_speedup_vs_naive": round(_pct(theirs, 0.99) / _pct(ours, 0.99), 2),
-        "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
-        "remove_page_events_per_s": round(wl.removed_events / remove_s),
-        "naive_ingest_page_events_per_s": round(wl.stored_events / naive_ingest_s),
-        "ingest_ratio_vs_naive": round(naive_ingest_s / ingest_s, 2),
-        "ingest_page_events_per_cpu_s": round(wl.stored_events / ingest_cpu),
-        "naive_ingest_page_events_per_cpu_s": round(wl.stored_events / naive_cpu),
-        "page_events_ingested": wl.stored_events,
         "index_pages_after_removals": stats.indexed_pages,
         "index_entries_after_removals": stats.index_entries,
-        "workload_build_s": round(build_s, 1),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
-        "cpus": os.cpu_count(),
     }
-    del coord, naive
+
+
+def _index_ops(wl: _Workload, prompts: list[list[PageHash]]) -> dict[str, Any]:
+    """Events applied plus prefix matches on a bare `GlobalIndex`, one process, one thread."""
+    stored = [decode_batch(data) for _, data in wl.stored_batches]
+    removed = [decode_batch(data) for _, data in wl.removed_batches]
+    events = sum(len(b.events) for b in stored) + sum(len(b.events) for b in removed)
+    index = GlobalIndex()
     gc.collect()
-    if not args.no_memory:
-        result.update(_memory(wl))
-    return result
+    t0, c0 = time.perf_counter(), time.process_time()
+    for b in stored:
+        index.apply(b)
+    for b in removed:
+        index.apply(b)
+    for p in prompts:
+        index.match(p)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    page_ops = wl.stored_events + wl.removed_events + len(prompts)
+    return {
+        "index_ops_per_s": round(page_ops / wall),
+        "index_ops_per_cpu_s": round(page_ops / cpu),
+        "index_event_ops_per_s": round((events + len(prompts)) / wall),
+        "cpu_s_per_million_ops": round(cpu / (page_ops / 1e6), 3),
+        "index_ops": page_ops,
+    }
+
+
+def _build(wl: _Workload) -> GlobalIndex:
+    index = GlobalIndex()
+    for _, data in wl.stored_batches:
+        index.apply_encoded(data)
+    return index
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _memory(wl: _Workload) -> dict[str, Any]:
@@ -284,11 +345,10 @@ def _memory(wl: _Workload) -> dict[str, Any]:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    index = GlobalIndex()
-    for _, data in wl.stored_batches:
-        index.apply_encoded(data)
+    index = _build(wl)
     gc.collect()
-    used = tracemalloc.get_traced_memory()[0] - base
+    traced = tracemalloc.get_traced_memory()[0] - base
+    native = getattr(index, "extra_bytes", lambda: 0)()
     pages, entries = len(index), index.num_entries()
     del index
     gc.collect()
@@ -299,9 +359,20 @@ def _memory(wl: _Workload) -> dict[str, Any]:
     gc.collect()
     naive_used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
+    del naive
+    gc.collect()
+    rss0 = _rss_bytes()
+    index = _build(wl)
+    gc.collect()
+    rss = _rss_bytes() - rss0
+    del index
+    used = traced + native
     return {
         "bytes_per_page": round(used / pages, 1),
         "bytes_per_entry": round(used / entries, 1),
+        "traced_bytes_per_page": round(traced / pages, 1),
+        "native_bytes_per_page": round(native / pages, 1),
+        "rss_bytes_per_page": round(rss / pages, 1),
         "memory_pages": pages,
         "memory_entries": entries,
         "index_mib": round(used / 2**20, 1),
@@ -309,18 +380,54 @@ def _memory(wl: _Workload) -> dict[str, Any]:
     }
 
 
+def measure_one(workers: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure for one worker count."""
+    t_build = time.perf_counter()
+    wl = _Workload(workers, args.pages, args.seed)
+    build_s = time.perf_counter() - t_build
+    rng = random.Random(args.seed + 1)
+    prompts = wl.prompts(args.routes, rng)
+    coord = Coordinator(CoordinatorConfig(policy="kv_aware"), rng=random.Random(args.seed))
+    naive = _NaiveIndex()
+    result: dict[str, Any] = {"workers": workers, "indexed_pages": wl.distinct_pages}
+    ingest = _ingest(wl, coord, naive)
+    result.update(_routing(wl, coord, naive, prompts, rng, args.seed))
+    result.update(ingest)
+    del coord, naive
+    gc.collect()
+    result.update(_index_ops(wl, prompts))
+    gc.collect()
+    if not args.no_memory:
+        result.update(_memory(wl))
+    result.update(
+        {
+            "workload_build_s": round(build_s, 1),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(),
+        }
+    )
+    return result
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [measure_one(workers, args) for workers in args.workers]
+
+
 def run(args: argparse.Namespace) -> int:
-    result = measure(args)
+    results = measure(args)
     if args.json:
-        print(json.dumps(result))
+        for result in results:
+            print(json.dumps(result))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvmesh bench router ({args.workers} workers)")
+    table = Table(title="kvmesh bench router")
     table.add_column("figure")
-    table.add_column("value", justify="right")
-    for k, v in result.items():
-        table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    for result in results:
+        table.add_column(f"{result['workers']} workers", justify="right")
+    for k in results[0]:
+        cells = [r.get(k) for r in results]
+        table.add_row(k, *(f"{v:,}" if isinstance(v, int) else str(v) for v in cells))
     Console().print(table)
     return 0

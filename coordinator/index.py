@@ -454,7 +454,7 @@ class GlobalIndex:
         n = 0
         last = -1
         still = alive
-        for mid in self._store.holder_ids(hashes) if hashes else ():
+        for mid in self._store.holder_ids(hashes):
             if not mid:
                 break
             if mid == last:  # same holders as the page before: nobody drops out

@@ -68,8 +68,10 @@ class PageStore:
     Not thread-safe. `masks` (id -> mask int) is public for `GlobalIndex.match`'s walk.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, merge_min: int = _MERGE_MIN) -> None:
+        self._merge_min = merge_min
         self._words = 1
+        self._narrow = False  # some digest is shorter than the width: lookups compare lengths
         self._digest = np.zeros((0, 1), np.uint64)
         self._length = np.zeros(0, np.uint8)
         self._holders = np.zeros(0, np.int32)
@@ -95,9 +97,7 @@ class PageStore:
         if need <= cap:
             return
         new = max(need, cap + cap // 2, _MIN_ROWS)
-        self._digest = np.concatenate(
-            [self._digest, np.zeros((new - cap, self._words), np.uint64)]
-        )
+        self._digest = np.concatenate([self._digest, np.zeros((new - cap, self._words), np.uint64)])
         self._length = np.concatenate([self._length, np.zeros(new - cap, np.uint8)])
         self._holders = np.concatenate([self._holders, np.zeros(new - cap, np.int32)])
         self._parent = np.concatenate([self._parent, np.full(new - cap, -1, np.int32)])
@@ -105,6 +105,7 @@ class PageStore:
 
     def _widen(self, words: int) -> None:
         if words > self._words:
+            self._narrow = self._narrow or bool((self._length[: self._top] > 0).any())
             wider = np.zeros((len(self._length), words), np.uint64)
             wider[:, : self._words] = self._digest
             self._digest = wider
@@ -119,7 +120,9 @@ class PageStore:
         self._top += fresh
         return rows
 
-    def _encode(self, hashes: Sequence[bytes]) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]:
+    def _encode(
+        self, hashes: Sequence[bytes]
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]:
         """Digests as zero-padded uint64 rows (at least the store's width) and their lengths."""
         n = len(hashes)
         lo, hi = min(map(len, hashes)), max(map(len, hashes))
@@ -198,6 +201,8 @@ class PageStore:
         self._widen(digests.shape[1])
         self._digest[made, : digests.shape[1]] = digests[first]
         self._length[made] = lengths[first]
+        if not self._narrow and (lengths[first] != self._words * 8).any():
+            self._narrow = True
         keys = digests[first, 0]
         key_list = keys.tolist()
         # A key already naming another digest, or named twice in this run, clashes.
@@ -214,7 +219,7 @@ class PageStore:
                 self._clash[bytes(distinct[i])] = int(made[i])
             made = made[primary]
         self._recent.update(zip(key_list, made.tolist(), strict=True))
-        if len(self._recent) > max(_MERGE_MIN, len(self._sorted_keys) // _MERGE_FRACTION):
+        if len(self._recent) > max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION):
             self._merge()
         return rows
 
@@ -453,11 +458,56 @@ class PageStore:
         return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
 
     def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
-        """Each hash's holder-mask id, 0 where nobody holds the page (callers stop there)."""
-        if not self._top:
-            return [0] * len(hashes)
-        rows = self.find(hashes)
-        return np.where(rows >= 0, self._holders.take(rows, mode="clip"), 0).tolist()
+        """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed.
+
+        A 0 may end the list (a page nobody holds); callers stop at the first 0.
+        """
+        if not self._top or not hashes:
+            return []
+        width = self._words * 8
+        joined = b"".join(hashes)
+        # Freed rows are zeroed: a zero digest takes the general path, never the guess.
+        if self._clash or set(map(len, hashes)) != {width} or bytes(width) in joined:
+            rows = self.find(hashes)
+            ids: list[int] = np.where(rows >= 0, self._holders.take(rows, mode="clip"), 0).tolist()
+            return ids
+        # The hot path (a prompt of one hash width): guess each page's row from the
+        # sorted keys, compare all guessed digests with the prompt's bytes at once,
+        # and look at the recent keys only where a guess was wrong. The first
+        # page found nowhere ends the walk, as a page nobody holds would.
+        keys = np.frombuffer(joined, np.uint64)[:: self._words]
+        n = len(hashes)
+        if len(self._sorted_keys):
+            rows = self._sorted_rows.take(np.searchsorted(self._sorted_keys, keys), mode="clip")
+        else:
+            rows = np.full(n, -1, np.int32)
+        stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
+        done = 0
+        while done < n:
+            if stored[done * width :] == joined[done * width :]:
+                done = n
+                break
+            lo, hi = done, n - 1  # the longest equal run from `done`, by halving
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if stored[done * width : mid * width] == joined[done * width : mid * width]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            done = lo
+            row = self._recent.get(int(keys[done]), -1) if self._recent else -1
+            at = done * width
+            if row < 0 or self._digest[row].tobytes() != joined[at : at + width]:
+                break
+            rows[done] = row
+            done += 1
+        rows = rows[:done]
+        if self._narrow:
+            short = np.flatnonzero(self._length.take(rows, mode="clip") != width)
+            if len(short):  # a shorter digest, zero-padded, looked the same
+                rows = rows[: short[0]]
+        held: list[int] = self._holders.take(rows, mode="clip").tolist()
+        return held
 
     def _row(self, page_hash: PageHash) -> int:
         """The row of an indexed page, or -1."""
@@ -548,8 +598,10 @@ class PageStore:
             raise InvariantViolation("a free row has a holder mask")
         counts = np.bincount(ids, minlength=len(self.masks))
         for mid, mask in enumerate(self.masks):
-            if mid and mid not in self._free_mask_ids and (
-                counts[mid] != self._mask_rows[mid] or self._mask_ids.get(mask) != mid
+            if (
+                mid
+                and mid not in self._free_mask_ids
+                and (counts[mid] != self._mask_rows[mid] or self._mask_ids.get(mask) != mid)
             ):
                 raise InvariantViolation(
                     f"holder mask {mid} ({mask:#x}) counts {self._mask_rows[mid]} rows, "

@@ -296,3 +296,39 @@ def test_a_non_finite_timestamp_cannot_lock_out_later_incarnations(ts: float) ->
         ApplyResult.REPLACED
     )
     assert ix.worker_pages(A) == frozenset(P[:3])
+
+
+def test_an_all_zero_page_hash_is_matched_after_other_pages_are_freed() -> None:
+    ix = GlobalIndex()
+    zero = PageHash(bytes(32))
+    ix.apply(batch(A, 0, stored(P[:1]), stored([zero])))
+    ix.apply(batch(A, 1, PagesRemoved((P[0],), "gpu")))  # its storage is zeroed and reused
+    assert ix.match([zero]).pages == {A: 1}
+    ix.check_invariants()
+
+
+def test_engine_ints_and_digests_sharing_their_first_8_bytes_stay_apart() -> None:
+    ix = GlobalIndex()
+    engine = [PageHash(i.to_bytes(8, "big")) for i in (7, 8)]
+    digests = [PageHash(h + bytes(24)) for h in engine]  # same compact keys
+    ix.apply(batch(A, 0, stored(engine)))
+    ix.apply(batch(B, 0, stored(digests)))
+    assert ix.match(engine).pages == {A: 2}
+    assert ix.match(digests).pages == {B: 2}
+    assert ix.parent(digests[1]) == digests[0]
+    ix.apply(batch(A, 1, PagesRemoved(tuple(engine), None)))
+    assert engine[0] not in ix
+    assert ix.match(digests).pages == {B: 2}
+    ix.check_invariants()
+
+
+def test_a_removed_parent_is_still_named_by_its_held_child() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:3])))
+    ix.apply(batch(A, 1, PagesRemoved((P[1],), "gpu")))
+    assert P[1] not in ix
+    assert ix.parent(P[2]) == P[1]
+    assert ix.chain(P[2]) == [P[2]]
+    ix.apply(batch(A, 2, PagesRemoved((P[2],), "gpu")))  # the last kid: the parent goes too
+    assert len(ix) == 1
+    ix.check_invariants()

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.coordinator.index_store import PageStore
 from kvmesh.errors import InvariantViolation
 from kvmesh.events import AllPagesCleared, EventBatch, KVEvent, PagesRemoved, PagesStored
 from kvmesh.types import PageHash, WorkerId
@@ -271,3 +272,44 @@ def test_many_pages_and_merges_keep_the_reference_answers(
         if h in ref:
             assert new.parent(h) == ref.parent(h)
     assert new.match(big[:40]) == ref.match(big[:40])
+
+
+# One hash width (the prompt fast path): SHA-256 chains, the all-zero digest (a
+# freed row is zeroed) and a digest whose compact key is 0; merges every few keys.
+WIDE: list[list[PageHash]] = [[_digest(f"wide{c}", i, 32) for i in range(8)] for c in range(3)]
+WIDE[2][3] = PageHash(bytes(32))
+WIDE[1][0] = PageHash(bytes(8) + _digest("zero-key", 0, 24))
+wide_stored = st.builds(
+    lambda c, start, n: PagesStored(
+        tuple(WIDE[c][start : start + n]), WIDE[c][start - 1] if start else None, (), 16
+    ),
+    st.integers(0, 2),
+    st.integers(0, 7),
+    st.integers(1, 8),
+)
+wide_removed = st.builds(
+    lambda hs: PagesRemoved(tuple(hs)), st.lists(st.sampled_from([h for c in WIDE for h in c]))
+)
+wide_event = st.one_of(wide_stored, wide_stored, wide_removed, st.just(AllPagesCleared()))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.lists(wide_event, max_size=4)), max_size=30),
+    st.integers(1, 6),
+)
+def test_prompts_of_one_hash_width_give_the_reference_answers(
+    batches: list[tuple[int, list[KVEvent]]], merge_min: int
+) -> None:
+    new, ref = GlobalIndex(), reference_index()
+    new._store = PageStore(merge_min=merge_min)
+    seq = [0, 0, 0]
+    for w, events in batches:
+        batch = EventBatch(tuple(events), WORKERS[w], "life", seq[w], 1.0)
+        seq[w] += 1
+        assert new.apply(batch) is ref.apply(batch)
+        for c in WIDE:
+            for n in range(len(c) + 1):
+                assert new.match(c[:n]) == ref.match(c[:n])
+    new.check_invariants()
+    assert new.snapshot() == ref.snapshot()
