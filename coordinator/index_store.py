@@ -468,8 +468,10 @@ class PageStore:
         joined = b"".join(hashes)
         # Freed rows are zeroed: a zero digest takes the general path, never the guess.
         if self._clash or set(map(len, hashes)) != {width} or bytes(width) in joined:
-            rows = self.find(hashes)
-            ids: list[int] = np.where(rows >= 0, self._holders.take(rows, mode="clip"), 0).tolist()
+            found = self.find(hashes)
+            ids: list[int] = np.where(
+                found >= 0, self._holders.take(found, mode="clip"), 0
+            ).tolist()
             return ids
         # The hot path (a prompt of one hash width): guess each page's row from the
         # sorted keys, compare all guessed digests with the prompt's bytes at once,
