@@ -195,7 +195,7 @@ def _transfer_config(spec: Spec) -> Any:
 
 
 def _dist_transport(group: Any, service: Any, spec: Spec) -> Any:
-    from kvmesh.worker.dist_transfer import DistPageTransport
+    from kvmesh.worker.dist_transport import DistPageTransport
 
     kwargs: dict[str, Any] = {"timeout_s": spec.timeout_s}
     if spec.batch_bytes is not None:
@@ -214,7 +214,7 @@ def _peer_main(conn: Any, spec_json: str) -> None:
     """The spawned peer: holds the pages and serves them over tcp, grpc and dist."""
     import numpy as np
 
-    from kvmesh.worker.dist_transfer import DistGroup
+    from kvmesh.worker.dist_group import DistGroup
     from kvmesh.worker.transfer_server import ServerThread
 
     spec = Spec(**json.loads(spec_json))
@@ -323,7 +323,7 @@ def measure(spec: Spec) -> list[Figure]:
 
     from kvmesh.errors import TransportError
     from kvmesh.hashing import NO_EXTRA
-    from kvmesh.worker.dist_transfer import DistGroup
+    from kvmesh.worker.dist_group import DistGroup
     from kvmesh.worker.page_service import ProofBook
 
     service = _make_service(spec)
@@ -379,7 +379,7 @@ def measure(spec: Spec) -> list[Figure]:
             cleanup.append(lambda: transport.hang_up(1))
 
             def pull_dist(some: list[Any]) -> int:
-                result = transport.pull(1, some, proofs)
+                result = transport.pull(1, some, service.receiving(proofs))
                 if result.rejected:
                     raise TransportError(f"dist rejected pages: {result.rejected[0][1]}")
                 return len(result.inserted)
@@ -463,7 +463,7 @@ def _figures(
 
 def spec_from_args(args: argparse.Namespace) -> Spec:
     from kvmesh.errors import ConfigError
-    from kvmesh.worker.dist_transfer import free_port
+    from kvmesh.worker.dist_group import free_port
 
     if args.pages <= 0 or args.rounds <= 0 or args.timeout <= 0:
         raise ConfigError("--pages, --rounds and --timeout must be positive")

@@ -1,7 +1,7 @@
 """Where torch.distributed groups of workers meet: addresses, ranks, store key prefixes.
 
 Pure (no torch, no Ray): the coordinator builds these and the workers join
-with them (`kvmesh.worker.dist_transfer.DistGroup.join`).
+with them (`kvmesh.worker.dist_group.DistGroup.join`).
 
 Two shapes of group:
 

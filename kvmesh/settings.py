@@ -78,10 +78,10 @@ REGISTRY_CHECKS: tuple[RegistryCheck, ...] = (
     RegistryCheck("hash.algo", "kvmesh.hashing:HASH_FUNCTIONS", "page hash"),
     RegistryCheck("coordinator.policy", "kvmesh.coordinator.policies:REGISTRY", "routing policy"),
     RegistryCheck("coordinator.default_tier", "kvmesh.coordinator.index:TIER_NAMES", "tier"),
-    RegistryCheck("transfer.transport", "kvmesh.worker.dist_transfer:FETCHERS", "transport"),
+    RegistryCheck("transfer.transport", "kvmesh.worker.peers:TRANSPORTS", "transport"),
     RegistryCheck("model.dtype", "kvmesh.worker.model:DTYPES", "model dtype"),
     RegistryCheck(
-        "model.device", "kvmesh.worker.dist_transfer:BACKENDS", "device", key=_device_type
+        "model.device", "kvmesh.worker.dist_group:BACKENDS", "device", key=_device_type
     ),
     RegistryCheck("security.profile", "kvmesh.security:PROFILES", "security profile"),
 )

@@ -8,29 +8,21 @@ one actor owns::
     PagePool ─ KVCacheManager ─┐
     KVStore ───────────────────┼─ ServingEngine (TinyTransformer)   generate / prefill
     PageService (shared lock) ─┴─ ServerThread (grpc.aio, 127.0.0.1:free port)
-                                  PeerClients (pull from / push to other workers)
-                                  dist links (transport="dist": torch.distributed)
-    heartbeat thread ── report(worker_id, [event batches], load) ──► coordinator actor
+                                  Peers (pull from / push to other workers: gRPC or
+                                  torch.distributed links, DistLinks)
+    EventReporter thread ── report(worker_id, [event batches], load) ──► coordinator actor
 
-Events. Every change of the pool's cached set is drained into a batch
-(`kvmesh.events.encode_batch`: worker id, a fresh incarnation uuid per
-start, seq 0, 1, 2, ... from one counter) and reported every heartbeat
-interval and right after each request, so the index is fresh for the next
-route. A batch stays queued until the coordinator has acknowledged it (a
-report that failed is resent; duplicates are ignored there). When the
-coordinator says the worker is stale or unknown, the next report carries a
-snapshot batch (the whole cached set) instead; `snapshot` serves the same
-batch to a restarting coordinator. Every batch, snapshot or not, takes the
-next seq, under one lock, so the coordinator sees one ordered stream.
+Events go to the coordinator through an `EventReporter`
+(`kvmesh.worker.events_reporter`: ordered, acknowledged batches, snapshots
+when the coordinator asks), every heartbeat interval and right after each
+request, so the index is fresh for the next route.
 
-Transports. With ``TransferConfig.transport="grpc"`` (default) pulls and
-pushes go over the peers' gRPC servers. With ``"dist"`` they go over a
-torch.distributed link per peer: the first use asks the coordinator
-(``dist_link``), which hands out the rendezvous (its store, ranks, a fresh
-prefix) and has the peer join through `dist_accept` (a thread that serves
-the link until hang-up); pages arrive checked and cached in place. Any link
-failure falls back to gRPC for that transfer, logged with its reason, and
-the next transfer opens a fresh link. `stats` counts each transport.
+Peers. Pulls and pushes go through `Peers` (`kvmesh.worker.peers`): the
+peer at an address, reached over ``TransferConfig.transport`` ("grpc", the
+default, or "dist": a torch.distributed link per peer, `DistLinks`, falling
+back to gRPC with a logged reason). Every page enters the pool through the
+`PageService`, proven against the request it serves. `stats` counts each
+transport.
 
 Requests. `generate` serves one request (local hits, pulls from the peer
 the route decision named, computes the rest, decodes); `prefill` is the
@@ -50,22 +42,12 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvmesh.config import ClusterConfig
-from kvmesh.errors import (
-    ConfigError,
-    InvalidInput,
-    InvariantViolation,
-    KVMeshError,
-    PermissionDenied,
-    RequestCancelled,
-    TransportError,
-    UnknownWorker,
-)
-from kvmesh.events import encode_batch, make_batch
+from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, RequestCancelled, TransportError
 from kvmesh.hashing import ExtraKeys, PageHasher
 from kvmesh.load import WorkerLoad
 from kvmesh.security import check_bind_address
@@ -79,6 +61,11 @@ from kvmesh.worker.cancellation import (
     ray_job_is_dead,
     request_deadline,
 )
+from kvmesh.worker.events_reporter import remote_cause
+
+if TYPE_CHECKING:
+    from kvmesh.worker.page_service import PullOutcome
+    from kvmesh.worker.serving import PullRequest
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +189,10 @@ class WorkerStats:
 
 def _check_transport(cfg: ClusterConfig) -> None:
     """Refuse a transport the actor cannot use, before anything starts."""
-    from kvmesh.worker.dist_transfer import FETCHERS
+    from kvmesh.worker.peers import transport_factory
 
-    transport = cfg.transfer.transport
-    if transport not in FETCHERS:
-        raise ConfigError(f"unknown transport {transport!r}; choose one of {sorted(FETCHERS)}")
-    if transport == "dist" and cfg.security.profile == "production":
+    transport_factory(cfg.transfer.transport)
+    if cfg.transfer.transport == "dist" and cfg.security.profile == "production":
         raise ConfigError(
             "transport='dist' moves pages over torch.distributed without TLS or tokens; the "
             "production profile needs transport='grpc'"
@@ -216,6 +201,8 @@ def _check_transport(cfg: ClusterConfig) -> None:
 
 @dataclass(slots=True)
 class _Counters:
+    """What the worker's requests came to (transfers are counted by `Peers`)."""
+
     requests: int = 0
     errors: int = 0
     prompt_pages: int = 0
@@ -223,21 +210,6 @@ class _Counters:
     pages_pulled: int = 0
     pages_computed: int = 0
     pages_pushed: int = 0
-    batches_sent: int = 0
-    snapshots_sent: int = 0
-    pulls_grpc: int = 0
-    pulls_dist: int = 0
-    pushes_grpc: int = 0
-    pushes_dist: int = 0
-    dist_fallbacks: int = 0
-    links_opened: int = 0
-    links_served: int = 0
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The original exception of a Ray task error (Ray wraps remote exceptions)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 class WorkerActor:
@@ -251,10 +223,13 @@ class WorkerActor:
         import torch
 
         from kvmesh.worker.cache_manager import KVCacheManager
+        from kvmesh.worker.events_reporter import CoordinatorRpc, EventReporter
         from kvmesh.worker.kv_store import KVStore
+        from kvmesh.worker.links import DistLinks
         from kvmesh.worker.model import TinyTransformer
         from kvmesh.worker.page_pool import PagePool
         from kvmesh.worker.page_service import EvictionBudget, PageService, PushGrants
+        from kvmesh.worker.peers import Peers
         from kvmesh.worker.serving import ServingEngine
         from kvmesh.worker.transfer_server import ServerThread
 
@@ -312,36 +287,39 @@ class WorkerActor:
         self._server = ServerThread(self.pages, cfg.transfer, page_delay_s=spec.page_delay_s)
         self._server.start()
         self.address = self._advertised_address(self._server.server.port)
-        self._peers: dict[str, Any] = {}
-        self._peers_lock = threading.Lock()
-        self._dist = cfg.transfer.transport == "dist"
-        self._links: dict[str, Any] = {}  # peer address -> DistPageTransport (this end: client)
-        self._link_locks: dict[str, threading.Lock] = {}
-        self._served_links: dict[str, Any] = {}  # rendezvous prefix -> DistGroup (this end serves)
 
-        self._coordinator = coordinator
-        self._flush_lock = threading.Lock()
-        self._next_seq = 0
-        self._unacked: list[bytes] = []
-        self._needs_snapshot = True  # the first report carries the whole (empty) cached set
+        rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
+        self._rpc = None if coordinator is None else CoordinatorRpc(coordinator, rpc_timeout_s)
+        self._dist = cfg.transfer.transport == "dist"
+        self.links = DistLinks(
+            self.worker_id,
+            self.pages,
+            cfg.transfer,
+            open_rendezvous=self._open_link if self._rpc is not None else None,
+            host=self._bind_host(),
+        )
+        self.peers = Peers(cfg.transfer, links=self.links)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._draining = False
-        self._stop = threading.Event()
         self._callers = CallerWatch(ray_job_is_dead)
-        self._heartbeat_s = cfg.coordinator.heartbeat_interval_s
-        self._rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
-        if coordinator is not None:
+        self.reporter = EventReporter(
+            self.worker_id,
+            self.incarnation,
+            self.pages,
+            rpc=self._rpc,
+            register=self._register,
+            load=self._load,
+            interval_s=cfg.coordinator.heartbeat_interval_s,
+        )
+        if self._rpc is not None:
             try:
-                self._register()
+                self.reporter.register()
             except BaseException:
                 self._server.stop()  # do not leave a server thread behind a failed start
                 raise
-            self.flush()
-        self._thread = threading.Thread(
-            target=self._heartbeat_loop, name=f"kvmesh-heartbeat-{self.worker_id}", daemon=True
-        )
-        self._thread.start()
+            self.reporter.flush()
+        self.reporter.start()
 
     # ---------------------------------------------------------------- serving
 
@@ -360,7 +338,9 @@ class WorkerActor:
         deadline = request_deadline(request.timeout_s, request.caller_job, self.engine.clock)
         hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
         pull = self._pull if request.peer_address else None
-        self._announce(request)
+        reuse = (request.promised_local + request.promised_pull) * self.hasher.page_size
+        if self._rpc is not None:
+            self.reporter.announce(self._load(max(0, len(request.token_ids) - reuse)))
         with contextlib.ExitStack() as scope:
             caller_gone = None
             if request.caller_job is not None:
@@ -381,10 +361,11 @@ class WorkerActor:
                 count_cancelled(self.worker_id, signals.reason(exc))
                 raise
             except KVMeshError:
-                self._bump("errors")
+                with self._counters_lock:
+                    self._counters.errors += 1
                 raise
             finally:
-                self._flush_quietly()
+                self.reporter.flush_quietly()
         with self._counters_lock:
             c = self._counters
             c.requests += 1
@@ -429,7 +410,8 @@ class WorkerActor:
         except KVMeshError as exc:
             push_error = f"{type(exc).__name__}: {exc}"
             log.warning("push to %s failed; the decode worker will compute: %s", push_to, exc)
-        self._bump("pages_pushed", pushed)
+        with self._counters_lock:
+            self._counters.pages_pushed += pushed
         return PrefillResult(
             request.request_id,
             self.worker_id,
@@ -448,143 +430,26 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- transfer
 
-    def _peer(self, address: str) -> Any:
-        from kvmesh.worker.transfer_client import SyncPeerClient
-
-        with self._peers_lock:
-            client = self._peers.get(address)
-            if client is None:
-                client = self._peers[address] = SyncPeerClient(address, self.config.transfer)
-            return client
-
-    def _pull(self, ask: Any) -> Any:
-        """The engine's `pull_fn`: the peer's pages for `ask`, checked, proven against the
-        request being served and cached in the pool as they arrive (`PulledInPlace`).
-
-        Over gRPC large pulls are read off the socket straight into reserved
-        pages (`TransferConfig.grpc_zero_copy`), small ones through grpcio's
-        reused channels. Over torch.distributed the pages land in place too,
-        falling back to gRPC with a logged reason.
-        """
-        if self._dist:
-            return self._pull_in_place(ask)
-        from kvmesh.worker.serving import PulledInPlace
-
-        client = self._peer(ask.peer)
-        self._bump("pulls_grpc")
-        try:
-            client.pull_into(self.pages.receiving(ask.proofs(self.hasher.page_size)), list(ask.page_hashes))
-        except KVMeshError as exc:  # the whole pages cached before it still count
-            return PulledInPlace(tuple(ask.page_hashes), "grpc", f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # a transport bug must not fail the request: compute instead
-            raise TransportError(f"pull from {ask.peer} failed: {exc}") from exc
-        return PulledInPlace(tuple(ask.page_hashes), "grpc")
+    def _pull(self, ask: PullRequest) -> PullOutcome:
+        """The engine's `pull_fn`: the peer's pages for `ask`, each checked and proven
+        against the request being served as it enters the pool."""
+        receiver = self.pages.receiving(ask.proofs(self.hasher.page_size))
+        return self.peers.get(ask.peer).pull_into(receiver, ask.page_hashes)
 
     def _push(self, address: str, hashes: Sequence[PageHash], ticket: bytes) -> int:
         """Push the cached prefix of `hashes` to the worker at `address` under its grant
-        `ticket`; returns the pages it took. Raises `PermissionDenied` when it refused
-        them (no live grant, or pages its request does not prove).
-
-        Over torch.distributed when configured, falling back to gRPC (logged)
-        when the link fails; the fallback presents the same one-use ticket, so
-        it is refused when the link had already delivered the push's preamble.
-        """
-        from kvmesh.rendezvous import LINK_SERVER_RANK
-
+        `ticket`; returns the pages it holds now. Raises `PermissionDenied` when it refused
+        them (no live grant, or pages its request does not prove)."""
         held = self.pages.prefix_length(hashes)
         if not held:
             return 0
-        todo = list(hashes[:held])
-        if self._dist:
-            try:
-                sent = self._link(address).push(LINK_SERVER_RANK, todo, ticket)
-                self._bump("pushes_dist")
-                if sent.refused:
-                    raise PermissionDenied(
-                        f"the worker at {address} refused {sent.refused} of "
-                        f"{len(sent.sent)} pushed pages (no live grant, or pages its request "
-                        "does not prove)"
-                    )
-                return sent.stored
-            except TransportError as exc:
-                self._drop_link(address)
-                self._bump("dist_fallbacks")
-                log.warning("dist push to %s failed, falling back to gRPC: %s", address, exc)
-        self._peer(address).push_from(self.pages, todo, ticket)
-        self._bump("pushes_grpc")
-        return held
+        return self.peers.get(address).push(self.pages, hashes[:held], ticket).stored
 
-    def _pull_in_place(self, ask: Any) -> Any:
-        from kvmesh.rendezvous import LINK_SERVER_RANK
-        from kvmesh.worker.dist_transfer import fetch_with_fallback
-        from kvmesh.worker.serving import PulledInPlace
-
-        outcome = fetch_with_fallback(
-            self.pages,
-            ask.page_hashes,
-            ask.proofs(self.hasher.page_size),
-            transport="dist",
-            dist=lambda: self._link(ask.peer),
-            peer_rank=LINK_SERVER_RANK,
-            grpc=self._peer(ask.peer),
-        )
-        if outcome.fallback_reason is not None:
-            self._drop_link(ask.peer)
-            self._bump("dist_fallbacks")
-        self._bump(f"pulls_{outcome.transport}")
-        return PulledInPlace(tuple(ask.page_hashes), outcome.transport)
-
-    # ---------------------------------------------------------------- torch.distributed links
-
-    def _link(self, address: str) -> Any:
-        """The link to the worker at `address` (this end rank 0), opened through the coordinator.
-
-        Raises `TransportError` when it cannot be opened (no coordinator, the
-        peer unknown or refusing, the rendezvous timing out).
-        """
-        with self._peers_lock:
-            lock = self._link_locks.setdefault(address, threading.Lock())
-        with lock:
-            link = self._links.get(address)
-            if link is not None and link.group.usable:
-                return link
-            self._drop_link(address)
-            if self._coordinator is None:
-                raise TransportError("no coordinator to open a torch.distributed link through")
-            try:
-                rdv = self._rpc("dist_link", self.worker_id, address)
-            except Exception as exc:
-                cause = _unwrap(exc)
-                raise TransportError(
-                    f"the coordinator could not open a link to {address}: "
-                    f"{type(cause).__name__}: {cause}"
-                ) from exc
-            link = self._join_link(rdv)
-            self._links[address] = link
-            self._bump("links_opened")
-            return link
-
-    def _join_link(self, rendezvous: Any) -> Any:
-        """Join a link's group (within the connect timeout) and wrap it in a transport whose
-        transfers wait up to `dist_timeout_s`. Raises `TransportError`."""
-        from kvmesh.worker.dist_transfer import DistGroup, DistPageTransport
-
-        cfg = self.config.transfer
-        group = DistGroup.join(
-            rendezvous,
-            self.worker_id,
-            device=self.store.device,
-            timeout_s=cfg.dist_connect_timeout_s,
-            host=self._bind_host(),
-        )
-        group.timeout_s = cfg.dist_timeout_s
-        return DistPageTransport.from_config(group, self.pages, cfg)
-
-    def _drop_link(self, address: str) -> None:
-        """Forget the link to `address` (closed; the next use opens a fresh one)."""
-        link = self._links.pop(address, None)
-        if link is not None:
-            link.group.close()
+    def _open_link(self, address: str) -> Any:
+        """The coordinator's rendezvous for a link from this worker to `address`."""
+        if self._rpc is None:  # pragma: no cover - links get no opener without one
+            raise TransportError("no coordinator to open a torch.distributed link through")
+        return self._rpc("dist_link", self.worker_id, address)
 
     def dist_accept(self, rendezvous: Any) -> bool:
         """Join a link a peer opened through the coordinator and serve it in a thread.
@@ -602,35 +467,8 @@ class WorkerActor:
             )
         if rendezvous.rank_of(self.worker_id) != LINK_SERVER_RANK:
             raise InvalidInput(f"worker {self.worker_id!r} is not the serving rank of this link")
-        threading.Thread(
-            target=self._serve_link,
-            args=(rendezvous,),
-            name=f"kvmesh-link-{self.worker_id}",
-            daemon=True,
-        ).start()
+        self.links.accept(rendezvous)
         return True
-
-    def _serve_link(self, rendezvous: Any) -> None:
-        """Join `rendezvous` as its serving rank and answer pulls/pushes until hang-up or failure."""
-        from kvmesh.rendezvous import LINK_CLIENT_RANK
-
-        client = rendezvous.worker_of(LINK_CLIENT_RANK)
-        try:
-            transport = self._join_link(rendezvous)
-        except TransportError as exc:
-            log.warning("link from %s was not joined: %s", client, exc)
-            return
-        group = transport.group
-        self._served_links[rendezvous.prefix] = group
-        self._bump("links_served")
-        try:
-            idle = self.config.transfer.dist_idle_timeout_s
-            transport.serve_forever(LINK_CLIENT_RANK, idle_timeout_s=idle)
-        except KVMeshError as exc:
-            log.info("link from %s ended: %s", client, exc)
-        finally:
-            self._served_links.pop(rendezvous.prefix, None)
-            group.close()
 
     # ---------------------------------------------------------------- events
 
@@ -646,121 +484,18 @@ class WorkerActor:
             active_requests=load.running + load.waiting + (extra_prefill_tokens > 0),
         )
 
-    def _announce(self, request: GenerateRequest) -> None:
-        """Tell the coordinator, without waiting, the load this request adds.
-
-        Routing weighs queued prefill work; without this the coordinator would
-        learn of a long prefill only at the next heartbeat, after it ended.
-        """
-        if self._coordinator is None:
-            return
-        reuse = (request.promised_local + request.promised_pull) * self.hasher.page_size
-        try:
-            load = self._load(max(0, len(request.token_ids) - reuse))
-            self._rpc("heartbeat", self.worker_id, load, wait=False)
-        except Exception as exc:  # an announcement is best effort
-            log.warning("load announcement failed: %s", _unwrap(exc))
-
-    def _batch(self, snapshot: bool) -> bytes | None:
-        """Drain events into the next batch; a snapshot batch carries the whole cached set.
-
-        None (and no seq used) when there is no event and no snapshot is asked for.
-        Call with `_flush_lock` held: seqs are handed out in order under it.
-        """
-        with self._lock:
-            events = self.pool.take_events()
-            snap = self.pool.snapshot_events() if snapshot else []
-        self.pages.observe(events)
-        if not snapshot and not events:
-            return None
-        batch = make_batch(
-            snap if snapshot else events,
-            self.worker_id,
-            self.incarnation,
-            self._next_seq,
-            snapshot=snapshot,
-        )
-        self._next_seq += 1
-        return encode_batch(batch)
-
     def snapshot(self) -> bytes:
-        """A snapshot batch of the whole cached set, taking the next seq (for a coordinator rebuild).
-
-        Queued batches are dropped: their effects are in the snapshot.
-        """
-        with self._flush_lock:
-            self._unacked.clear()
-            self._bump("snapshots_sent")
-            data = self._batch(snapshot=True)
-            if data is None:  # pragma: no cover - a snapshot batch is always built
-                raise InvariantViolation("snapshot batch was not built")
-            return data
+        """A snapshot batch of the whole cached set, taking the next seq (for a coordinator
+        rebuild); see `EventReporter.snapshot`."""
+        return self.reporter.snapshot()
 
     def flush(self) -> bool:
-        """Report queued events and the load to the coordinator now; True when acknowledged.
-
-        Raises nothing when the coordinator is away: the batches stay queued and
-        go out (again) with the next report; the coordinator ignores duplicates.
-        """
-        if self._coordinator is None:
-            self.pages.take_events()
-            return False
-        with self._flush_lock:
-            if self._needs_snapshot:
-                self._unacked.clear()  # the snapshot covers them
-                data = self._batch(snapshot=True)
-                self._bump("snapshots_sent")
-                self._needs_snapshot = False
-            else:
-                data = self._batch(snapshot=False)
-            if data is not None:
-                self._unacked.append(data)
-            batches = list(self._unacked)
-            try:
-                reply = self._rpc("report", self.worker_id, batches, self._load())
-            except Exception as exc:
-                cause = _unwrap(exc)
-                if isinstance(cause, UnknownWorker):  # expired, or the coordinator lost us
-                    self._needs_snapshot = True
-                    try:
-                        self._register()
-                    except Exception as again:
-                        log.warning("re-registering failed (will retry): %s", _unwrap(again))
-                else:
-                    log.warning("report to the coordinator failed (will resend): %s", cause)
-                return False
-            self._unacked.clear()
-            self._bump("batches_sent", len(batches))
-            if reply.needs_snapshot:
-                self._needs_snapshot = True
-            return True
-
-    def _bump(self, name: str, n: int = 1) -> None:
-        with self._counters_lock:
-            setattr(self._counters, name, getattr(self._counters, name) + n)
-
-    def _flush_quietly(self) -> None:
-        try:
-            self.flush()
-        except Exception:  # reporting must never fail a request
-            log.exception("flushing events failed")
-
-    def _rpc(self, method: str, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
-        """Call the coordinator: a Ray actor handle (awaited up to the RPC timeout unless
-        not `wait`) or, in one process (tests, tools), a plain `Coordinator`."""
-        fn = getattr(self._coordinator, method)
-        remote = getattr(fn, "remote", None)
-        if remote is None:
-            return fn(*args, **kwargs)
-        ref = remote(*args, **kwargs)
-        if not wait:
-            return None
-        import ray
-
-        return ray.get(ref, timeout=self._rpc_timeout_s)
+        """Report queued events and the load to the coordinator now; True when acknowledged
+        (see `EventReporter.flush`)."""
+        return self.reporter.flush()
 
     def _register(self) -> None:
-        if self._coordinator is None:
+        if self._rpc is None:
             return
         self._rpc(
             "register_worker",
@@ -772,11 +507,6 @@ class WorkerActor:
             actor_name=worker_actor_name(self.worker_id),
             actor_namespace=self.config.coordinator.namespace,
         )
-        self._needs_snapshot = True
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_s):
-            self._flush_quietly()
 
     # ---------------------------------------------------------------- control
 
@@ -800,6 +530,7 @@ class WorkerActor:
             cached = len(self.pool.cached_hashes())
         with self._counters_lock:
             c = dataclasses.replace(self._counters)
+        moved = self.peers.counts()
         return WorkerStats(
             worker_id=self.worker_id,
             role=self.role,
@@ -818,32 +549,32 @@ class WorkerActor:
             pages_pulled=c.pages_pulled,
             pages_computed=c.pages_computed,
             pages_pushed=c.pages_pushed,
-            batches_sent=c.batches_sent,
-            snapshots_sent=c.snapshots_sent,
-            last_seq=self._next_seq - 1,
+            batches_sent=self.reporter.batches_sent,
+            snapshots_sent=self.reporter.snapshots_sent,
+            last_seq=self.reporter.last_seq,
             draining=self._draining,
-            pulls_grpc=c.pulls_grpc,
-            pulls_dist=c.pulls_dist,
-            pushes_grpc=c.pushes_grpc,
-            pushes_dist=c.pushes_dist,
-            dist_fallbacks=c.dist_fallbacks,
-            links_opened=c.links_opened,
-            links_served=c.links_served,
+            pulls_grpc=moved.pulls_grpc,
+            pulls_dist=moved.pulls_dist,
+            pushes_grpc=moved.pushes_grpc,
+            pushes_dist=moved.pushes_dist,
+            dist_fallbacks=moved.dist_fallbacks,
+            links_opened=self.links.opened,
+            links_served=self.links.served,
             requests_cancelled=cancelled_count(self.worker_id),
         )
 
     def reset_cache(self) -> None:
         """Forget every cached page (an `AllPagesCleared` event) and report it.
 
-        Raises `PagesInUse` while requests hold pages.
+        Raises `PagesInUse` while requests hold pages. Request and transfer
+        counters restart; event batches keep counting.
         """
         with self._lock:
             self.cache_manager.reset_prefix_cache()
         with self._counters_lock:
-            self._counters = _Counters(
-                batches_sent=self._counters.batches_sent,
-                snapshots_sent=self._counters.snapshots_sent,
-            )
+            self._counters = _Counters()
+        self.peers.reset_counts()
+        self.links.reset_counts()
         self.flush()
 
     def drain(self, timeout_s: float = 30.0) -> bool:
@@ -853,11 +584,11 @@ class WorkerActor:
         """
         self._draining = True
         self._server.set_serving(False)
-        if self._coordinator is not None:
+        if self._rpc is not None:
             try:
                 self._rpc("drain_worker", self.worker_id, True)
             except Exception as exc:
-                log.warning("could not tell the coordinator about draining: %s", _unwrap(exc))
+                log.warning("could not tell the coordinator about draining: %s", remote_cause(exc))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             load = self.engine.load()
@@ -867,30 +598,11 @@ class WorkerActor:
         return False
 
     def shutdown(self) -> None:
-        """Stop heartbeats and the gRPC server (the actor can then be killed)."""
-        self._stop.set()
+        """Stop heartbeats, peers, links and the gRPC server (the actor can then be killed)."""
+        self.reporter.stop()
         self._callers.close()
-        with self._peers_lock:
-            peers, self._peers = list(self._peers.values()), {}
-        for p in peers:
-            close: Callable[[], None] | None = getattr(p, "close", None)
-            if close is not None:
-                close()
-        self._hang_up_links()
+        self.peers.close()
         self._server.stop()
-
-    def _hang_up_links(self) -> None:
-        """Tell every peer this worker opened a link to that it ends (best effort), close them."""
-        from kvmesh.rendezvous import LINK_SERVER_RANK
-
-        for address in list(self._links):
-            link = self._links.get(address)
-            if link is not None and link.group.usable:
-                try:
-                    link.hang_up(LINK_SERVER_RANK)
-                except KVMeshError as exc:
-                    log.info("hang-up on the link to %s failed: %s", address, exc)
-            self._drop_link(address)
 
     def check_invariants(self) -> None:
         """The pool's invariants (raises `InvariantViolation`)."""

@@ -752,6 +752,25 @@ class PageReceiver:
         self.service.release(reservations)
 
 
+@dataclass(frozen=True, slots=True)
+class PullOutcome:
+    """How one pull into a pool went, whatever carried it (`kvmesh.worker.peers`).
+
+    The pages arrived through a `PageReceiver`, so every page cached is
+    whole, checked and proven; the puller takes from its pool those of
+    `page_hashes` it now holds. `transport` names what delivered (after any
+    fallback), `inserted` the pages newly cached. `error`: the pull failed
+    part-way (the pages cached before it still count); `fallback_reason`: why
+    the configured transport was left for another.
+    """
+
+    page_hashes: tuple[PageHash, ...]
+    transport: str
+    inserted: int = 0
+    error: str | None = None
+    fallback_reason: str | None = None
+
+
 class _Pinned:
     __slots__ = ("_hashes", "_ids", "_service")
 

@@ -43,12 +43,12 @@ from kvmesh.errors import (
 )
 from kvmesh.events import KVEvent
 from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes
-from kvmesh.types import PageHash, PageId, WorkerId
+from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.free_queue import KVPage
-from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.model import TinyTransformer
-from kvmesh.worker.page_service import ProofBook
+from kvmesh.worker.page_service import ProofBook, PullOutcome
 
 log = logging.getLogger(__name__)
 
@@ -101,27 +101,10 @@ class PullRequest:
         )
 
 
-PulledPage = tuple[PageHash, PageBlob]
-
-
-@dataclass(frozen=True, slots=True)
-class PulledInPlace:
-    """A pull whose transport checked and cached the pages itself (torch.distributed
-    receives straight into pool pages): the engine takes from the pool those of
-    `page_hashes` it now holds and counts them as pulled. `transport` names what
-    delivered (after any fallback)."""
-
-    page_hashes: tuple[PageHash, ...]
-    transport: str
-    error: str | None = None
-    """Set when the pull failed part-way: the pages cached before it count, the error is
-    reported as the result's `pull_error`."""
-
-
-PullFn = Callable[[PullRequest], Sequence[PulledPage] | PulledInPlace]
-"""Fetches pages from a peer: the pages it has, in the order asked, stopping at the first
-it lacks (or `PulledInPlace` when they are in the pool already). Raises a `KVMeshError`
-(e.g. `TransportError`) when the peer cannot serve."""
+PullFn = Callable[[PullRequest], PullOutcome]
+"""Fetches pages from a peer into this worker's pool through its `PageService` (each page
+checked and proven once, on the way in) and says how it went. A failure part-way is the
+outcome's `error`; raising a `KVMeshError` (e.g. `TransportError`) means nothing came."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +163,7 @@ class _Progress:
 
     pull_ms: float = 0.0
     pull_error: str | None = None
-    pulled_ids: frozenset[PageId] = frozenset()
-    in_place: frozenset[PageHash] = frozenset()  # hashes a `PulledInPlace` pull cached
+    pulled: frozenset[PageHash] = frozenset()  # hashes the pull asked for
 
 
 CANCEL_POLL_S = 0.05
@@ -359,7 +341,7 @@ class ServingEngine:
                 with self.lock:
                     self.cache_manager.free(request)
             done = self.clock()
-        n_pulled = sum(1 for p in matched if p.page_id in progress.pulled_ids)
+        n_pulled = sum(1 for p in matched if p.page_hash in progress.pulled)
         return GenerationResult(
             request_id=request_id,
             worker_id=self.worker_id,
@@ -480,40 +462,20 @@ class ServingEngine:
         self, request: Request, hint: RouteHint, pull_fn: PullFn | None, progress: _Progress
     ) -> tuple[list[KVPage], list[KVPage]]:
         """Hold the request's pages: the cached prefix (after an optional pull) and new ones."""
-        pulled: Sequence[PulledPage] = ()
-        first_pulled = 0
         if pull_fn is not None and hint.peer is not None and self.cache_manager.enable_caching:
             t0 = self.clock()
-            pulled, first_pulled = self._pull(request, hint, pull_fn, progress)
+            self._pull(request, hint, pull_fn, progress)
             progress.pull_ms = (self.clock() - t0) * 1e3
         cm, pool = self.cache_manager, self.pool
         with self.lock:
-            t0 = self.clock()
-            held: list[KVPage] = []
-            try:
-                if pulled:
-                    limit = (request.num_tokens - 1) // self.page_size
-                    held = pool.match_prefix(request.page_hashes, limit)
-                    pool.touch(held)  # shield the local prefix while pulled pages go in
-                    inserted = self._insert_pulled(request, pulled, first_pulled, len(held))
-                    held.extend(inserted)
-                    progress.pulled_ids = frozenset(p.page_id for p in inserted)
-                matched, _ = cm.get_computed_pages(request)
-                if progress.in_place:
-                    progress.pulled_ids |= {
-                        p.page_id for p in matched if p.page_hash in progress.in_place
-                    }
-                new_pages = cm.allocate_slots(
-                    request,
-                    request.num_tokens - len(matched) * self.page_size,
-                    len(matched) * self.page_size,
-                    matched,
-                    delay_caching=True,
-                )
-            finally:
-                pool.free_pages(reversed(held))
-            if pulled:
-                progress.pull_ms += (self.clock() - t0) * 1e3
+            matched, _ = cm.get_computed_pages(request)
+            new_pages = cm.allocate_slots(
+                request,
+                request.num_tokens - len(matched) * self.page_size,
+                len(matched) * self.page_size,
+                matched,
+                delay_caching=True,
+            )
             if new_pages is None:
                 need = -(-request.num_tokens // self.page_size)
                 raise PoolExhausted(
@@ -526,15 +488,16 @@ class ServingEngine:
 
     def _pull(
         self, request: Request, hint: RouteHint, pull_fn: PullFn, progress: _Progress
-    ) -> tuple[Sequence[PulledPage], int]:
-        """Fetch from the hinted peer the pages past the local prefix; checked, not inserted."""
+    ) -> None:
+        """Have `pull_fn` bring the pages past the local prefix from the hinted peer into the
+        pool; notes which hashes it asked for and why it failed, if it did."""
         hashes = request.page_hashes
         limit = min((request.num_tokens - 1) // self.page_size, len(hashes))
         end = min(hint.promised_local + hint.promised_pull, limit)
         with self.lock:
             start = len(self.pool.match_prefix(hashes, limit))
         if start >= end or hint.peer is None:
-            return (), 0
+            return
         ps = self.page_size
         ask = PullRequest(
             peer=hint.peer,
@@ -544,59 +507,18 @@ class ServingEngine:
             first_page=start,
             extra_keys=request.hashes.keys,
         )
-        # Pulling is an optimisation: the pages before the first failure are used,
-        # the rest are computed, and the failure is reported with the result.
-        good: list[PulledPage] = []
+        # Pulling is an optimisation: the whole pages that arrived are used, the rest are
+        # computed, and a failure is reported with the result.
+        progress.pulled = frozenset(ask.page_hashes)
         try:
-            pages = pull_fn(ask)
-            if isinstance(pages, PulledInPlace):
-                progress.in_place = frozenset(pages.page_hashes)
-                if pages.error is not None:
-                    progress.pull_error = pages.error
-                    log.warning("pull from %s failed part-way: %s", hint.peer, pages.error)
-                return (), start
-            for want, (got, blob) in zip(ask.page_hashes, pages, strict=False):
-                if got != want:
-                    raise InvalidInput(
-                        f"peer {hint.peer} sent page {got.hex()[:16]} where "
-                        f"{want.hex()[:16]} was asked"
-                    )
-                self.kv_store.check_blob(blob)
-                good.append((got, blob))
+            outcome = pull_fn(ask)
         except (KVMeshError, OSError) as exc:
             progress.pull_error = f"{type(exc).__name__}: {exc}"
             log.warning("pull from %s failed, computing instead: %s", hint.peer, exc)
-        return good, start
-
-    def _insert_pulled(
-        self, request: Request, pulled: Sequence[PulledPage], first: int, num_matched: int
-    ) -> list[KVPage]:
-        """Put pulled pages that extend the held prefix into the pool; they stay held (lock held).
-
-        Pages the prefix already covers are skipped; a gap (the prefix shrank
-        while pulling) makes the rest unusable for this request, so they are dropped.
-        """
-        pool, store, ps = self.pool, self.kv_store, self.page_size
-        hashes, tokens = request.page_hashes, request.token_ids
-        skip = num_matched - first
-        if skip < 0:
-            return []
-        todo = pulled[skip:]
-        n = min(len(todo), pool.get_num_free_pages())
-        if n <= 0:
-            return []
-        pages = pool.get_new_pages(n)
-        for i, (page, (page_hash, blob)) in enumerate(zip(pages, todo, strict=False)):
-            index = num_matched + i
-            store.import_page(page.page_id, blob, verified=True)
-            pool.cache_page(
-                page,
-                page_hash,
-                hashes[index - 1] if index else None,
-                tokens[index * ps : (index + 1) * ps],
-                request.lora_id,
-            )
-        return pages
+            return
+        if outcome.error is not None:
+            progress.pull_error = outcome.error
+            log.warning("pull from %s failed part-way: %s", hint.peer, outcome.error)
 
     def _prefill(
         self,

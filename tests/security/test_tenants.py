@@ -36,10 +36,10 @@ from kvmesh.worker.cache_manager import KVCacheManager
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import PageService
+from kvmesh.worker.page_service import PageService, PullOutcome
+from kvmesh.worker.peers import Peers
 from kvmesh.worker.serving import (
     GenerationResult,
-    PulledPage,
     PullFn,
     PullRequest,
     RouteHint,
@@ -121,17 +121,19 @@ class Cluster:
             self._report(node, events)
         return list(events)
 
-    def pull_fn(self) -> PullFn:
-        def pull(ask: PullRequest) -> Sequence[PulledPage]:
-            with SyncPeerClient(ask.peer, TRANSFER) as client:
-                fetched = client.fetch_pages(list(ask.page_hashes))
-            self.pulls.append((ask, len(fetched.pages)))
-            out: list[PulledPage] = []
-            for want, page in zip(ask.page_hashes, fetched.pages, strict=False):
-                if page.page_hash != want:
-                    break
-                out.append((page.page_hash, page.blob))
-            return out
+    def pull_fn(self, node: Node) -> PullFn:
+        """Pull as a worker does: from the peer over gRPC, into `node`'s pool through its
+        `PageService`, each page proven against the request being served."""
+
+        def pull(ask: PullRequest) -> PullOutcome:
+            peers = Peers(TRANSFER)
+            try:
+                receiver = node.pages.receiving(ask.proofs(PAGE))
+                outcome = peers.get(ask.peer).pull_into(receiver, ask.page_hashes)
+            finally:
+                peers.close()
+            self.pulls.append((ask, outcome.inserted))
+            return outcome
 
         return pull
 
@@ -147,7 +149,7 @@ class Cluster:
             2,
             extra_keys=ExtraKeys(cache_salt=salt),
             hint=hint or RouteHint(),
-            pull_fn=self.pull_fn(),
+            pull_fn=self.pull_fn(node),
         )
         self.flush(node)
         key = tuple(tokens)

@@ -12,12 +12,11 @@ grant whose ticket the receiving rank handed over (through a file).
 from __future__ import annotations
 
 import json
-import logging
 import multiprocessing
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +28,18 @@ from worker_kit import proofs_for
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWorker
 from kvmesh.hashing import NO_EXTRA, PageHasher
+from kvmesh.rendezvous import DistRendezvous, assign_ranks
 from kvmesh.types import PageHash, PageId, WorkerId
-from kvmesh.worker.dist_transfer import (
+from kvmesh.worker.dist_group import DistGroup, free_port
+from kvmesh.worker.dist_transport import DistPageTransport
+from kvmesh.worker.dist_wire import (
     DTYPE_CODES,
-    DistGroup,
-    DistPageTransport,
-    DistRendezvous,
     Kind,
     Preamble,
+    ReceiveResult,
     WirePage,
-    assign_ranks,
     decode_page_meta,
     encode_page_meta,
-    fetch_with_fallback,
-    free_port,
     plan_batches,
 )
 from kvmesh.worker.kv_store import KVStore
@@ -88,6 +85,13 @@ def fill(service: PageService, n: int, seed: int) -> list[PageHash]:
     pool.free_pages(list(reversed(pages)))
     service.take_events()
     return hashes
+
+
+def pull(
+    transport: DistPageTransport, hashes: list[PageHash], proofs: ProofBook
+) -> ReceiveResult:
+    """Pull from rank 1 into the transport's own service, proven against `proofs`."""
+    return transport.pull(1, hashes, transport.service.receiving(proofs))
 
 
 def hashes_for(n: int, seed: int) -> list[PageHash]:
@@ -230,13 +234,7 @@ def _exchange_client(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
             hashes = mixed_order(hashes_for(N_PAGES, seed))
             ask = [*hashes, UNKNOWN, hashes[3]]  # a hash it lacks, a hash twice
             proofs = proofs_of(N_PAGES, seed)
-            if dtype == "float32":  # also through the fallback helper: dist works, no fallback
-                outcome = fetch_with_fallback(service, ask, proofs, dist=transport, peer_rank=1)
-                out[f"fallback_{layout}"] = [outcome.transport, outcome.fallback_reason]
-                assert outcome.dist is not None
-                result = outcome.dist
-            else:
-                result = transport.pull(1, ask, proofs)
+            result = pull(transport, ask, proofs)
             transport.hang_up(1)
             order = {h: i for i, h in enumerate(hashes_for(N_PAGES, seed))}
             expected = page_data(service.store, N_PAGES, seed)[[order[h] for h in hashes]]
@@ -283,7 +281,7 @@ def _exchange_client(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
         service = make_service("float32")
         transport = DistPageTransport(group, service)
         hashes = hashes_for(N_PAGES, 11)
-        result = transport.pull(1, hashes, proofs_of(N_PAGES, 11))
+        result = pull(transport, hashes, proofs_of(N_PAGES, 11))
         transport.hang_up(1)
         expected = page_data(service.store, N_PAGES, 11)
         cached = service.pool.cached_hashes()
@@ -303,7 +301,7 @@ def _exchange_client(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
     # wrong dtype
     service = make_service("float32")
     transport = DistPageTransport(group, service)
-    result = transport.pull(1, hashes_for(6, 12), proofs_of(6, 12))
+    result = pull(transport, hashes_for(6, 12), proofs_of(6, 12))
     transport.hang_up(1)
     out["wrong_dtype"] = {
         "rejected": [why for _, why in result.rejected],
@@ -316,7 +314,7 @@ def _exchange_client(group: DistGroup, ctx: PairContext) -> dict[str, Any]:
     transport = DistPageTransport(group, service)
     hashes = hashes_for(6, 13)
     half = ProofBook.for_pages(hashes[:3], tokens_for(6, 13), NO_EXTRA, PAGE)
-    result = transport.pull(1, hashes, half)
+    result = pull(transport, hashes, half)
     transport.hang_up(1)
     cached = service.pool.cached_hashes()
     out["half_proven"] = {
@@ -349,7 +347,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
         service = make_service("float32")
         transport = DistPageTransport(group, service, timeout_s=1.5)
         try:
-            transport.pull(1, hashes_for(4, 30), proofs_of(4, 30))
+            pull(transport, hashes_for(4, 30), proofs_of(4, 30))
             error = None
         except TransportError as exc:
             error = str(exc)
@@ -361,7 +359,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
     hashes = hashes_for(N_PAGES, 20)
     t0 = time.monotonic()
     try:
-        transport.pull(1, hashes, proofs_of(N_PAGES, 20))
+        pull(transport, hashes, proofs_of(N_PAGES, 20))
         error = None
     except TransportError as exc:
         error = str(exc)
@@ -369,7 +367,7 @@ def faults_client(ctx: PairContext) -> dict[str, Any]:
     cached = [h for h in hashes if h in service.pool.cached_hashes()]
     expected = page_data(service.store, N_PAGES, 20)[: len(cached)]
     try:
-        transport.pull(1, hashes, proofs_of(N_PAGES, 20))
+        pull(transport, hashes, proofs_of(N_PAGES, 20))
         again = None
     except TransportError as exc:
         again = str(exc)
@@ -505,11 +503,6 @@ def test_pins_and_reserved_pages_are_released_on_both_sides(exchange: Any, layou
         assert server[f"refs_restored_{layout}_{dtype}"] is True
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_fetch_with_fallback_uses_dist_when_it_works(exchange: Any, layout: str) -> None:
-    assert exchange[0][f"fallback_{layout}"] == ["dist", None]
-
-
 def test_pushed_pages_are_inserted_bit_exact_and_acknowledged(exchange: Any) -> None:
     client, server = exchange
     assert server["pushed"] == 8
@@ -596,67 +589,6 @@ def test_a_peer_that_never_answers_raises_transport_error_after_the_timeout(
     assert got["cached"] == 0
 
 
-# --------------------------------------------------------------------------- fallback
-
-
-@pytest.fixture
-def grpc_peer() -> Iterator[tuple[str, list[PageHash]]]:
-    from kvmesh.worker.transfer_server import ServerThread
-
-    service = make_service("float32")
-    hashes = fill(service, 12, 40)
-    with ServerThread(service, TransferConfig(host="127.0.0.1", port=0)) as server:
-        yield server.address, hashes
-
-
-def test_fetch_falls_back_to_grpc_and_logs_why_when_dist_init_fails(
-    grpc_peer: tuple[str, list[PageHash]], caplog: pytest.LogCaptureFixture
-) -> None:
-    from kvmesh.worker.transfer_client import SyncPeerClient
-
-    address, hashes = grpc_peer
-    service = make_service("float32")
-
-    def join() -> DistPageTransport:  # rank 0 of 2: the other rank never comes
-        group = DistGroup.init(0, 2, "127.0.0.1", free_port(), timeout_s=1.0)
-        return DistPageTransport(group, service)
-
-    with (
-        SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
-        caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
-    ):
-        outcome = fetch_with_fallback(
-            service, hashes, proofs_of(12, 40), dist=join, peer_rank=1, grpc=client
-        )
-    assert outcome.transport == "grpc"
-    assert outcome.inserted == len(hashes)
-    assert outcome.fallback_reason is not None and "rendezvous" in outcome.fallback_reason
-    assert any(
-        "falling back to grpc" in r.getMessage() and "rendezvous" in r.getMessage()
-        for r in caplog.records
-    )
-    expected = page_data(service.store, 12, 40)
-    assert all(bytes_match(service, hashes, expected))
-
-
-def test_fetch_falls_back_when_no_group_is_configured(
-    grpc_peer: tuple[str, list[PageHash]], caplog: pytest.LogCaptureFixture
-) -> None:
-    from kvmesh.worker.transfer_client import SyncPeerClient
-
-    address, hashes = grpc_peer
-    service = make_service("float32")
-    with (
-        SyncPeerClient(address, TransferConfig(deadline_s=20)) as client,
-        caplog.at_level(logging.WARNING, logger="kvmesh.worker.dist_transfer"),
-    ):
-        outcome = fetch_with_fallback(service, hashes, proofs_of(12, 40), dist=None, grpc=client)
-    assert outcome.transport == "grpc"
-    assert outcome.inserted == len(hashes)
-    assert "no torch.distributed group" in (outcome.fallback_reason or "")
-    assert any("no torch.distributed group" in r.getMessage() for r in caplog.records)
-
-
 def _join_and_leave(port: int) -> None:
     DistGroup.init(1, 2, "127.0.0.1", port, timeout_s=90).close()
 
@@ -677,18 +609,6 @@ def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
         if peer.is_alive():
             peer.kill()
     assert peer.exitcode == 0
-
-
-def test_fetch_raises_when_dist_fails_and_there_is_no_grpc_peer() -> None:
-    with pytest.raises(TransportError, match="no gRPC peer"):
-        fetch_with_fallback(make_service(), hashes_for(2, 0), proofs_of(2, 0), dist=None, grpc=None)
-
-
-def test_fetch_refuses_an_unknown_transport() -> None:
-    with pytest.raises(ConfigError, match="choose one of"):
-        fetch_with_fallback(
-            make_service(), hashes_for(2, 0), proofs_of(2, 0), transport="carrier-pigeon"
-        )
 
 
 # --------------------------------------------------------------------------- pure parts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ import torch
 from kvmesh.config import ModelConfig
 from kvmesh.errors import (
     InvalidInput,
+    KVMeshError,
     PoolExhausted,
     RequestCancelled,
     RequestExpired,
@@ -26,11 +28,9 @@ from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import PageService
+from kvmesh.worker.page_service import IncomingPage, PageService, PullOutcome
 from kvmesh.worker.serving import (
     GenerationResult,
-    PulledInPlace,
-    PulledPage,
     PullFn,
     PullRequest,
     RouteHint,
@@ -73,21 +73,46 @@ def assert_idle_and_consistent(engine: ServingEngine) -> None:
     assert engine.cache_manager.request_ids() == []
 
 
-def copying_pull_fn(source: ServingEngine, asked: list[PullRequest]) -> PullFn:
-    """An in-process peer: export the asked pages from `source`'s pool and store."""
+Exported = list[tuple[PageHash, PageBlob]]
 
-    def pull(req: PullRequest) -> Sequence[PulledPage]:
+
+def copying_pull_fn(
+    source: ServingEngine,
+    asked: list[PullRequest],
+    target: ServingEngine,
+    tamper: Callable[[Exported], Exported] | None = None,
+) -> PullFn:
+    """An in-process peer: the asked pages `source` holds (in order, up to the first it
+    lacks), optionally `tamper`ed with, taken into `target`'s pool one by one through a
+    `PageService` receiver proven against the request, as every transport takes them;
+    the first refused page ends the pull with its error."""
+    into = PageService(target.pool, target.kv_store, target.hasher, lock=target.lock)
+
+    def pull(req: PullRequest) -> PullOutcome:
         asked.append(req)
-        out: list[PulledPage] = []
+        pages: Exported = []
         with source.lock:
             for h in req.page_hashes:
                 page = source.pool.get_cached_page(h)
                 if page is None:
                     break
-                out.append((h, source.kv_store.export_page(page.page_id, copy=True)))
-        return out
+                pages.append((h, source.kv_store.export_page(page.page_id, copy=True)))
+        receiver = into.receiving(req.proofs(PAGE))
+        inserted = 0
+        for h, blob in tamper(pages) if tamper is not None else pages:
+            try:
+                inserted += receiver.insert_many([IncomingPage(h, None, (), blob)])[0]
+            except KVMeshError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                return PullOutcome(req.page_hashes, "copy", inserted, error)
+        return PullOutcome(req.page_hashes, "copy", inserted)
 
     return pull
+
+
+def nothing_pulled(req: PullRequest) -> PullOutcome:
+    """What a peer that had none of the pages answers."""
+    return PullOutcome(req.page_hashes, "copy")
 
 
 def test_the_same_prompt_twice_hits_the_second_time_with_identical_tokens(
@@ -182,7 +207,7 @@ def test_pages_pulled_from_a_peer_give_the_from_scratch_tokens(model: TinyTransf
     peer.serve("warm", p, 1)
     asked: list[PullRequest] = []
     hint = RouteHint(promised_local=0, promised_pull=8, peer="peer-0")
-    result = engine.serve("r", p, 9, hint=hint, pull_fn=copying_pull_fn(peer, asked))
+    result = engine.serve("r", p, 9, hint=hint, pull_fn=copying_pull_fn(peer, asked, engine))
     assert (result.pages_hit_local, result.pages_pulled, result.pages_computed) == (0, 8, 1)
     assert (result.promised_local, result.promised_pull) == (0, 8)
     assert result.pull_error is None
@@ -209,7 +234,7 @@ def test_a_pull_only_fetches_what_the_local_prefix_lacks(model: TinyTransformer)
     engine.serve("head", p[: 3 * PAGE + 2], 1)  # the worker holds the first 3 pages
     asked: list[PullRequest] = []
     hint = RouteHint(promised_local=3, promised_pull=7, peer="peer-0")
-    result = engine.serve("r", p, 5, hint=hint, pull_fn=copying_pull_fn(peer, asked))
+    result = engine.serve("r", p, 5, hint=hint, pull_fn=copying_pull_fn(peer, asked, engine))
     assert (result.pages_hit_local, result.pages_pulled, result.pages_computed) == (3, 6, 1)
     hashes = PageHasher(PAGE).hash_prompt(p)
     assert asked[0].page_hashes == tuple(hashes[3:9])  # the last token is always recomputed
@@ -224,7 +249,7 @@ def test_a_peer_that_lost_some_pages_sends_fewer_and_the_rest_is_computed(
     p = prompt(6 * PAGE + 1, seed=15)
     peer.serve("warm", p[: 2 * PAGE], 1)  # the peer holds only 2 of the 6 pages promised
     hint = RouteHint(promised_pull=6, peer="peer-0")
-    result = engine.serve("r", p, 4, hint=hint, pull_fn=copying_pull_fn(peer, []))
+    result = engine.serve("r", p, 4, hint=hint, pull_fn=copying_pull_fn(peer, [], engine))
     assert (result.pages_pulled, result.pages_computed) == (2, 5)
     assert list(result.tokens) == engine.compute_from_scratch(p, 4)
 
@@ -233,7 +258,7 @@ def test_a_failed_pull_is_computed_instead_and_reported(model: TinyTransformer) 
     engine = make_engine(model)
     p = prompt(4 * PAGE, seed=16)
 
-    def unreachable(req: PullRequest) -> Sequence[PulledPage]:
+    def unreachable(req: PullRequest) -> PullOutcome:
         raise TransportError(f"peer {req.peer} unreachable")
 
     hint = RouteHint(promised_pull=3, peer="peer-0")
@@ -250,13 +275,13 @@ def test_an_in_place_pull_failing_part_way_counts_the_whole_pages_it_cached(
     peer, engine = make_engine(model), make_engine(model)
     p = prompt(6 * PAGE + 1, seed=17)
     peer.serve("warm", p, 1)
-    into = PageService(engine.pool, engine.kv_store, engine.hasher, lock=engine.lock)
+    three = copying_pull_fn(peer, [], engine, lambda pages: pages[:3])
 
-    def lands_three_then_times_out(req: PullRequest) -> PulledInPlace:
-        """A transport that caches pages straight into the pool (zero-copy gRPC, dist)."""
-        for h, blob in copying_pull_fn(peer, [])(req)[:3]:
-            into.insert(h, blob, req.proofs(PAGE))
-        return PulledInPlace(req.page_hashes, "grpc", "DeadlineExceeded: peer-0 too slow")
+    def lands_three_then_times_out(req: PullRequest) -> PullOutcome:
+        """A peer whose stream ends after three whole pages (a deadline, say)."""
+        landed = three(req)
+        assert landed.inserted == 3
+        return dataclasses.replace(landed, error="DeadlineExceeded: peer-0 too slow")
 
     hint = RouteHint(promised_pull=6, peer="peer-0")
     result = engine.serve("r", p, 4, hint=hint, pull_fn=lands_three_then_times_out)
@@ -273,10 +298,8 @@ def test_a_bad_pulled_page_and_those_after_it_never_enter_the_pool(
     peer, engine = make_engine(model), make_engine(model)
     p = prompt(5 * PAGE + 3, seed=17)
     peer.serve("warm", p, 1)
-    good = copying_pull_fn(peer, [])
-
-    def bad(req: PullRequest) -> Sequence[PulledPage]:
-        pages = list(good(req))
+    def damaged(pages: Exported) -> Exported:
+        pages = list(pages)
         h, blob = pages[1]
         if damage == "checksum":
             raw = bytearray(bytes(blob.data))
@@ -287,6 +310,8 @@ def test_a_bad_pulled_page_and_those_after_it_never_enter_the_pool(
         else:
             pages[1] = (h, PageBlob.from_bytes(bytes(blob.data)[:-4], blob.dtype, (1,)))
         return pages
+
+    bad = copying_pull_fn(peer, [], engine, damaged)
 
     result = engine.serve("r", p, 3, hint=RouteHint(promised_pull=5, peer="p"), pull_fn=bad)
     assert result.pull_error is not None
@@ -360,10 +385,10 @@ def test_waiting_requests_count_as_queued_load(model: TinyTransformer) -> None:
     engine = make_engine(model, max_concurrent=1)
     entered, release = threading.Event(), threading.Event()
 
-    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+    def slow_pull(req: PullRequest) -> PullOutcome:
         entered.set()
         release.wait(timeout=30)
-        return []
+        return nothing_pulled(req)
 
     p = prompt(3 * PAGE, seed=23)
     with ThreadPoolExecutor(max_workers=2) as ex:
@@ -390,12 +415,12 @@ def test_a_request_id_already_running_is_refused(model: TinyTransformer) -> None
     engine = make_engine(model, max_concurrent=2)
     errors: list[Exception] = []
 
-    def reentrant_pull(req: PullRequest) -> Sequence[PulledPage]:
+    def reentrant_pull(req: PullRequest) -> PullOutcome:
         try:
             engine.serve("same", prompt(4), 1)
         except InvalidInput as exc:
             errors.append(exc)
-        return []
+        return nothing_pulled(req)
 
     hint = RouteHint(promised_pull=2, peer="x")
     engine.serve("same", prompt(3 * PAGE), 1, hint=hint, pull_fn=reentrant_pull)
@@ -551,10 +576,10 @@ def test_a_request_stopped_while_waiting_for_a_slot_leaves_the_queue_and_never_s
     engine = make_engine(model, max_concurrent=1, clock=lambda: now[0])
     entered, release, cancel = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+    def slow_pull(req: PullRequest) -> PullOutcome:
         entered.set()
         release.wait(timeout=60)
-        return []
+        return nothing_pulled(req)
 
     chunks = count_prefill_chunks(monkeypatch, model)
     p = prompt(3 * PAGE + 1, seed=43)
@@ -587,10 +612,10 @@ def test_waiting_requests_start_in_arrival_order_and_a_cancelled_one_keeps_the_o
     entered, release = threading.Event(), threading.Event()
     started: list[str] = []
 
-    def slow_pull(req: PullRequest) -> Sequence[PulledPage]:
+    def slow_pull(req: PullRequest) -> PullOutcome:
         entered.set()
         release.wait(timeout=60)
-        return []
+        return nothing_pulled(req)
 
     def note_start(thread: str, n: int) -> None:
         if n == 1:

@@ -30,6 +30,7 @@ from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor, WorkerSpec
 from kvmesh.worker.grpc_wire import WireCall
 from kvmesh.worker.model import TinyTransformer
+from kvmesh.worker.peers import GrpcPeer
 from kvmesh.worker.transfer_client import SyncPeerClient
 
 CONFIG = BASE
@@ -186,7 +187,9 @@ def test_a_pull_lands_in_place_over_the_zero_copy_reader_or_goes_through_grpcio(
         result = w1.generate(request(tokens, 4, promised_pull=6, peer_address=w0.address))
         assert (result.pages_pulled, result.pull_error) == (6, None)
         assert list(result.tokens) == model.generate(list(tokens), 4)
-        assert w1._peer(w0.address).pulls_in_place(w1.pages, 6) == in_place
+        peer = w1.peers.get(w0.address)
+        assert isinstance(peer, GrpcPeer)
+        assert peer.client.pulls_in_place(w1.pages, 6) == in_place
         assert bool(calls) == in_place and set(calls) <= {w0.address}
         assert w1.stats().pulls_grpc == 1
 

@@ -34,7 +34,7 @@ from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWork
 from kvmesh.rendezvous import DistRendezvous, LinkBook
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor, WorkerSpec
-from kvmesh.worker.dist_transfer import host_link_store
+from kvmesh.worker.dist_group import host_link_store
 from kvmesh.worker.model import TinyTransformer
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,7 +203,9 @@ def test_a_broken_link_is_replaced_by_a_fresh_one(workers: list[WorkerActor]) ->
         )
         assert result.pages_pulled == 2
         if round_ == 0:
-            w1._links[w0.address].group.mark_broken("injected: the link broke")
+            link = w1.links.current(w0.address)
+            assert link is not None
+            link.group.mark_broken("injected: the link broke")
     s1 = w1.stats()
     assert (s1.pulls_dist, s1.links_opened) == (2, 2)
 
