@@ -14,7 +14,6 @@ already checked and cached stay (they are valid).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +54,7 @@ class ReusedBuffers:
 
 
 class BatchReceiver:
-    """Receives the batches of PAGES transfers on one group, one transfer at a time.
+    """Receives the batches of PAGES transfers on one group.
 
     `page_rows` gives the KV tensor as one byte row per page (where reserved
     pages land); `timeout_s` bounds every wait.
@@ -74,7 +73,6 @@ class BatchReceiver:
         self.timeout_s = timeout_s
         self._page_rows = page_rows
         self._bufs = ReusedBuffers(group.device)
-        self._guard = threading.Lock()
 
     def receive(
         self,
@@ -87,20 +85,8 @@ class BatchReceiver:
         receiver: PageReceiver,
     ) -> ReceiveResult:
         """Receive the batches (`counts` pages each) of the transfer `pre` announced, whose
-        meta listed `pages`, into `receiver`. Raises `TransportError` when the group fails."""
-        with self._guard:
-            return self._receive(src, tag, pre, pages, missing, counts, receiver)
-
-    def _receive(
-        self,
-        src: int,
-        tag: int,
-        pre: Preamble,
-        pages: list[WirePage],
-        missing: tuple[PageHash, ...],
-        counts: list[int],
-        receiver: PageReceiver,
-    ) -> ReceiveResult:
+        meta listed `pages`, into `receiver`. Raises `TransportError` when the group fails.
+        One transfer at a time (the buffers are reused): the caller serialises calls."""
         group = self.group
         firsts = np.cumsum([0, *counts]).tolist()
         batches = list(zip(firsts, counts, strict=False))

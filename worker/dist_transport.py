@@ -133,6 +133,7 @@ class DistPageTransport:
         self._locks_guard = threading.Lock()
         self._send_bufs = ReusedBuffers(store.device)
         self._send_guard = threading.Lock()
+        self._recv_guard = threading.Lock()
         self._receiver = BatchReceiver(
             group, depth=depth, timeout_s=self.timeout_s, page_rows=self._page_rows
         )
@@ -433,7 +434,8 @@ class DistPageTransport:
                 # The bytes still follow: take them into spare rows and refuse every page.
                 log.warning("push from rank %d refused: %s", src, exc)
                 receiver = self.service.receiving(NO_PROOFS)
-        return self._receiver.receive(src, tag, pre, pages, tuple(missing), counts, receiver)
+        with self._recv_guard:
+            return self._receiver.receive(src, tag, pre, pages, tuple(missing), counts, receiver)
 
     # -- helpers -----------------------------------------------------------
 
