@@ -130,7 +130,17 @@ class WorkerStore:
 class CoordinatorActor:
     """Ray actor wrapping `Coordinator`; build it with `get_or_create_coordinator`."""
 
-    def __init__(self, config: CoordinatorConfig, security: TransferConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        security: TransferConfig | None = None,
+        *,
+        ask_stale_snapshots: bool = True,
+    ) -> None:
+        # False for a shard with replicas: a snapshot it pulled would reach it alone (and
+        # take a seq the other replicas then miss); its stale workers are told in the
+        # report reply and send their snapshot through the routers to every replica.
+        self.ask_stale_snapshots = ask_stale_snapshots
         self.config = config
         self.core = Coordinator(config)
         self._api: CoordinatorAPIServer | None = None
@@ -212,6 +222,8 @@ class CoordinatorActor:
                 for wid in self.core.expire():
                     self._snapshot_asked.pop(wid, None)
                     await self._blocking(self.store.delete, wid)
+                if not self.ask_stale_snapshots:
+                    continue
                 now = asyncio.get_running_loop().time()
                 due = [
                     w
@@ -393,14 +405,24 @@ class CoordinatorActor:
         return book
 
 
-def get_or_create_coordinator(config: CoordinatorConfig | None = None) -> Any:
+def get_or_create_coordinator(
+    config: CoordinatorConfig | None = None, security: TransferConfig | None = None
+) -> Any:
     """The cluster's coordinator actor handle, creating it if it does not exist yet.
 
     Needs `ray.init()` first. The actor takes no CPU slot (it is mostly idle
     between small calls), is restarted up to `max_restarts` times, and calls
-    made while it restarts are retried.
+    made while it restarts are retried. With `index_shards` or
+    `router_replicas` above 1 the handle is router replica 0's, in front of
+    the shard actors (`kvmesh.coordinator.router`). `security` (TLS, token)
+    is for the gRPC routing API when `api_port` >= 0.
     """
     cfg = config or CoordinatorConfig()
+    if cfg.index_shards > 1 or cfg.router_replicas > 1:
+        # router.py builds on this module (its shards are CoordinatorActors): imported here
+        from kvmesh.coordinator.router import create_layout
+
+        return create_layout(cfg, security)[0]
     options: dict[str, Any] = {
         "name": cfg.actor_name,
         "namespace": cfg.namespace,
@@ -412,4 +434,4 @@ def get_or_create_coordinator(config: CoordinatorConfig | None = None) -> Any:
     }
     if cfg.detached:
         options["lifetime"] = "detached"
-    return ray.remote(CoordinatorActor).options(**options).remote(cfg)
+    return ray.remote(CoordinatorActor).options(**options).remote(cfg, security)

@@ -305,6 +305,8 @@ class CoordinatorConfig:
     # this many router replicas, each with its own copy of every shard fed the same events
     index_shards: int = 1  # 1: one coordinator actor holds the whole index
     router_replicas: int = 1
+    # a node label: replica r's router and shards run on nodes labelled <label>=r ("": anywhere)
+    replica_node_label: str = ""
     # the gRPC routing API (proto's Coordinator service) for routers outside Ray: -1 off,
     # 0 a free port; TLS, mutual TLS and the bearer token are TransferConfig's
     api_host: str = "127.0.0.1"

@@ -1,0 +1,513 @@
+"""Index shards and router replicas on Ray: the coordinator at scale.
+
+With ``CoordinatorConfig.index_shards`` = N and ``router_replicas`` = M,
+`get_or_create_coordinator` starts M x N shard actors and M routers:
+
+    replica 0:  router "kvmesh-coordinator"          shards "kvmesh-coordinator-r0-s0" .. -s{N-1}
+    replica 1:  router "kvmesh-coordinator-router-1" shards "kvmesh-coordinator-r1-s0" .. -s{N-1}
+
+A shard is a `CoordinatorActor` under its own name: registry, index, stale
+detection, snapshots, incarnations and the GCS worker records for the
+workers placed on it (`shards.shard_of`), restarted by Ray and rebuilt from
+its workers' snapshots before it answers (`CoordinatorActor.view` waits).
+
+A router (`RouterActor`) has the coordinator actor's API, so workers, the
+client and the gRPC API use it unchanged:
+
+- what changes state (register, report, heartbeat, drain, remove) goes to the
+  worker's shard in EVERY replica, in the order the worker sent it: each
+  replica is fed the same events, never its own routing history. A reply
+  comes once every live replica has applied it; a kvmesh error of any
+  replica (``UnknownWorker`` after a replica lost the worker) goes back to
+  the worker, whose answer (register again, send a snapshot) heals that
+  replica too. A replica that is down misses nothing: it rebuilds from
+  snapshots when Ray restarts it;
+- a route asks its own replica's shards, in parallel, and decides with
+  `shards.ShardRouter` (random choices seeded per request, so replicas
+  decide alike). A shard that fails or has not answered within
+  ``HEDGE_AFTER_S`` is asked in the other replicas too; the first answer wins;
+- a new replica (`create_layout` again with a larger `router_replicas`)
+  catches up before it routes: each of its shards registers the workers its
+  sibling shards know and asks them for snapshots (`RouterActor.wait_ready`);
+  the running routers find it within a heartbeat interval and feed it from
+  then on (events it missed in between are a seq gap: the shard marks the
+  worker stale and asks it for a snapshot, as for any gap).
+
+torch.distributed links (`dist_link`) are opened by the asking worker's
+shard, so both ends must live in one shard (else ``UnknownWorker``): use
+``transport="grpc"`` with more than one shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordinator.actor import CoordinatorActor
+from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
+from kvmesh.coordinator.index import MatchResult
+from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
+from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.service import RebuildResult, Registration, ReportResult, RouteView
+from kvmesh.coordinator.shards import ShardRouter, merge_matches, merge_stats, merge_views, shard_of
+from kvmesh.errors import KVMeshError, NoWorkers, TransportError
+from kvmesh.rendezvous import DistRendezvous
+from kvmesh.types import PageHash, WorkerId
+
+log = logging.getLogger(__name__)
+
+HEDGE_AFTER_S = 0.25
+"""How long a route waits for its own replica's shard before asking the other replicas too."""
+SHARD_CALL_TIMEOUT_S = 30.0
+"""The longest a router waits for any shard (a restarting shard rebuilds first)."""
+_GONE = (ActorDiedError, ActorUnavailableError, RayActorError, TimeoutError)
+
+
+def shard_actor_name(config: CoordinatorConfig, replica: int, shard: int) -> str:
+    return f"{config.actor_name}-r{replica}-s{shard}"
+
+
+def router_actor_name(config: CoordinatorConfig, replica: int) -> str:
+    """Replica 0 takes the coordinator's own name, so workers and clients find it unchanged."""
+    return config.actor_name if replica == 0 else f"{config.actor_name}-router-{replica}"
+
+
+def _kvmesh_cause(exc: BaseException) -> KVMeshError | None:
+    """The kvmesh error a remote call raised (Ray wraps it), if that is what failed."""
+    if isinstance(exc, KVMeshError):
+        return exc
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, KVMeshError) else None
+
+
+def _placement(config: CoordinatorConfig, replica: int) -> dict[str, Any]:
+    """Ray options placing replica `replica`'s actors: on nodes labelled for it, if configured."""
+    if config.replica_node_label:
+        return {"label_selector": {config.replica_node_label: str(replica)}}
+    return {}
+
+
+class RouterActor:
+    """One router replica; see the module docstring. Build them with `get_or_create_coordinator`."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        replica: int,
+        security: TransferConfig | None = None,
+        shards: Sequence[Sequence[Any]] = (),
+        peers: Sequence[Any] = (),
+    ) -> None:
+        self.config = config
+        self.replica = replica
+        self.num_shards = config.index_shards
+        self.num_replicas = config.router_replicas
+        # per-request random choices always: replicas (now or added later) decide alike
+        self.router = ShardRouter(config, per_request_rng=True)
+        # Ray collects an actor nobody holds a handle to: the routers hold their shards'
+        # (`shards[replica][shard]`, from `create_layout`; Ray keeps them across restarts)
+        self._handles: dict[tuple[int, int], Any] = {
+            (r, s): h for r, row in enumerate(shards) for s, h in enumerate(row)
+        }
+        self._peers = list(peers)  # replica 0 holds the other routers (the same reason)
+        self._addresses: dict[WorkerId, str] = {}
+        self._ready = asyncio.Event()
+        self._api: CoordinatorAPIServer | None = None
+        loop = asyncio.get_running_loop()
+        self._tasks: list[asyncio.Task[Any]] = [
+            loop.create_task(self._catch_up()),
+            loop.create_task(self._discover_loop()),
+        ]
+        if config.api_port >= 0:
+            self._api = CoordinatorAPIServer(self, config, security or TransferConfig())
+            self._tasks.append(loop.create_task(self._api.start()))
+
+    # ---------------------------------------------------------------- shards
+
+    async def _shard(self, replica: int, shard: int) -> Any:
+        key = (replica, shard)
+        handle = self._handles.get(key)
+        if handle is None:
+            name = shard_actor_name(self.config, replica, shard)
+            ns = self.config.namespace
+            loop = asyncio.get_running_loop()
+            handle = await loop.run_in_executor(None, lambda: ray.get_actor(name, namespace=ns))
+            self._handles[key] = handle
+        return handle
+
+    async def _call(self, replica: int, shard: int, method: str, *args: Any) -> Any:
+        handle = await self._shard(replica, shard)
+        ref = getattr(handle, method).remote(*args)
+        return await asyncio.wait_for(ref, SHARD_CALL_TIMEOUT_S)
+
+    async def _everywhere(self, shard: int, method: str, *args: Any) -> list[Any]:
+        """Call `method` on `shard` of every replica; the live replicas' answers, own first.
+
+        Raises the first kvmesh error any replica raised, or `TransportError`
+        when no replica answered.
+        """
+        order = [self.replica] + [r for r in range(self.num_replicas) if r != self.replica]
+        results = await asyncio.gather(
+            *(self._call(r, shard, method, *args) for r in order), return_exceptions=True
+        )
+        answers: list[Any] = []
+        gone: list[str] = []
+        for r, res in zip(order, results, strict=True):
+            if isinstance(res, BaseException):
+                cause = _kvmesh_cause(res)
+                if cause is not None:
+                    raise cause
+                if not isinstance(res, _GONE | ValueError):
+                    raise res
+                gone.append(f"replica {r}: {type(res).__name__}")
+            else:
+                answers.append(res)
+        if not answers:
+            raise TransportError(f"no replica of index shard {shard} answered ({'; '.join(gone)})")
+        return answers
+
+    async def _hedged(self, shard: int, method: str, *args: Any) -> Any:
+        """`method` on this replica's `shard`; if it fails or is slow, the first other replica's."""
+        own: asyncio.Future[Any] = asyncio.ensure_future(
+            self._call(self.replica, shard, method, *args)
+        )
+        pending: set[asyncio.Future[Any]] = {own}
+        await asyncio.wait(pending, timeout=HEDGE_AFTER_S)
+        if not own.done() or own.exception() is not None:
+            pending |= {
+                asyncio.ensure_future(self._call(r, shard, method, *args))
+                for r in range(self.num_replicas)
+                if r != self.replica
+            }
+        errors: list[BaseException] = []
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    exc = fut.exception()
+                    if exc is None:
+                        return fut.result()
+                    cause = _kvmesh_cause(exc)
+                    if cause is not None:
+                        raise cause
+                    errors.append(exc)
+        finally:
+            for p in pending:
+                p.cancel()
+        raise TransportError(
+            f"no replica of index shard {shard} answered: "
+            + "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+        )
+
+    async def _discover_loop(self) -> None:
+        """Find replicas added after this router started (every heartbeat interval)."""
+        while True:
+            await asyncio.sleep(max(self.config.heartbeat_interval_s, 0.05))
+            try:
+                await self._discover()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("router replica %d: replica discovery failed", self.replica)
+
+    async def _discover(self) -> None:
+        n = self.num_replicas
+        while True:
+            try:
+                await self._shard(n, 0)
+            except ValueError:  # no such actor: replica n does not exist
+                break
+            n += 1
+        if n != self.num_replicas:
+            log.info("router replica %d now feeds %d replicas", self.replica, n)
+            self.num_replicas = n
+
+    async def _catch_up(self) -> None:
+        """Register on this replica's shards the workers their siblings know; feed their snapshots.
+
+        The snapshots are asked from the workers by this router and sent to
+        the worker's shard in every replica (a snapshot takes the worker's
+        next seq: applied by one replica alone, it would be a gap for the
+        others).
+        """
+        try:
+            for shard in range(self.num_shards):
+                own = {i.worker_id: i for i in await self._call(self.replica, shard, "workers")}
+                missing: dict[WorkerId, WorkerInfo] = {}
+                for r in range(self.num_replicas):
+                    if r == self.replica:
+                        continue
+                    with contextlib.suppress(*_GONE, ValueError):
+                        for info in await self._call(r, shard, "workers"):
+                            mine = own.get(info.worker_id)
+                            if mine is None or mine.incarnation != info.incarnation:
+                                missing.setdefault(info.worker_id, info)
+                for info in missing.values():
+                    await self._call(
+                        self.replica,
+                        shard,
+                        "register_worker",
+                        info.worker_id,
+                        info.address,
+                        info.capacity,
+                        info.incarnation,
+                        info.role,
+                        info.actor_name,
+                        info.actor_namespace,
+                    )
+                    await self._feed_snapshot(shard, info)
+                if missing:
+                    log.info(
+                        "replica %d shard %d caught up %d workers",
+                        self.replica,
+                        shard,
+                        len(missing),
+                    )
+        except Exception:  # the router must come up; routes then wait on the shards
+            log.exception("router replica %d could not catch up from its siblings", self.replica)
+        finally:
+            self._ready.set()
+
+    async def _feed_snapshot(self, shard: int, info: WorkerInfo) -> None:
+        """Ask a worker's actor for its snapshot and report it to every replica's `shard`.
+
+        A worker without an actor (an engine on the gRPC API) is left to its
+        next report: the shard finds it without events and asks for a snapshot
+        in the reply.
+        """
+        if not info.actor_name:
+            return
+        name, ns = info.actor_name, info.actor_namespace
+        try:
+            loop = asyncio.get_running_loop()
+            handle = await loop.run_in_executor(None, lambda: ray.get_actor(name, namespace=ns))
+            data: bytes = await asyncio.wait_for(handle.snapshot.remote(), SHARD_CALL_TIMEOUT_S)
+            await self._everywhere(shard, "report", info.worker_id, [data], None)
+        except Exception as exc:  # one worker's failure must not stop the others
+            log.warning("no snapshot from %s for catch-up: %s", info.worker_id, exc)
+
+    # ---------------------------------------------------------------- API (as CoordinatorActor)
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> bool:
+        """True once this replica caught up and every one of its shards is rebuilt."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        if not self._ready.is_set():
+            return False
+        oks = await asyncio.gather(
+            *(self._call(self.replica, s, "wait_ready", timeout_s) for s in range(self.num_shards)),
+            return_exceptions=True,
+        )
+        return all(ok is True for ok in oks)
+
+    async def register_worker(
+        self,
+        worker_id: WorkerId,
+        address: str,
+        capacity: int,
+        incarnation: str,
+        role: Role = "both",
+        actor_name: str | None = None,
+        actor_namespace: str | None = None,
+    ) -> Registration:
+        shard = shard_of(worker_id, self.num_shards) if isinstance(worker_id, str) else 0
+        regs: list[Registration] = await self._everywhere(
+            shard,
+            "register_worker",
+            worker_id,
+            address,
+            capacity,
+            incarnation,
+            role,
+            actor_name,
+            actor_namespace,
+        )
+        self._addresses[worker_id] = address
+        return dataclasses.replace(regs[0], needs_snapshot=any(r.needs_snapshot for r in regs))
+
+    async def report(
+        self,
+        worker_id: WorkerId,
+        encoded_batches: Sequence[bytes] = (),
+        load: WorkerLoad | None = None,
+    ) -> ReportResult:
+        shard = shard_of(worker_id, self.num_shards) if isinstance(worker_id, str) else 0
+        replies: list[ReportResult] = await self._everywhere(
+            shard, "report", worker_id, list(encoded_batches), load
+        )
+        return ReportResult(replies[0].results, any(r.needs_snapshot for r in replies))
+
+    async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
+        return await self.report(worker_id, (), load)
+
+    async def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
+        await self._everywhere(
+            shard_of(worker_id, self.num_shards), "drain_worker", worker_id, draining
+        )
+
+    async def remove_worker(self, worker_id: WorkerId) -> bool:
+        removed = await self._everywhere(
+            shard_of(worker_id, self.num_shards), "remove_worker", worker_id
+        )
+        self._addresses.pop(worker_id, None)
+        return any(removed)
+
+    async def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
+        """Every shard's view, merged (own replica first, hedged to the others)."""
+        await self._ready.wait()
+        views = await asyncio.gather(
+            *(self._hedged(s, "view", list(hashes), role) for s in range(self.num_shards))
+        )
+        return merge_views(views)
+
+    async def route(
+        self,
+        hashes: Sequence[PageHash],
+        num_tokens: int,
+        page_size: int = 16,
+        allow_pull: bool = False,
+        role: Role | None = None,
+        policy: str | None = None,
+        request_id: str = "",
+    ) -> RouteDecision:
+        request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
+        view = await self.view(request.hashes, role)
+        return self.router.decide(request, view, policy)
+
+    async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
+        results = await asyncio.gather(
+            *(self._hedged(s, "match", list(hashes)) for s in range(self.num_shards))
+        )
+        return merge_matches(results)
+
+    async def record_result(
+        self, promised_local: int, promised_pull: int, realized_local: int, realized_pull: int
+    ) -> bool:
+        mismatch: bool = await self._hedged(
+            0, "record_result", promised_local, promised_pull, realized_local, realized_pull
+        )
+        return mismatch
+
+    async def stats(self) -> dict[str, Any]:
+        shard_stats = await asyncio.gather(
+            *(self._hedged(s, "stats") for s in range(self.num_shards))
+        )
+        out = merge_stats(shard_stats, self.router.stats())
+        out["shards"] = self.num_shards
+        out["replicas"] = self.num_replicas
+        return out
+
+    async def workers(self) -> list[WorkerInfo]:
+        infos = await asyncio.gather(*(self._hedged(s, "workers") for s in range(self.num_shards)))
+        return sorted((i for part in infos for i in part), key=lambda i: i.worker_id)
+
+    async def address_of(self, worker_id: WorkerId) -> str:
+        address = self._addresses.get(worker_id)
+        if address is None:
+            address = await self._hedged(
+                shard_of(worker_id, self.num_shards), "address_of", worker_id
+            )
+            self._addresses[worker_id] = address
+        return address
+
+    async def rebuild(self) -> RebuildResult:
+        """Every shard of every replica asks its workers for snapshots now."""
+        applied: dict[WorkerId, Any] = {}
+        failed: dict[WorkerId, str] = {}
+        for s in range(self.num_shards):
+            for r in await self._everywhere(s, "rebuild"):
+                applied.update(r.applied)
+                failed.update(r.failed)
+        return RebuildResult(applied, failed)
+
+    async def health(self) -> dict[str, Any]:
+        ready = await self.wait_ready(0.5)
+        workers = await self.workers() if ready else []
+        return {
+            "serving": ready,
+            "workers": len(workers),
+            "shards": self.num_shards,
+            "replicas": self.num_replicas,
+        }
+
+    async def api_address(self) -> str | None:
+        return None if self._api is None else self._api.address
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def dist_link(self, client_id: WorkerId, server_address: str) -> DistRendezvous:
+        """Opened by the client's shard (both ends must be in one shard; see the module docstring)."""
+        rdv: DistRendezvous = await self._call(
+            self.replica,
+            shard_of(client_id, self.num_shards),
+            "dist_link",
+            client_id,
+            server_address,
+        )
+        return rdv
+
+
+def create_layout(config: CoordinatorConfig, security: TransferConfig | None = None) -> list[Any]:
+    """Start (get-if-exists) every shard and router actor; returns the routers' handles, replica 0 first.
+
+    Shards first, so that a router's catch-up finds its siblings. No actor
+    takes a CPU slot; replica `r`'s actors go to nodes labelled
+    ``replica_node_label=r`` when that is set, and shards spread over nodes.
+    """
+    common: dict[str, Any] = {
+        "namespace": config.namespace,
+        "get_if_exists": True,
+        "max_restarts": config.max_restarts,
+        "max_task_retries": 3,
+        "num_cpus": 0,
+        "max_concurrency": 64,
+    }
+    if config.detached:
+        common["lifetime"] = "detached"
+    shard_cfg = dataclasses.replace(config, index_shards=1, router_replicas=1, api_port=-1)
+    shards: list[list[Any]] = []
+    for r in range(config.router_replicas):
+        row = []
+        for s in range(config.index_shards):
+            cfg = dataclasses.replace(shard_cfg, actor_name=shard_actor_name(config, r, s))
+            options = {**common, "name": cfg.actor_name, **_placement(config, r)}
+            if "label_selector" not in options:
+                options["scheduling_strategy"] = "SPREAD"
+            replicated = config.router_replicas > 1
+            row.append(
+                ray.remote(CoordinatorActor)
+                .options(**options)
+                .remote(cfg, None, ask_stale_snapshots=not replicated)
+            )
+        shards.append(row)
+    routers: list[Any] = []
+    for r in reversed(range(config.router_replicas)):  # replica 0 last: it holds the others
+        options = {**common, "name": router_actor_name(config, r), **_placement(config, r)}
+        peers = routers if r == 0 else []
+        handle = (
+            ray.remote(RouterActor).options(**options).remote(config, r, security, shards, peers)
+        )
+        routers.insert(0, handle)
+    return routers
+
+
+def router_handles(config: CoordinatorConfig) -> list[Any]:
+    """Handles of the running routers (replica 0 first); raises `NoWorkers` if none runs."""
+    out = []
+    for r in range(config.router_replicas):
+        with contextlib.suppress(ValueError):
+            out.append(ray.get_actor(router_actor_name(config, r), namespace=config.namespace))
+    if not out:
+        raise NoWorkers(f"no coordinator router runs in namespace {config.namespace!r}")
+    return out

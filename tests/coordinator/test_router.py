@@ -1,0 +1,319 @@
+"""Index shards and router replicas on a real local Ray cluster.
+
+Workers are small Ray actors owning a real `PagePool` (the worker side of
+the contract in `kvmesh.coordinator.service`), reporting through router
+replica 0 as real workers do; every route answer is checked against what
+the pools really hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvmesh.config import CoordinatorConfig  # noqa: E402
+from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
+from kvmesh.coordinator.router import (  # noqa: E402
+    create_layout,
+    router_handles,
+    shard_actor_name,
+)
+from kvmesh.coordinator.shards import shard_of  # noqa: E402
+from kvmesh.errors import KVMeshError  # noqa: E402
+from kvmesh.events import encode_batch, make_batch  # noqa: E402
+from kvmesh.hashing import PageHasher  # noqa: E402
+from kvmesh.load import WorkerLoad  # noqa: E402
+from kvmesh.types import PageHash, WorkerId  # noqa: E402
+from kvmesh.worker.page_pool import PagePool  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+PAGE = 4
+HASHER = PageHasher(PAGE)
+PROMPTS = [HASHER.hash_prompt([t * 1000 + i for i in range(12 * PAGE)]) for t in range(8)]
+
+
+class PoolWorker:
+    """A worker actor: a real pool, one seq counter, snapshots take the next seq."""
+
+    def __init__(self, worker_id: str, coordinator: Any, actor_name: str, ns: str) -> None:
+        self.worker_id = WorkerId(worker_id)
+        self.coordinator = coordinator
+        self.actor_name = actor_name
+        self.namespace = ns
+        self.incarnation = uuid.uuid4().hex
+        self.pool = PagePool(256, page_size=PAGE)
+        self.seq = 0
+
+    def _batch(self, snapshot: bool = False) -> bytes:
+        events = self.pool.take_events()
+        if snapshot:
+            events = list(self.pool.snapshot_events())
+        data = encode_batch(
+            make_batch(events, self.worker_id, self.incarnation, self.seq, snapshot=snapshot)
+        )
+        self.seq += 1
+        return data
+
+    def register(self) -> None:
+        ray.get(
+            self.coordinator.register_worker.remote(
+                self.worker_id,
+                f"addr-{self.worker_id}",
+                self.pool.num_pages - 1,
+                self.incarnation,
+                "both",
+                self.actor_name,
+                self.namespace,
+            )
+        )
+        ray.get(self.coordinator.report.remote(self.worker_id, [self._batch(True)]))
+
+    def serve(self, prompts: list[list[PageHash]], load: int = 0) -> None:
+        for hashes in prompts:
+            hit = self.pool.match_prefix(hashes, len(hashes))
+            self.pool.touch(hit)
+            pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
+            self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
+            self.pool.free_pages(list(reversed(pages)))
+        wl = WorkerLoad(self.worker_id, active_prefill_tokens=load, total_pages=255, free_pages=255)
+        ray.get(self.coordinator.report.remote(self.worker_id, [self._batch()], wl))
+
+    def snapshot(self) -> bytes:
+        return self._batch(snapshot=True)
+
+    def cached(self) -> set[PageHash]:
+        return self.pool.cached_hashes()
+
+
+cloudpickle = pytest.importorskip("ray.cloudpickle")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+RemoteWorker = ray.remote(num_cpus=0)(PoolWorker)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def layout(shards: int, replicas: int) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        namespace=f"t{uuid.uuid4().hex[:8]}",
+        index_shards=shards,
+        router_replicas=replicas,
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=30.0,
+    )
+
+
+def start_workers(cfg: CoordinatorConfig, router: Any, n: int) -> list[Any]:
+    workers = []
+    for i in range(n):
+        name = f"w{i}-{cfg.namespace}"
+        workers.append(
+            RemoteWorker.options(name=name, namespace=cfg.namespace).remote(
+                f"w{i}", router, name, cfg.namespace
+            )
+        )
+    ray.get([w.register.remote() for w in workers], timeout=60)
+    for i, w in enumerate(workers):  # each worker holds a different prefix of each prompt
+        ray.get(w.serve.remote([p[: 2 + (i * 3 + j) % 10] for j, p in enumerate(PROMPTS)]))
+    return workers
+
+
+def truth(workers: Sequence[Any]) -> dict[str, set[PageHash]]:
+    return {f"w{i}": ray.get(w.cached.remote()) for i, w in enumerate(workers)}
+
+
+def held_prefix(held: set[PageHash], hashes: Sequence[PageHash]) -> int:
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
+def check(decision: Any, hashes: Sequence[PageHash], held: dict[str, set[PageHash]]) -> None:
+    """A right answer: the chosen worker holds exactly the prefix the decision promises."""
+    assert decision.local_pages == held_prefix(held[decision.worker_id], hashes), decision
+    if decision.peer_id is not None:
+        peer = held_prefix(held[decision.peer_id], hashes)
+        assert peer == decision.local_pages + decision.peer_pages, decision
+
+
+def test_a_sharded_coordinator_routes_on_every_shards_workers(ray_cluster: None) -> None:
+    cfg = layout(shards=3, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    assert ray.get(router.wait_ready.remote(60), timeout=90)
+    workers = start_workers(cfg, router, 6)
+    held = truth(workers)
+    for p in PROMPTS:
+        d = ray.get(router.route.remote(p, len(p) * PAGE, PAGE, True))
+        check(d, p, held)
+        best = max(held_prefix(h, p) for h in held.values())
+        assert d.local_pages + d.peer_pages == best  # the longest prefix anywhere is found
+    per_shard = []
+    for s in range(3):
+        shard = ray.get_actor(shard_actor_name(cfg, 0, s), namespace=cfg.namespace)
+        per_shard.append({i.worker_id for i in ray.get(shard.workers.remote())})
+    assert set().union(*per_shard) == {f"w{i}" for i in range(6)}
+    assert sum(len(p) for p in per_shard) == 6  # each worker in exactly one shard
+    for s, ids in enumerate(per_shard):
+        assert all(shard_of(w, 3) == s for w in ids)
+    stats = ray.get(router.stats.remote())
+    assert (stats["workers"], stats["routes"], stats["shards"]) == (6, len(PROMPTS), 3)
+
+
+def test_a_shard_killed_mid_load_is_rebuilt_and_routing_resumes_with_no_wrong_answer(
+    ray_cluster: None,
+) -> None:
+    cfg = layout(shards=2, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    workers = start_workers(cfg, router, 4)
+    held = truth(workers)
+    victim = ray.get_actor(shard_actor_name(cfg, 0, 1), namespace=cfg.namespace)
+    old_pid = ray.get(victim.pid.remote())
+    answers: list[tuple[Any, list[PageHash]]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        rng = random.Random(1)
+        while not stop.is_set():
+            p = PROMPTS[rng.randrange(len(PROMPTS))]
+            try:
+                answers.append((ray.get(router.route.remote(p, len(p) * PAGE, PAGE, True)), p))
+            except Exception as exc:  # counted: the test wants none
+                failures.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    time.sleep(1.0)
+    before = len(answers)
+    ray.kill(victim, no_restart=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(victim.pid.remote(), timeout=5) != old_pid:
+                break
+        except Exception:
+            time.sleep(0.2)
+    time.sleep(2.0)
+    stop.set()
+    thread.join(60)
+    assert not failures
+    assert len(answers) > before  # routing resumed after the kill
+    for d, p in answers:
+        check(d, p, held)
+
+
+def test_two_replicas_fed_the_same_events_decide_alike(ray_cluster: None) -> None:
+    cfg = layout(shards=2, replicas=2)
+    keep = get_or_create_coordinator(cfg)  # replica 0 holds replica 1's router
+    r0, r1 = router_handles(cfg)
+    assert r0 == keep
+    assert ray.get([r0.wait_ready.remote(60), r1.wait_ready.remote(60)], timeout=90) == [True] * 2
+    workers = start_workers(cfg, r0, 5)
+    held = truth(workers)
+    rng = random.Random(7)
+    reqs = []
+    for n in range(10_000):
+        p = PROMPTS[rng.randrange(len(PROMPTS))][: rng.randint(1, 12)]
+        reqs.append((p, len(p) * PAGE + rng.randrange(PAGE), f"r{n}"))
+    batch = 500
+    for k in range(0, len(reqs), batch):
+        part = reqs[k : k + batch]
+        a = ray.get([r0.route.remote(p, t, PAGE, True, None, None, rid) for p, t, rid in part])
+        b = ray.get([r1.route.remote(p, t, PAGE, True, None, None, rid) for p, t, rid in part])
+        assert a == b
+        for d, (p, _, _) in zip(a, part, strict=True):
+            check(d, p, held)
+        # every worker reports (as its heartbeat would), and the load moves: both replicas
+        # see the same reports. (A worker that stops reporting expires on each replica's
+        # own clock: docs/scale.md, what replicas may disagree on.)
+        ray.get([w.serve.remote([], load=rng.randrange(0, 400)) for w in workers])
+
+
+def test_a_replica_killed_under_load_from_8_clients_fails_no_request(ray_cluster: None) -> None:
+    cfg = layout(shards=2, replicas=2)
+    routers = create_layout(cfg)
+    assert ray.get([r.wait_ready.remote(60) for r in routers], timeout=90) == [True] * 2
+    workers = start_workers(cfg, routers[0], 4)
+    held = truth(workers)
+    done: list[int] = [0] * 8
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        rng = random.Random(k)
+        order = [routers[k % 2], routers[(k + 1) % 2]]  # half start on each replica
+        while not stop.is_set():
+            p = PROMPTS[rng.randrange(len(PROMPTS))]
+            for i, r in enumerate(order):
+                try:
+                    d = ray.get(r.route.remote(p, len(p) * PAGE, PAGE, True), timeout=30)
+                    check(d, p, held)
+                    done[k] += 1
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                    if i == len(order) - 1:
+                        failures.append(exc)
+                    order = order[1:] + order[:1]  # fail over; stay on the live one
+                except (AssertionError, KVMeshError) as exc:
+                    failures.append(exc)
+                    break
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    before = sum(done)
+    ray.kill(routers[1], no_restart=True)  # replica 1's router is gone for good
+    time.sleep(2.5)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not failures
+    assert sum(done) > before
+    assert all(n > 0 for n in done)
+
+
+def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: None) -> None:
+    cfg = layout(shards=2, replicas=1)
+    (r0,) = create_layout(cfg)
+    workers = start_workers(cfg, r0, 4)
+    held = truth(workers)
+    _, r1 = create_layout(dataclasses.replace(cfg, router_replicas=2))
+    assert ray.get(r1.wait_ready.remote(60), timeout=90)
+    for p in PROMPTS:  # routes only once caught up: the pools' truth, as replica 0
+        d1 = ray.get(r1.route.remote(p, len(p) * PAGE, PAGE, True, None, None, "x"))
+        d0 = ray.get(r0.route.remote(p, len(p) * PAGE, PAGE, True, None, None, "x"))
+        check(d1, p, held)
+        assert d1 == d0
+    time.sleep(3 * cfg.heartbeat_interval_s)  # replica 0's router finds replica 1
+    for i, w in enumerate(workers):
+        ray.get(w.serve.remote([PROMPTS[i][:12]]))
+    held = truth(workers)
+    deadline = time.monotonic() + 30
+    while True:  # a gap from before it was found heals by snapshot; then both agree
+        a = [ray.get(r0.route.remote(p, 48, PAGE, True, None, None, "y")) for p in PROMPTS]
+        b = [ray.get(r1.route.remote(p, 48, PAGE, True, None, None, "y")) for p in PROMPTS]
+        if a == b or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert a == b
+    for d, p in zip(b, PROMPTS, strict=True):
+        check(d, p, held)
