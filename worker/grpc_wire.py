@@ -47,8 +47,9 @@ import grpc
 import hpack
 
 from kvmesh.config import TransferConfig
+from kvmesh.grpc_security import client_tls_material
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.worker.transfer_server import SERVICE_NAME, client_tls_material, encode_varint
+from kvmesh.worker.page_codec import SERVICE_NAME, encode_varint
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FETCH_PATH = f"/{SERVICE_NAME}/FetchPages"

@@ -70,30 +70,28 @@ from kvmesh.errors import (
     Unauthenticated,
     UnknownHash,
 )
+from kvmesh.grpc_security import ERROR_METADATA_KEY, client_tls_material
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
+from kvmesh.worker.grpc_tuning import grpc_tuning_options, tune_malloc
 from kvmesh.worker.grpc_wire import WireCall, tls_context
 from kvmesh.worker.kv_store import DTYPES, checksum
+from kvmesh.worker.page_codec import (
+    PUSH_TICKET_KEY,
+    SERVICE_NAME,
+    PageAssembler,
+    chunk_size,
+    decode_chunk,
+    first_chunk_header,
+    incoming_page,
+    iter_page_chunks,
+)
 from kvmesh.worker.page_service import (
     IncomingPage,
     PageReceiver,
     PageService,
     Reservation,
     check_hash,
-)
-from kvmesh.worker.transfer_server import (
-    ERROR_METADATA_KEY,
-    PUSH_TICKET_KEY,
-    SERVICE_NAME,
-    PageAssembler,
-    chunk_size,
-    client_tls_material,
-    decode_chunk,
-    first_chunk_header,
-    grpc_tuning_options,
-    incoming_page,
-    iter_page_chunks,
-    tune_malloc,
 )
 
 T = TypeVar("T")
@@ -1270,9 +1268,7 @@ class SyncPeerClient:
     def push_pages(
         self, pages: Sequence[IncomingPage], ticket: bytes, *, deadline_s: float | None = None
     ) -> list[bool]:
-        return self._run(
-            self._client.push_pages(pages, ticket, deadline_s=deadline_s), deadline_s
-        )
+        return self._run(self._client.push_pages(pages, ticket, deadline_s=deadline_s), deadline_s)
 
     def push_from(
         self,

@@ -47,6 +47,7 @@ from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore, checksum
+from kvmesh.worker.page_codec import PUSH_TICKET_KEY, PageAssembler, decode_chunk, encode_chunk
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import (
     EvictionBudget,
@@ -57,14 +58,7 @@ from kvmesh.worker.page_service import (
     PushGrants,
 )
 from kvmesh.worker.transfer_client import PeerClient, SyncPeerClient, pull_into, verify_page
-from kvmesh.worker.transfer_server import (
-    PUSH_TICKET_KEY,
-    PageAssembler,
-    ServerThread,
-    TransferServer,
-    decode_chunk,
-    encode_chunk,
-)
+from kvmesh.worker.transfer_server import ServerThread, TransferServer
 
 PAGE = 16
 SMALL = TransferConfig(chunk_bytes=4096, deadline_s=10.0, retry_backoff_s=0.01)
@@ -1053,7 +1047,7 @@ def test_malloc_tuning_is_opt_in_and_applies_once_per_process() -> None:
     code = (
         "import dataclasses\n"
         "from kvmesh.config import TransferConfig\n"
-        "from kvmesh.worker.transfer_server import tune_malloc\n"
+        "from kvmesh.worker.grpc_tuning import tune_malloc\n"
         "off = TransferConfig()\n"
         "on = dataclasses.replace(off, grpc_malloc_tune=True)\n"
         "print(tune_malloc(off), tune_malloc(on), tune_malloc(on), tune_malloc(off))\n"

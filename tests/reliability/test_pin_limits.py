@@ -42,11 +42,12 @@ from kvmesh.hashing import PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.fetch_limits import PinBudget, fetch_limits
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import PageService
 from kvmesh.worker.transfer_client import SyncPeerClient
-from kvmesh.worker.transfer_server import PinBudget, ServerThread, fetch_limits
+from kvmesh.worker.transfer_server import ServerThread
 
 pytestmark = pytest.mark.timeout(180)
 

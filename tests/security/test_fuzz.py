@@ -45,18 +45,18 @@ from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.kv_store import KVStore
-from kvmesh.worker.page_pool import PagePool
-from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService, ProofBook
-from kvmesh.worker.transfer_client import SyncPeerClient
-from kvmesh.worker.transfer_server import (
+from kvmesh.worker.page_codec import (
     PUSH_TICKET_KEY,
     SERVICE_NAME,
-    ServerThread,
     decode_chunk,
     encode_chunk,
     iter_page_chunks,
     page_header,
 )
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_service import IncomingPage, PageInfo, PageService, ProofBook
+from kvmesh.worker.transfer_client import SyncPeerClient
+from kvmesh.worker.transfer_server import ServerThread
 
 PAGE = 4
 HELD = 4  # pages the fuzzed worker holds

@@ -36,10 +36,11 @@ from kvmesh.hashing import NO_EXTRA, ExtraKeys, MultiModalInput, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.page_codec import SERVICE_NAME, iter_page_chunks, page_header
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import NO_PROOFS, IncomingPage, PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncPeerClient
-from kvmesh.worker.transfer_server import SERVICE_NAME, ServerThread, iter_page_chunks, page_header
+from kvmesh.worker.transfer_server import ServerThread
 
 PAGE = 4
 SEED = "identity-test-seed"

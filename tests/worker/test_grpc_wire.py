@@ -33,10 +33,11 @@ from kvmesh.worker import grpc_wire as h2
 from kvmesh.worker import transfer_client
 from kvmesh.worker.grpc_wire import FETCH_PATH, PREFACE, WireCall, WireStatus
 from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.page_codec import encode_chunk
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import PageInfo, PageReceiver, PageService, ProofBook
 from kvmesh.worker.transfer_client import SyncFetcher, SyncPeerClient, _Landed, translate
-from kvmesh.worker.transfer_server import ServerThread, encode_chunk
+from kvmesh.worker.transfer_server import ServerThread
 
 PAGE = 16
 # grpc_zero_copy_min_bytes=0: these pulls of small test pages take the zero-copy path too
