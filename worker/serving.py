@@ -1,8 +1,10 @@
 """One worker serving one request: cached prefix, pulled pages, computed rest, greedy answer.
 
 Pure of Ray and gRPC: the actor owns a `ServingEngine` and injects the pull
-(a callable that fetches pages from a peer) so that tests run the same code in
-one process. The steps of `ServingEngine.serve`::
+(a callable that brings a peer's pages into the pool through the worker's
+`PageService`, where each is checked and proven once) so that tests run the
+same code in one process. The engine never inserts a page itself: it takes
+from the pool what the pull cached. The steps of `ServingEngine.serve`::
 
     tokens ─► page hashes (chained, with extra keys)
            ─► local match  ── pages the pool already holds      (pages_hit_local)
