@@ -188,6 +188,17 @@ def _check_hash(value: object, where: str) -> None:
         raise EventDecodeError(f"{where}: a page hash must be 1-64 bytes, got {value!r:.40}")
 
 
+def _check_hashes(values: Sequence[object], where: str) -> None:
+    """`_check_hash` on each value, in C-level passes while all are good."""
+    if values and not (
+        set(map(type, values)) == {bytes}
+        and min(map(len, values)) > 0  # type: ignore[arg-type]
+        and max(map(len, values)) <= 64  # type: ignore[arg-type]
+    ):
+        for h in values:
+            _check_hash(h, where)
+
+
 def validate_batch(batch: object) -> EventBatch:
     """Check every field's type of an in-process batch; raise `EventDecodeError`."""
     if not isinstance(batch, EventBatch):
@@ -207,8 +218,7 @@ def validate_batch(batch: object) -> EventBatch:
         if isinstance(ev, PagesStored):
             if not isinstance(ev.page_hashes, tuple | list):
                 raise EventDecodeError(f"{where}: page_hashes must be a tuple")
-            for h in ev.page_hashes:
-                _check_hash(h, where)
+            _check_hashes(ev.page_hashes, where)
             if ev.parent_hash is not None:
                 _check_hash(ev.parent_hash, where + " parent")
             if ev.medium is not None and not isinstance(ev.medium, str):
@@ -216,8 +226,7 @@ def validate_batch(batch: object) -> EventBatch:
         elif isinstance(ev, PagesRemoved):
             if not isinstance(ev.page_hashes, tuple | list):
                 raise EventDecodeError(f"{where}: page_hashes must be a tuple")
-            for h in ev.page_hashes:
-                _check_hash(h, where)
+            _check_hashes(ev.page_hashes, where)
             if ev.medium is not None and not isinstance(ev.medium, str):
                 raise EventDecodeError(f"{where}: medium must be a string or None")
         elif not isinstance(ev, AllPagesCleared):
@@ -413,32 +422,52 @@ class GlobalIndex:
         w.pending.clear()
 
     def _apply_events(self, w: _Worker, events: Iterable[KVEvent]) -> None:
+        """Apply in order; consecutive events of one kind and tier go to the store as one run.
+
+        Merging is exact: stores of one tier commute with each other as far as
+        holders go (parents are rewritten in event order), and so do removals
+        of the same tier bits.
+        """
         store = self._store
         slot = w.shift // _BITS
-        run: list[tuple[tuple[PageHash, ...], PageHash | None]] = []
-        run_tier = -1
+        stored: list[tuple[tuple[PageHash, ...], PageHash | None]] = []
+        removed: list[PageHash] = []
+        bits = 0  # the tier bit of `stored`, or the bits `removed` clears
         for ev in events:
             if isinstance(ev, PagesStored):
-                tier = tier_of(ev.medium, self._default_bit)
-                if run and tier != run_tier:
-                    store.store(run, slot, 1 << (w.shift + run_tier))
-                    run = []
-                run.append((ev.page_hashes, ev.parent_hash))
-                run_tier = tier
-                continue
-            if run:
-                store.store(run, slot, 1 << (w.shift + run_tier))
-                run = []
-            if isinstance(ev, PagesRemoved):
+                bit = 1 << (w.shift + tier_of(ev.medium, self._default_bit))
+                if removed or (stored and bit != bits):
+                    self._flush(slot, stored, removed, bits)
+                stored.append((ev.page_hashes, ev.parent_hash))
+                bits = bit
+            elif isinstance(ev, PagesRemoved):
                 if ev.medium is None:
                     clear = _WORKER_BITS << w.shift
                 else:
                     clear = 1 << (w.shift + tier_of(ev.medium, self._default_bit))
-                store.remove(ev.page_hashes, slot, clear)
+                if stored or (removed and clear != bits):
+                    self._flush(slot, stored, removed, bits)
+                removed.extend(ev.page_hashes)
+                bits = clear
             else:
+                self._flush(slot, stored, removed, bits)
                 store.drop_slot(slot)
-        if run:
-            store.store(run, slot, 1 << (w.shift + run_tier))
+        self._flush(slot, stored, removed, bits)
+
+    def _flush(
+        self,
+        slot: int,
+        stored: list[tuple[tuple[PageHash, ...], PageHash | None]],
+        removed: list[PageHash],
+        bits: int,
+    ) -> None:
+        """Hand a pending run to the store and empty it."""
+        if stored:
+            self._store.store(stored, slot, bits)
+            stored.clear()
+        if removed:
+            self._store.remove(removed, slot, bits)
+            removed.clear()
 
     def _drop_all(self, w: _Worker) -> int:
         return self._store.drop_slot(w.shift // _BITS)

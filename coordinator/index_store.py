@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +63,119 @@ def _as_rows(values: Iterable[int] | npt.NDArray[np.integer]) -> Rows:
     return np.asarray(values, dtype=np.int64)
 
 
+def _distinct(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """Sorted distinct values; a plain sort is several times faster than `np.unique`'s hashing
+    for the few hundred values of one run."""
+    if len(values) < 2:
+        return values
+    ordered = np.sort(values)
+    keep = np.empty(len(ordered), bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
+_GOLDEN_INT = 0x9E3779B97F4A7C15
+_GOLDEN = np.uint64(_GOLDEN_INT)
+_U64 = (1 << 64) - 1
+_EMPTY, _DELETED = -1, -2
+
+
+class _KeyTable:
+    """uint64 key -> row, open addressing with linear probing, every operation vectorized.
+
+    Holds the recent keys until `PageStore` merges them into its sorted array;
+    at most half full (tombstones included), so probes stay short. Keys are
+    spread by Fibonacci hashing, so engine hashes with structure spread too.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        bits = max(4, (capacity - 1).bit_length())
+        self._shift = np.uint64(64 - bits)
+        self._mask = (1 << bits) - 1
+        self._keys = np.zeros(1 << bits, np.uint64)
+        self._rows = np.full(1 << bits, _EMPTY, np.int32)
+        self.live = 0
+        self.used = 0  # live + deleted slots
+
+    def __len__(self) -> int:
+        return self.live
+
+    @property
+    def room(self) -> int:
+        """Keys that still fit before the table is half full."""
+        return (self._mask + 1) // 2 - self.used
+
+    def _home(self, keys: npt.NDArray[np.uint64]) -> Rows:
+        return ((keys * _GOLDEN) >> self._shift).astype(np.int64)
+
+    def _slots(self, keys: npt.NDArray[np.uint64]) -> Rows:
+        """Each key's slot, or -1."""
+        out = np.full(len(keys), -1, np.int64)
+        if not self.live:
+            return out
+        pos = self._home(keys)
+        todo = np.arange(len(keys))
+        while len(todo):
+            rows = self._rows[pos]
+            hit = (rows >= 0) & (self._keys[pos] == keys[todo])
+            out[todo[hit]] = pos[hit]
+            go_on = (rows != _EMPTY) & ~hit
+            todo, pos = todo[go_on], (pos[go_on] + 1) & self._mask
+        return out
+
+    def get(self, keys: npt.NDArray[np.uint64]) -> Rows:
+        """Each key's row, or -1."""
+        slots = self._slots(keys)
+        found = slots >= 0
+        return np.where(found, self._rows.take(slots, mode="clip"), -1)
+
+    def get_one(self, key: int) -> int:
+        """One key's row, or -1, without building arrays (a prompt walk's rare miss)."""
+        if not self.live:
+            return -1
+        pos = (key * _GOLDEN_INT & _U64) >> int(self._shift)
+        while True:
+            row = int(self._rows.item(pos))
+            if row == _EMPTY:
+                return -1
+            if row >= 0 and int(self._keys.item(pos)) == key:
+                return row
+            pos = (pos + 1) & self._mask
+
+    def put(self, keys: npt.NDArray[np.uint64], rows: Rows) -> None:
+        """Insert distinct keys that are not in the table; the caller keeps `room` positive."""
+        pos = self._home(keys)
+        todo = np.arange(len(keys))
+        while len(todo):
+            free = self._rows[pos] < 0
+            cand, at = todo[free], pos[free]
+            order = np.argsort(at, kind="stable")  # one winner per slot: the first
+            at_sorted = at[order]
+            first = np.ones(len(at_sorted), bool)
+            np.not_equal(at_sorted[1:], at_sorted[:-1], out=first[1:])
+            win, win_at = cand[order[first]], at_sorted[first]
+            self.used += int((self._rows[win_at] == _EMPTY).sum())
+            self._keys[win_at] = keys[win]
+            self._rows[win_at] = rows[win]
+            self.live += len(win)
+            placed = np.zeros(len(keys), bool)
+            placed[win] = True
+            left = ~placed[todo]
+            todo, pos = todo[left], (pos[left] + 1) & self._mask
+
+    def delete(self, keys: npt.NDArray[np.uint64], rows: Rows) -> None:
+        """Forget the keys that name exactly these rows."""
+        slots = self._slots(keys)
+        slots = slots[(slots >= 0) & (self._rows.take(slots, mode="clip") == rows)]
+        self._rows[slots] = _DELETED
+        self.live -= len(slots)
+
+    def items(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32]]:
+        live = self._rows >= 0
+        return self._keys[live], self._rows[live]
+
+
 class PageStore:
     """Digest -> row, with holder masks, parent links and per-slot page sets; see the module docstring.
 
@@ -81,7 +195,7 @@ class PageStore:
         self._free_rows: list[int] = []
         self._sorted_keys = np.zeros(0, np.uint64)
         self._sorted_rows = np.zeros(0, np.int32)  # -1: tombstone
-        self._recent: dict[int, int] = {}
+        self._recent = _KeyTable(4 * merge_min)
         self._clash: dict[bytes, int] = {}
         self.masks: list[int] = [0]
         self._mask_ids: dict[int, int] = {0: 0}
@@ -159,9 +273,8 @@ class PageStore:
             by_key = np.where(self._sorted_keys.take(pos, mode="clip") == keys, named, -1)
         else:
             by_key = np.full(n, -1, np.int64)
-        if self._recent:  # a key is live in one place: the other says -1
-            get = self._recent.get
-            by_key = np.maximum(by_key, [get(k, -1) for k in keys.tolist()])
+        if len(self._recent):  # a key is live in one place: the other says -1
+            by_key = np.maximum(by_key, self._recent.get(np.ascontiguousarray(keys)))
         same = (self._length.take(by_key, mode="clip") == lengths) & (
             self._digest.take(by_key, axis=0, mode="clip") == digests[:, : self._words]
         ).all(axis=1)
@@ -179,63 +292,80 @@ class PageStore:
         digests, lengths = self._encode(hashes)
         return self._find(hashes, digests, lengths)[0]
 
-    def _rows_for(self, hashes: Sequence[bytes]) -> Rows:
-        """Each digest's row, creating (as ghosts) the missing ones."""
+    def _rows_for(self, hashes: Sequence[bytes], head: int = 0) -> tuple[Rows, bool]:
+        """Each digest's row, creating (as ghosts) the missing ones.
+
+        Also says whether the first `head` digests all got new, distinct rows.
+        """
         digests, lengths = self._encode(hashes)
         rows, by_key = self._find(hashes, digests, lengths)
         new = np.flatnonzero(rows < 0)
         if not len(new):
-            return rows
-        wanted = [hashes[i] for i in new.tolist()]
-        distinct = list(dict.fromkeys(wanted))
-        if len(distinct) == len(wanted):
+            return rows, False
+        fresh = len(new) >= head > 0 and new[head - 1] == head - 1
+        keys = np.ascontiguousarray(digests[new, 0])
+        repeats = len(_distinct(keys)) != len(keys)
+        if not repeats:  # distinct keys, so distinct digests: no dedupe needed
             first = new
             made = self._alloc(len(new))
             rows[new] = made
         else:
+            wanted = [hashes[i] for i in new.tolist()]
+            distinct = list(dict.fromkeys(wanted))
             where = {d: i for i, d in enumerate(distinct)}
             slot = np.fromiter((where[d] for d in wanted), np.int64, len(wanted))
             first = new[np.unique(slot, return_index=True)[1]]
             made = self._alloc(len(distinct))
             rows[new] = made[slot]
+            fresh = fresh and slot[head - 1] == head - 1  # the head's digests are distinct
+            keys = np.ascontiguousarray(digests[first, 0])
+            repeats = len(_distinct(keys)) != len(keys)
         self._widen(digests.shape[1])
         self._digest[made, : digests.shape[1]] = digests[first]
         self._length[made] = lengths[first]
         if not self._narrow and (lengths[first] != self._words * 8).any():
             self._narrow = True
-        keys = digests[first, 0]
-        key_list = keys.tolist()
         # A key already naming another digest, or named twice in this run, clashes.
         clash = by_key[first] >= 0
-        if len(set(key_list)) != len(key_list):
+        if repeats:
             _, once = np.unique(keys, return_index=True)
             repeated = np.ones(len(keys), bool)
             repeated[once] = False
             clash |= repeated
         if clash.any():
             primary = np.flatnonzero(~clash)
-            key_list = keys[primary].tolist()
             for i in np.flatnonzero(clash).tolist():
-                self._clash[bytes(distinct[i])] = int(made[i])
-            made = made[primary]
-        self._recent.update(zip(key_list, made.tolist(), strict=True))
-        if len(self._recent) > max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION):
-            self._merge()
-        return rows
+                self._clash[bytes(hashes[first[i]])] = int(made[i])
+            keys, made = keys[primary], made[primary]
+        if len(made) >= self._recent.room:
+            self._merge(keys, made)
+        else:
+            self._recent.put(keys, made)
+            if len(self._recent) > max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION):
+                self._merge()
+        return rows, bool(fresh)
 
-    def _merge(self) -> None:
-        """Fold the recent keys into the sorted array and drop tombstones: O(rows)."""
+    def _merge(
+        self,
+        more_keys: npt.NDArray[np.uint64] | None = None,
+        more_rows: Rows | None = None,
+    ) -> None:
+        """Fold the recent keys (and `more_*`) into the sorted array, drop tombstones: O(rows)."""
         live = self._sorted_rows >= 0
         keys = self._sorted_keys[live]
         rows = self._sorted_rows[live]
-        new_keys = np.fromiter(self._recent.keys(), np.uint64, len(self._recent))
-        new_rows = np.fromiter(self._recent.values(), np.int32, len(self._recent))
+        new_keys, new_rows = self._recent.items()
+        if more_keys is not None and more_rows is not None:
+            new_keys = np.concatenate([new_keys, more_keys])
+            new_rows = np.concatenate([new_rows, more_rows.astype(np.int32)])
         order = np.argsort(new_keys, kind="stable")
         new_keys, new_rows = new_keys[order], new_rows[order]
         at = np.searchsorted(keys, new_keys)
         self._sorted_keys = np.insert(keys, at, new_keys)
         self._sorted_rows = np.insert(rows, at, new_rows)
-        self._recent = {}
+        self._recent = _KeyTable(
+            4 * max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION)
+        )
 
     def _free(self, rows: Rows) -> None:
         """Forget rows nobody holds and nobody names as parent."""
@@ -252,11 +382,8 @@ class PageStore:
             pos = np.minimum(np.searchsorted(self._sorted_keys, keys), size - 1)
             mine = (self._sorted_keys[pos] == keys) & (self._sorted_rows[pos] == rows)
             self._sorted_rows[pos[mine]] = -1
-        if self._recent:
-            recent = self._recent
-            for k, r in zip(keys.tolist(), rows.tolist(), strict=True):
-                if recent.get(k) == r:
-                    del recent[k]
+        if len(self._recent):
+            self._recent.delete(keys, rows)
         self._length[rows] = 0
         self._digest[rows] = 0
         self._free_rows.extend(rows.tolist())
@@ -273,7 +400,7 @@ class PageStore:
 
     def _set_parents(self, rows: Rows, parents: Rows, repeats: bool = True) -> None:
         """Point `rows` at `parents` (the last one wins for a repeated row), keeping kid counts."""
-        if repeats and len(np.unique(rows)) != len(rows):
+        if repeats and len(_distinct(rows)) != len(rows):
             last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
             rows, parents = rows[last], parents[last]
         old = self._parent[rows]
@@ -290,7 +417,7 @@ class PageStore:
 
     def _orphaned(self, rows: Rows) -> Rows:
         """Distinct rows among `rows` that nobody holds and nobody names as parent."""
-        rows = np.unique(rows)
+        rows = _distinct(rows)
         return rows[(self._kids[rows] == 0) & (self._holders[rows] == 0) & (self._length[rows] > 0)]
 
     # ------------------------------------------------------------------ masks
@@ -323,8 +450,14 @@ class PageStore:
         Keeps per-mask row counts and `slot`'s page set (the only slot the bits touch).
         """
         ids = self._holders[rows]
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        counts = np.bincount(inverse)
+        if ids.min() == ids.max():  # one holder set (pages stored together): no sort
+            uniq = ids[:1]
+            inverse = np.zeros(len(ids), np.int64)
+            counts = np.array([len(ids)])
+        else:
+            uniq = _distinct(ids)
+            inverse = np.searchsorted(uniq, ids)
+            counts = np.bincount(inverse, minlength=len(uniq))
         mine = _WORKER_BITS << (slot * _BITS)
         keep = ~clear_bits
         new_ids = np.empty(len(uniq), np.int32)
@@ -382,25 +515,41 @@ class PageStore:
         if not hashes:
             return
         n = len(hashes)
-        rows = self._rows_for([*hashes, *parent_of_first])
+        rows, fresh = self._rows_for([*hashes, *parent_of_first], n)
         rows, named = rows[:n], rows[n:]
         parents = np.empty(n, np.int64)
         parents[1:] = rows[:-1]
-        first_parents = np.full(len(starts), -1, np.int64)
-        first_parents[np.asarray(has_parent, bool)] = named
-        parents[np.asarray(starts, np.int64)] = first_parents
-        distinct = np.unique(rows)
+        if len(starts) == 1:
+            parents[0] = named[0] if len(named) else -1
+        else:
+            first_parents = np.full(len(starts), -1, np.int64)
+            first_parents[np.asarray(has_parent, bool)] = named
+            parents[np.asarray(starts, np.int64)] = first_parents
+        if fresh:  # all new pages (the common case): no holder or parent to merge with
+            self._store_fresh(rows, parents, slot, bit)
+            return
+        distinct = _distinct(rows)
         self._remask(distinct, bit, 0, slot)
         self._set_parents(rows, parents, len(distinct) != n)
         if len(named):  # a parent named only by a page that later names another one
             self._free(self._orphaned(named))
+
+    def _store_fresh(self, rows: Rows, parents: Rows, slot: int, bit: int) -> None:
+        """`store` for distinct rows just created: every one gets mask `bit` and its parent."""
+        mid = self._intern(bit)
+        self._recount(mid, len(rows))
+        self._held += len(rows)
+        self._holders[rows] = mid
+        self._slots[slot] |= BitMap(array.array("I", rows.astype(np.uint32).tobytes()))
+        self._parent[rows] = parents
+        np.add.at(self._kids, parents[parents >= 0], 1)
 
     def remove(self, hashes: Sequence[PageHash], slot: int, clear_bits: int) -> None:
         """Clear `clear_bits` (bits of `slot`) on the pages indexed among `hashes`."""
         if not hashes:
             return
         rows = self.find(hashes)
-        rows = np.unique(rows[rows >= 0])
+        rows = _distinct(rows[rows >= 0])
         if len(rows):
             rows = rows[self._holders[rows] != 0]
         if len(rows):
@@ -426,7 +575,7 @@ class PageStore:
             return
         n = len(hashes)
         named = [p for p in parents if p is not None]
-        rows = self._rows_for([*hashes, *named])
+        rows, _ = self._rows_for([*hashes, *named])
         rows, named_rows = rows[:n], rows[n:]
         parent_rows = np.full(n, -1, np.int64)
         parent_rows[np.array([p is not None for p in parents], bool)] = named_rows
@@ -497,7 +646,7 @@ class PageStore:
                 else:
                     hi = mid - 1
             done = lo
-            row = self._recent.get(int(keys[done]), -1) if self._recent else -1
+            row = self._recent.get_one(int(keys[done]))
             at = done * width
             if row < 0 or self._digest[row].tobytes() != joined[at : at + width]:
                 break
