@@ -9,10 +9,11 @@ completions and reshaped for chat. Response headers name the engine
 (``x-kvmesh-engine``) and the blocks the router expected it to hold
 (``x-kvmesh-matched-blocks``).
 
-Failures: a request whose engine cannot be reached, or breaks off before
-answering, is marked down and the request goes to the next best engine
-(nothing was returned to the caller yet, and a completion has no side
-effects); with none left the caller gets 503. Every upstream call has a
+Failures: a request whose engine cannot be reached (connection refused:
+the engine is marked down) or breaks off before answering (the engine is
+health-checked at once) goes to the next best engine (nothing was returned
+to the caller yet, and a completion has no side effects); with none left
+the caller gets 503. Every upstream call has a
 connect and a read timeout (504 when it passes). Bad bodies get 4xx JSON
 errors in OpenAI's shape (`kvmesh.gateway.openai`), never a hang.
 """
@@ -76,8 +77,12 @@ log = logging.getLogger(__name__)
 ENGINE_HEADER = "x-kvmesh-engine"
 MATCHED_HEADER = "x-kvmesh-matched-blocks"
 
-_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
-"""Failures before the engine answered: nothing reached the caller, another engine may serve."""
+_UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
+"""Nothing listens (the engine died): it is down, whatever it cached is gone."""
+_BROKE_OFF = (httpx.RemoteProtocolError, httpx.ReadError)
+"""The engine broke off before answering: it died, or closed an idle kept-alive connection
+as the request went out. Either way the request goes to another engine and a health check
+decides about this one."""
 
 
 EngineCheck = Callable[[EngineTarget], Awaitable[object]]
@@ -127,7 +132,7 @@ class Gateway:
         self.verify = verify
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task[None] | None = None
-        self._checks: set[asyncio.Task[None]] = set()
+        self._checks: set[asyncio.Task[object]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -158,7 +163,7 @@ class Gateway:
     async def stop(self) -> None:
         for task in list(self._checks):
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._health is not None:
             self._health.cancel()
@@ -170,6 +175,14 @@ class Gateway:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    def _check_soon(self, engine: EngineState) -> None:
+        """A health check of `engine` now, not at the next round."""
+        task = asyncio.create_task(
+            self.pool.check(self.client, engine, self.config.health_timeout_s)
+        )
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     def _verify_later(self, engine: EngineState) -> None:
         """Run `verify` for an engine that is (again) up, without holding up requests.
@@ -261,13 +274,18 @@ class Gateway:
                 if prepared.stream:
                     return await self._stream(engine, body, ticket, prepared.chat, headers)
                 return await self._answer(engine, body, ticket, prepared.chat, headers)
-            except _RETRYABLE as exc:
+            except _UNREACHABLE as exc:
                 ticket.close()
                 reason = type(exc).__name__
                 GATEWAY_RETRIES.labels(engine.spec.name, reason).inc()
                 self.pool.mark_down(engine, f"request failed: {reason}: {exc}")
                 self.router.forget(engine.worker_id)
                 tried.add(engine.worker_id)
+            except _BROKE_OFF as exc:
+                ticket.close()
+                GATEWAY_RETRIES.labels(engine.spec.name, type(exc).__name__).inc()
+                tried.add(engine.worker_id)
+                self._check_soon(engine)
             except httpx.TimeoutException as exc:
                 ticket.close()
                 raise DeadlineExceeded(
@@ -482,8 +500,14 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        stale = gateway.router.stale()
         engines = {
-            e.spec.name: {"up": e.up, "inflight": e.inflight_requests, "error": e.last_error}
+            e.spec.name: {
+                "up": e.up,
+                "stale": e.worker_id in stale,
+                "inflight": e.inflight_requests,
+                "error": e.last_error,
+            }
             for e in gateway.pool.engines.values()
         }
         up = any(e.up for e in gateway.pool.engines.values())
