@@ -529,8 +529,7 @@ class WorkerActor:
         with self._lock:
             cached = len(self.pool.cached_hashes())
         with self._counters_lock:
-            c = dataclasses.replace(self._counters)
-        moved = self.peers.counts()
+            requests = dataclasses.replace(self._counters)
         return WorkerStats(
             worker_id=self.worker_id,
             role=self.role,
@@ -542,25 +541,15 @@ class WorkerActor:
             cached_pages=cached,
             running=load.running,
             waiting=load.waiting,
-            requests=c.requests,
-            errors=c.errors,
-            prompt_pages=c.prompt_pages,
-            pages_hit_local=c.pages_hit_local,
-            pages_pulled=c.pages_pulled,
-            pages_computed=c.pages_computed,
-            pages_pushed=c.pages_pushed,
             batches_sent=self.reporter.batches_sent,
             snapshots_sent=self.reporter.snapshots_sent,
             last_seq=self.reporter.last_seq,
             draining=self._draining,
-            pulls_grpc=moved.pulls_grpc,
-            pulls_dist=moved.pulls_dist,
-            pushes_grpc=moved.pushes_grpc,
-            pushes_dist=moved.pushes_dist,
-            dist_fallbacks=moved.dist_fallbacks,
             links_opened=self.links.opened,
             links_served=self.links.served,
             requests_cancelled=cancelled_count(self.worker_id),
+            **dataclasses.asdict(requests),
+            **dataclasses.asdict(self.peers.counts()),
         )
 
     def reset_cache(self) -> None:
