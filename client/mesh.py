@@ -267,7 +267,7 @@ class KVMesh:
                     ) from None
                 owns_ray = True  # this driver's connection; the cluster itself stays up
         try:
-            coordinator = get_or_create_coordinator(cfg.coordinator)
+            coordinator = get_or_create_coordinator(cfg.coordinator, cfg.transfer)
             ray.get(coordinator.wait_ready.remote(), timeout=120)
             workers = _attach(ray.get(coordinator.workers.remote(), timeout=60))
             created: list[WorkerId] = []
@@ -528,16 +528,24 @@ class KVMesh:
     async def _route(
         self, tokens: Sequence[int], hashes: Sequence[PageHash], role: str | None, rid: str
     ) -> Any:
-        ref = self._coordinator.route.remote(
-            list(hashes),
-            len(tokens),
-            self.config.hash.page_size,
-            self.pull,
-            role,
-            self.policy,
-            rid,
-        )
-        return await self._call(ref, None)
+        args = (list(hashes), len(tokens), self.config.hash.page_size, self.pull, role, self.policy)
+        try:
+            return await self._call(self._coordinator.route.remote(*args, rid), None)
+        except NoWorkers:
+            if self.config.coordinator.router_replicas <= 1:
+                raise
+        # Router replica 0 is away: fail over to the others (kvmesh.coordinator.router), which
+        # decide what it would have decided.
+        from kvmesh.coordinator.router import router_handles
+
+        replicas = (await asyncio.to_thread(router_handles, self.config.coordinator))[1:]
+        for i, router in enumerate(replicas):
+            try:
+                return await self._call(router.route.remote(*args, rid), None)
+            except NoWorkers:
+                if i == len(replicas) - 1:
+                    raise
+        raise NoWorkers("no coordinator router replica answered")
 
     async def _handle(self, worker_id: WorkerId) -> _Worker:
         w = self._workers.get(worker_id)

@@ -356,6 +356,10 @@ class CoordinatorActor:
         """The actor's process id (a restarted actor has a new one)."""
         return os.getpid()
 
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on (placement checks)."""
+        return str(ray.get_runtime_context().get_node_id())
+
     async def dist_link(self, client_id: WorkerId, server_address: str) -> DistRendezvous:
         """Open a torch.distributed link from worker `client_id` to the worker at `server_address`.
 

@@ -60,6 +60,7 @@ from kvmesh.coordinator.registry import Role, WorkerInfo
 from kvmesh.coordinator.service import RebuildResult, Registration, ReportResult, RouteView
 from kvmesh.coordinator.shards import ShardRouter, merge_matches, merge_stats, merge_views, shard_of
 from kvmesh.errors import KVMeshError, NoWorkers, TransportError
+from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
 from kvmesh.types import PageHash, WorkerId
 
@@ -69,6 +70,8 @@ HEDGE_AFTER_S = 0.25
 """How long a route waits for its own replica's shard before asking the other replicas too."""
 SHARD_CALL_TIMEOUT_S = 30.0
 """The longest a router waits for any shard (a restarting shard rebuilds first)."""
+REPLICA_CALL_TIMEOUT_S = 2.0
+"""With replicas, how long a state change waits for one replica before skipping it."""
 _GONE = (ActorDiedError, ActorUnavailableError, RayActorError, TimeoutError)
 
 
@@ -120,6 +123,7 @@ class RouterActor:
         }
         self._peers = list(peers)  # replica 0 holds the other routers (the same reason)
         self._addresses: dict[WorkerId, str] = {}
+        self._down_until: dict[int, float] = {}  # replica -> loop time it is skipped until
         self._ready = asyncio.Event()
         self._api: CoordinatorAPIServer | None = None
         loop = asyncio.get_running_loop()
@@ -144,32 +148,48 @@ class RouterActor:
             self._handles[key] = handle
         return handle
 
-    async def _call(self, replica: int, shard: int, method: str, *args: Any) -> Any:
+    async def _call(
+        self, replica: int, shard: int, method: str, *args: Any, timeout_s: float | None = None
+    ) -> Any:
         handle = await self._shard(replica, shard)
         ref = getattr(handle, method).remote(*args)
-        return await asyncio.wait_for(ref, SHARD_CALL_TIMEOUT_S)
+        return await asyncio.wait_for(ref, timeout_s or SHARD_CALL_TIMEOUT_S)
 
     async def _everywhere(self, shard: int, method: str, *args: Any) -> list[Any]:
-        """Call `method` on `shard` of every replica; the live replicas' answers, own first.
+        """Call `method` on `shard` of every live replica; their answers, own first.
 
-        Raises the first kvmesh error any replica raised, or `TransportError`
-        when no replica answered.
+        A replica that fails or does not answer within ``REPLICA_CALL_TIMEOUT_S``
+        (its node is gone, its shard restarts) is skipped for
+        ``heartbeat_timeout_s``: what it misses meanwhile is a seq gap it heals
+        by snapshot when it is back. With one replica the call waits for a
+        restarting shard instead. Raises the first kvmesh error any replica
+        raised, or `TransportError` when no replica answered.
         """
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         order = [self.replica] + [r for r in range(self.num_replicas) if r != self.replica]
+        live = [r for r in order if self._down_until.get(r, 0.0) <= now] or order
+        timeout = REPLICA_CALL_TIMEOUT_S if self.num_replicas > 1 else SHARD_CALL_TIMEOUT_S
         results = await asyncio.gather(
-            *(self._call(r, shard, method, *args) for r in order), return_exceptions=True
+            *(self._call(r, shard, method, *args, timeout_s=timeout) for r in live),
+            return_exceptions=True,
         )
         answers: list[Any] = []
         gone: list[str] = []
-        for r, res in zip(order, results, strict=True):
+        for r, res in zip(live, results, strict=True):
             if isinstance(res, BaseException):
                 cause = _kvmesh_cause(res)
                 if cause is not None:
                     raise cause
-                if not isinstance(res, _GONE | ValueError):
+                if not isinstance(res, (*_GONE, ValueError)):
                     raise res
                 gone.append(f"replica {r}: {type(res).__name__}")
+                if r not in self._down_until or self._down_until[r] <= now:
+                    log.warning("router %d: replica %d is away (%s)", self.replica, r, gone[-1])
+                    REPLICA_FAILOVERS.labels(reason="replica_down").inc()
+                self._down_until[r] = loop.time() + self.config.heartbeat_timeout_s
             else:
+                self._down_until.pop(r, None)
                 answers.append(res)
         if not answers:
             raise TransportError(f"no replica of index shard {shard} answered ({'; '.join(gone)})")
@@ -183,6 +203,7 @@ class RouterActor:
         pending: set[asyncio.Future[Any]] = {own}
         await asyncio.wait(pending, timeout=HEDGE_AFTER_S)
         if not own.done() or own.exception() is not None:
+            REPLICA_FAILOVERS.labels(reason="hedged").inc()
             pending |= {
                 asyncio.ensure_future(self._call(r, shard, method, *args))
                 for r in range(self.num_replicas)
@@ -200,6 +221,7 @@ class RouterActor:
                     if cause is not None:
                         raise cause
                     errors.append(exc)
+                REPLICA_FAILOVERS.labels(reason="shard_failed").inc()
         finally:
             for p in pending:
                 p.cancel()
@@ -444,7 +466,8 @@ class RouterActor:
         return os.getpid()
 
     async def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
+        """The Ray node this router runs on (placement checks)."""
+        return str(ray.get_runtime_context().get_node_id())
 
     async def dist_link(self, client_id: WorkerId, server_address: str) -> DistRendezvous:
         """Opened by the client's shard (both ends must be in one shard; see the module docstring)."""

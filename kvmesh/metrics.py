@@ -117,3 +117,10 @@ ENGINE_CANARY = Counter(
     "Hash-parity canary runs by outcome (passed, mismatch, timeout)",
     ["engine", "outcome"],
 )
+REPLICA_FAILOVERS = Counter(
+    "kvmesh_router_failovers",
+    "A router replica's calls that went to another replica, by reason: hedged (its own "
+    "shard was slow or failed), shard_failed (a replica's shard failed a route), "
+    "replica_down (a replica was skipped for state changes)",
+    ["reason"],
+)
