@@ -165,13 +165,32 @@ def block_bytes(model: Path, block_tokens: int) -> int:
     return 2 * cfg["num_hidden_layers"] * block_tokens * heads * head_dim * width
 
 
-def metric_sum(text: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) in an exposition text."""
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples in an exposition text, over the label sets
+    that have `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
+            head, _, value = line.rpartition(" ")
+            if all(w in head for w in want):
+                total += float(value)
     return total
+
+
+def routing_view(text: str) -> str:
+    """What the gateway's router saw in one run (from its /metrics), for the log."""
+    matched = metric_sum(text, "kvmesh_gateway_matched_blocks_total")
+    prompt = metric_sum(text, "kvmesh_gateway_prompt_blocks_total")
+    gaps = {
+        outcome: metric_sum(text, "kvmesh_engine_event_gaps_total", outcome=outcome)
+        for outcome in ("healed", "uncovered")
+    }
+    held = metric_sum(text, "kvmesh_engine_event_batches_total", outcome="held")
+    return (
+        f"the router expected {matched:.0f} of {prompt:.0f} prompt blocks cached; event gaps "
+        f"healed {gaps['healed']:.0f}, uncovered {gaps['uncovered']:.0f}; batches held back {held:.0f}"
+    )
 
 
 async def cache_counters(client: httpx.AsyncClient, engine: VLLMEngine) -> tuple[float, float]:
@@ -334,6 +353,8 @@ async def measure(
             before = [await cache_counters(client, e) for e in engines]
             wall = await replay(url, turns, args.concurrency, args.max_tokens, into.replay)
             after = [await cache_counters(client, e) for e in engines]
+            view = (await client.get(url + "/metrics")).text
+            print(f"  {policy}: {routing_view(view)}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
             try:

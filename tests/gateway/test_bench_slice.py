@@ -59,3 +59,13 @@ def test_engine_counters_sum_over_label_sets() -> None:
         'vllm:prefix_cache_hits_created{engine="0"} 1.7e9\n'
     )
     assert metric_sum(text, "vllm:prefix_cache_hits_total") == 100.0
+
+
+def test_engine_counters_can_be_picked_by_label() -> None:
+    text = (
+        'kvmesh_engine_event_gaps_total{engine="engine-0",outcome="healed"} 2.0\n'
+        'kvmesh_engine_event_gaps_total{engine="engine-1",outcome="uncovered"} 1.0\n'
+        'kvmesh_engine_event_gaps_total{engine="engine-1",outcome="healed"} 3.0\n'
+    )
+    assert metric_sum(text, "kvmesh_engine_event_gaps_total", outcome="healed") == 5.0
+    assert metric_sum(text, "kvmesh_engine_event_gaps_total", engine="engine-1") == 4.0
