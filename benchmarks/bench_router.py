@@ -38,8 +38,9 @@ Measured in one run:
   and numpy arrays, which report to tracemalloc) plus the bytes of the
   index's native containers that tracemalloc cannot see (`extra_bytes`,
   roaring bitmaps), / distinct pages indexed. ``rss_bytes_per_page`` is the
-  process's resident-set growth while a second fresh index is built without
-  tracemalloc, / the same pages (coarser: it also counts allocator slack).
+  resident-set growth of a fresh process while it builds the same index
+  without tracemalloc, / the same pages (coarser: it also counts allocator
+  slack and numpy's over-allocation).
 
 Each measurement is one function taking the workload and returning its
 figures, so further dimensions (shards, replicas) add a function and a flag.
@@ -50,7 +51,9 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -85,6 +88,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc build")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--shards",
+        type=_shard_counts,
+        default=None,
+        help="index shard counts (1,2,4): measure the sharded coordinator for each instead",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="router replicas with --shards (2+: failover gap)"
+    )
+    parser.add_argument(
+        "--ray-pages",
+        type=int,
+        default=20_000,
+        help="with --shards: distinct pages of the index built on Ray actors",
+    )
 
 
 def _counts(text: str) -> list[int]:
@@ -340,7 +358,27 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _memory(wl: _Workload) -> dict[str, Any]:
+def _rss_growth(workers: int, pages: int, seed: int, out: Any) -> None:
+    """In a fresh process (no freed memory to reuse): resident-set growth while the index is built."""
+    wl = _Workload(workers, pages, seed)
+    gc.collect()
+    before = _rss_bytes()
+    index = _build(wl)
+    gc.collect()
+    out.put((_rss_bytes() - before, len(index)))
+
+
+def _rss_per_page(workers: int, pages: int, seed: int) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_rss_growth, args=(workers, pages, seed, out))
+    child.start()
+    grown, indexed = out.get()
+    child.join()
+    return round(grown / indexed, 1)
+
+
+def _memory(wl: _Workload, workers: int, pages: int, seed: int) -> dict[str, Any]:
     """Bytes the index keeps per distinct page, hash objects and worker sets included."""
     gc.collect()
     tracemalloc.start()
@@ -359,20 +397,13 @@ def _memory(wl: _Workload) -> dict[str, Any]:
     gc.collect()
     naive_used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del naive
-    gc.collect()
-    rss0 = _rss_bytes()
-    index = _build(wl)
-    gc.collect()
-    rss = _rss_bytes() - rss0
-    del index
     used = traced + native
     return {
         "bytes_per_page": round(used / pages, 1),
         "bytes_per_entry": round(used / entries, 1),
         "traced_bytes_per_page": round(traced / pages, 1),
         "native_bytes_per_page": round(native / pages, 1),
-        "rss_bytes_per_page": round(rss / pages, 1),
+        "rss_bytes_per_page": _rss_per_page(workers, pages, seed),
         "memory_pages": pages,
         "memory_entries": entries,
         "index_mib": round(used / 2**20, 1),
@@ -398,7 +429,7 @@ def measure_one(workers: int, args: argparse.Namespace) -> dict[str, Any]:
     result.update(_index_ops(wl, prompts))
     gc.collect()
     if not args.no_memory:
-        result.update(_memory(wl))
+        result.update(_memory(wl, workers, args.pages, args.seed))
     result.update(
         {
             "workload_build_s": round(build_s, 1),
@@ -414,7 +445,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    results = measure(args)
+    results = measure_sharded(args) if args.shards else measure(args)
     if args.json:
         for result in results:
             print(json.dumps(result))
@@ -425,9 +456,206 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title="kvmesh bench router")
     table.add_column("figure")
     for result in results:
-        table.add_column(f"{result['workers']} workers", justify="right")
+        label = (
+            f"{result['shards']} shards" if "shards" in result else f"{result['workers']} workers"
+        )
+        table.add_column(label, justify="right")
     for k in results[0]:
         cells = [r.get(k) for r in results]
         table.add_row(k, *(f"{v:,}" if isinstance(v, int) else str(v) for v in cells))
     Console().print(table)
     return 0
+
+
+# ------------------------------------------------------------------ shards and replicas
+# (`--shards 1,2,4 --replicas M`: docs/scale.md reads these figures)
+
+
+def _shard_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected shard counts like 1,2,4, got {text!r}"
+        ) from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"each shard count must be at least 1, got {text!r}")
+    return counts
+
+
+def _sharded_in_process(
+    wl: _Workload, prompts: list[list[PageHash]], shards: int, seed: int
+) -> dict[str, Any]:
+    """`ShardedCoordinator` in one process: its ingest and route cost, CPU per op.
+
+    The shards run one after another here, so this is the CPU the sharded
+    design costs per operation (the fan-out and merge included), not the
+    wall-clock gain of shards on separate cores.
+    """
+    from kvmesh.coordinator.shards import ShardedCoordinator
+
+    coord = ShardedCoordinator(
+        CoordinatorConfig(policy="kv_aware", index_shards=shards), rng=random.Random(seed)
+    )
+    for w in wl.worker_ids:
+        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for wid, data in wl.stored_batches:
+        coord.report(wid, [data])
+    ingest_s, ingest_cpu = time.perf_counter() - t0, time.process_time() - c0
+    rng = random.Random(seed)
+    for w in wl.worker_ids:
+        coord.heartbeat(
+            w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
+        )
+    times: list[float] = []
+    c0 = time.process_time()
+    for p in prompts:
+        t = time.perf_counter_ns()
+        coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
+        times.append((time.perf_counter_ns() - t) / 1e6)
+    route_cpu = time.process_time() - c0
+    ops = wl.stored_events + len(prompts)
+    return {
+        "route_p50_ms": round(_pct(times, 0.50), 4),
+        "route_p99_ms": round(_pct(times, 0.99), 4),
+        "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
+        "index_ops_per_s": round(ops / (ingest_s + sum(times) / 1e3)),
+        "cpu_s_per_million_ops": round((ingest_cpu + route_cpu) / ops * 1e6, 3),
+        "route_cpu_us_per_call": round(route_cpu / len(prompts) * 1e6, 1),
+        "ingest_cpu_s_per_million_events": round(ingest_cpu / wl.stored_events * 1e6, 3),
+    }
+
+
+def _ray_routes(router: Any, prompts: list[list[PageHash]]) -> list[float]:
+    import ray
+
+    times = []
+    for p in prompts:
+        t = time.perf_counter_ns()
+        ray.get(router.route.remote(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE))
+        times.append((time.perf_counter_ns() - t) / 1e6)
+    return times
+
+
+def _failover_gap_ms(routers: list[Any], prompts: list[list[PageHash]], kill: Any) -> float:
+    """Longest wait between two answered routes of one client while `kill()` takes a replica down.
+
+    The client asks its router and, when that one is gone, the next one (as
+    `KVMesh` and `RoutingClient` do).
+    """
+    import threading
+
+    import ray
+
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        order = list(routers)
+        i = 0
+        while not stop.is_set():
+            p = prompts[i % len(prompts)]
+            i += 1
+            try:
+                ray.get(order[0].route.remote(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE), timeout=30)
+                stamps.append(time.perf_counter())
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                order = order[1:] + order[:1]
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    time.sleep(1.0)
+    t_kill = time.perf_counter()
+    kill()
+    time.sleep(2.0)
+    stop.set()
+    thread.join(60)
+    around = [t for t in stamps if t >= t_kill - 0.5]
+    gaps = [b - a for a, b in itertools.pairwise(around)]
+    return round(max(gaps) * 1e3, 1) if gaps else float("nan")
+
+
+def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The layout on Ray actors (this machine): route p99 through a router, failover gaps."""
+    import uuid
+
+    import ray
+
+    from kvmesh.coordinator.router import create_layout, shard_actor_name
+
+    workers = args.workers[0]
+    wl = _Workload(workers, args.ray_pages, args.seed)
+    prompts = wl.prompts(min(args.routes, 2000), random.Random(args.seed + 2))
+    cfg = CoordinatorConfig(
+        namespace=f"bench-{uuid.uuid4().hex[:8]}",
+        index_shards=shards,
+        router_replicas=replicas,
+        heartbeat_timeout_s=600.0,
+    )
+    routers = create_layout(cfg)
+    ray.get([r.wait_ready.remote(60) for r in routers], timeout=120)
+    r0 = routers[0]
+    ray.get([r0.register_worker.remote(w, "127.0.0.1:1", 100_000, "inc-0") for w in wl.worker_ids])
+    for k in range(0, len(wl.stored_batches), 64):
+        ray.get([r0.report.remote(w, [d]) for w, d in wl.stored_batches[k : k + 64]])
+    _ray_routes(r0, prompts[:100])  # warm the handles
+    times = _ray_routes(r0, prompts)
+    out: dict[str, Any] = {
+        "ray_route_p50_ms": round(_pct(times, 0.50), 3),
+        "ray_route_p99_ms": round(_pct(times, 0.99), 3),
+        "ray_indexed_pages": wl.distinct_pages,
+    }
+    if replicas > 1:
+        out["failover_gap_ms"] = _failover_gap_ms(
+            routers, prompts, lambda: ray.kill(r0, no_restart=True)
+        )
+        shard = ray.get_actor(shard_actor_name(cfg, 1, 0), namespace=cfg.namespace)
+        out["shard_failover_gap_ms"] = _failover_gap_ms(
+            routers[1:], prompts, lambda: ray.kill(shard, no_restart=False)
+        )
+        out["heartbeat_interval_ms"] = round(cfg.heartbeat_interval_s * 1e3)
+    for r in routers:
+        ray.kill(r, no_restart=True)
+    for rep in range(replicas):
+        for s in range(shards):
+            ray.kill(ray.get_actor(shard_actor_name(cfg, rep, s), namespace=cfg.namespace))
+    return out
+
+
+def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One object per shard count: in-process cost per op, then the same layout on Ray."""
+    import ray
+
+    workers = args.workers[0]
+    wl = _Workload(workers, args.pages, args.seed)
+    prompts = wl.prompts(args.routes, random.Random(args.seed + 1))
+    results = []
+    for shards in args.shards:
+        result: dict[str, Any] = {
+            "shards": shards,
+            "replicas": args.replicas,
+            "workers": workers,
+            "indexed_pages": wl.distinct_pages,
+        }
+        result.update(_sharded_in_process(wl, prompts, shards, args.seed))
+        gc.collect()
+        results.append(result)
+    del wl, prompts
+    gc.collect()
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        for result in results:
+            result.update(_sharded_on_ray(result["shards"], args.replicas, args))
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    base = results[0]["cpu_s_per_million_ops"]
+    for result in results:
+        result["cpu_per_op_ratio_vs_first"] = round(result["cpu_s_per_million_ops"] / base, 2)
+        result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        result["cpus"] = os.cpu_count()
+    return results

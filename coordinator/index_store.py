@@ -252,6 +252,16 @@ class PageStore:
             buf[at, :size] = np.frombuffer(joined, np.uint8).reshape(len(at), size)
         return buf.view(np.uint64), lengths
 
+    def _search(self, keys: npt.NDArray[np.uint64]) -> Rows:
+        """`np.searchsorted` in the sorted keys; many keys are sorted first, so that each
+        search starts where the last ended (fewer cache misses in a big array)."""
+        if len(keys) < 64:
+            return np.searchsorted(self._sorted_keys, keys)
+        order = np.argsort(keys)
+        pos = np.empty(len(keys), np.int64)
+        pos[order] = np.searchsorted(self._sorted_keys, keys[order])
+        return pos
+
     def _find(
         self,
         hashes: Sequence[bytes],
@@ -268,7 +278,7 @@ class PageStore:
             return np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         keys = digests[:, 0]
         if len(self._sorted_keys):
-            pos = np.searchsorted(self._sorted_keys, keys)
+            pos = self._search(keys)
             named = self._sorted_rows.take(pos, mode="clip").astype(np.int64)
             by_key = np.where(self._sorted_keys.take(pos, mode="clip") == keys, named, -1)
         else:
@@ -292,19 +302,20 @@ class PageStore:
         digests, lengths = self._encode(hashes)
         return self._find(hashes, digests, lengths)[0]
 
-    def _rows_for(self, hashes: Sequence[bytes], head: int = 0) -> tuple[Rows, bool]:
+    def _rows_for(self, hashes: Sequence[bytes]) -> tuple[Rows, Rows | None]:
         """Each digest's row, creating (as ghosts) the missing ones.
 
-        Also says whether the first `head` digests all got new, distinct rows.
+        Also the positions whose rows were created here, when they are all
+        distinct (None when some digest repeats among them).
         """
         digests, lengths = self._encode(hashes)
         rows, by_key = self._find(hashes, digests, lengths)
         new = np.flatnonzero(rows < 0)
         if not len(new):
-            return rows, False
-        fresh = len(new) >= head > 0 and new[head - 1] == head - 1
+            return rows, new
         keys = np.ascontiguousarray(digests[new, 0])
         repeats = len(_distinct(keys)) != len(keys)
+        one_each = not repeats
         if not repeats:  # distinct keys, so distinct digests: no dedupe needed
             first = new
             made = self._alloc(len(new))
@@ -317,7 +328,6 @@ class PageStore:
             first = new[np.unique(slot, return_index=True)[1]]
             made = self._alloc(len(distinct))
             rows[new] = made[slot]
-            fresh = fresh and slot[head - 1] == head - 1  # the head's digests are distinct
             keys = np.ascontiguousarray(digests[first, 0])
             repeats = len(_distinct(keys)) != len(keys)
         self._widen(digests.shape[1])
@@ -343,7 +353,7 @@ class PageStore:
             self._recent.put(keys, made)
             if len(self._recent) > max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION):
                 self._merge()
-        return rows, bool(fresh)
+        return rows, new if one_each else None
 
     def _merge(
         self,
@@ -515,7 +525,7 @@ class PageStore:
         if not hashes:
             return
         n = len(hashes)
-        rows, fresh = self._rows_for([*hashes, *parent_of_first], n)
+        rows, created = self._rows_for([*hashes, *parent_of_first])
         rows, named = rows[:n], rows[n:]
         parents = np.empty(n, np.int64)
         parents[1:] = rows[:-1]
@@ -525,9 +535,17 @@ class PageStore:
             first_parents = np.full(len(starts), -1, np.int64)
             first_parents[np.asarray(has_parent, bool)] = named
             parents[np.asarray(starts, np.int64)] = first_parents
-        if fresh:  # all new pages (the common case): no holder or parent to merge with
-            self._store_fresh(rows, parents, slot, bit)
-            return
+        if created is not None:  # new pages: no holder or parent to merge with
+            created = created[created < n]
+        if created is not None and len(created):
+            if len(created) == n:
+                self._store_fresh(rows, parents, slot, bit)
+                return
+            self._store_fresh(rows[created], parents[created], slot, bit)
+            known = np.ones(n, bool)
+            known[created] = False
+            rows, parents = rows[known], parents[known]
+            n = len(rows)
         distinct = _distinct(rows)
         self._remask(distinct, bit, 0, slot)
         self._set_parents(rows, parents, len(distinct) != n)
