@@ -13,8 +13,9 @@ Invariants, and why:
 
 - a digest has at most one row, found by its compact key (the first 8 bytes
   as a uint64): keys sit in a sorted array (`np.searchsorted`; a deleted key
-  is tombstoned) plus a dict of recent keys merged in once it outgrows 1/16
-  of the sorted part, so an insert never re-sorts everything. Only a digest
+  is tombstoned) plus a small open-addressing table of recent keys
+  (`_KeyTable`) merged in once it outgrows 1/16 of the sorted part, so an
+  insert never re-sorts everything. Only a digest
   longer than 8 bytes can share its key with another; the second one goes to
   a small dict keyed by the full digest. Every lookup compares the whole
   digest and its length, so answers are exact, never probabilistic;
@@ -270,8 +271,8 @@ class PageStore:
     ) -> tuple[Rows, Rows]:
         """(rows, by_key): each digest's row or -1; the row its compact key names, or -1.
 
-        A fixed number of numpy calls whatever `len(hashes)`, plus one dict probe
-        per hash while recent keys wait to be merged.
+        A fixed number of numpy calls whatever `len(hashes)` (plus a few probing
+        rounds in the recent keys' table), no Python step per hash.
         """
         n = len(hashes)
         if not self._top:
