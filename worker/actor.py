@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvmesh.config import ClusterConfig
-from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, RequestCancelled, TransportError
+from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
 from kvmesh.hashing import ExtraKeys, PageHasher
 from kvmesh.load import WorkerLoad
 from kvmesh.security import check_bind_address
@@ -187,18 +187,6 @@ class WorkerStats:
         return self.pages_hit_local / self.prompt_pages if self.prompt_pages else 0.0
 
 
-def _check_transport(cfg: ClusterConfig) -> None:
-    """Refuse a transport the actor cannot use, before anything starts."""
-    from kvmesh.worker.peers import transport_factory
-
-    transport_factory(cfg.transfer.transport)
-    if cfg.transfer.transport == "dist" and cfg.security.profile == "production":
-        raise ConfigError(
-            "transport='dist' moves pages over torch.distributed without TLS or tokens; the "
-            "production profile needs transport='grpc'"
-        )
-
-
 @dataclass(slots=True)
 class _Counters:
     """What the worker's requests came to (transfers are counted by `Peers`)."""
@@ -229,12 +217,12 @@ class WorkerActor:
         from kvmesh.worker.model import TinyTransformer
         from kvmesh.worker.page_pool import PagePool
         from kvmesh.worker.page_service import EvictionBudget, PageService, PushGrants
-        from kvmesh.worker.peers import Peers
+        from kvmesh.worker.peers import Peers, check_transport
         from kvmesh.worker.serving import ServingEngine
         from kvmesh.worker.transfer_server import ServerThread
 
         cfg = spec.config
-        _check_transport(cfg)
+        check_transport(cfg.transfer.transport, cfg.security.profile)
         torch.set_num_threads(spec.torch_threads)
         page_size = cfg.hash.page_size
         self.spec = spec
@@ -290,7 +278,6 @@ class WorkerActor:
 
         rpc_timeout_s = max(5.0, cfg.coordinator.heartbeat_timeout_s)
         self._rpc = None if coordinator is None else CoordinatorRpc(coordinator, rpc_timeout_s)
-        self._dist = cfg.transfer.transport == "dist"
         self.links = DistLinks(
             self.worker_id,
             self.pages,
@@ -452,21 +439,8 @@ class WorkerActor:
         return self._rpc("dist_link", self.worker_id, address)
 
     def dist_accept(self, rendezvous: Any) -> bool:
-        """Join a link a peer opened through the coordinator and serve it in a thread.
-
-        Returns at once (the peer joins meanwhile). Raises `ConfigError` when
-        this worker does not take torch.distributed links, `UnknownWorker` /
-        `InvalidInput` for a rendezvous that does not make it the serving rank.
-        """
-        from kvmesh.rendezvous import LINK_SERVER_RANK
-
-        if not self._dist:
-            raise ConfigError(
-                f"worker {self.worker_id!r} moves pages over gRPC only; start it with "
-                "TransferConfig.transport='dist' to take torch.distributed links"
-            )
-        if rendezvous.rank_of(self.worker_id) != LINK_SERVER_RANK:
-            raise InvalidInput(f"worker {self.worker_id!r} is not the serving rank of this link")
+        """Join a link a peer opened through the coordinator and serve it in a thread
+        (`DistLinks.accept`, which says what it refuses); returns at once."""
         self.links.accept(rendezvous)
         return True
 

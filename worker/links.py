@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from kvmesh.config import TransferConfig
-from kvmesh.errors import KVMeshError, TransportError
+from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, TransportError
 from kvmesh.rendezvous import LINK_CLIENT_RANK, LINK_SERVER_RANK, DistRendezvous
 from kvmesh.types import WorkerId
 from kvmesh.worker.dist_group import DistGroup
@@ -99,7 +99,18 @@ class DistLinks:
             link.group.close()
 
     def accept(self, rendezvous: DistRendezvous) -> None:
-        """Join a link a peer opened and serve it from a daemon thread; returns at once."""
+        """Join a link a peer opened and serve it from a daemon thread; returns at once.
+
+        Raises `ConfigError` when this worker moves pages over gRPC only, `UnknownWorker` /
+        `InvalidInput` for a rendezvous that does not make it the serving rank.
+        """
+        if self._config.transport != "dist":
+            raise ConfigError(
+                f"worker {self.worker_id!r} moves pages over gRPC only; start it with "
+                "TransferConfig.transport='dist' to take torch.distributed links"
+            )
+        if rendezvous.rank_of(self.worker_id) != LINK_SERVER_RANK:
+            raise InvalidInput(f"worker {self.worker_id!r} is not the serving rank of this link")
         threading.Thread(
             target=self._serve,
             args=(rendezvous,),

@@ -283,6 +283,17 @@ class Peers:
             self.links.hang_up_all()
 
 
+def check_transport(name: str, profile: str) -> None:
+    """Refuse a transport a worker cannot use, before anything starts: an unknown name, or
+    torch.distributed (no TLS, no token) under the production profile (`ConfigError`)."""
+    transport_factory(name)
+    if name == "dist" and profile == "production":
+        raise ConfigError(
+            "transport='dist' moves pages over torch.distributed without TLS or tokens; the "
+            "production profile needs transport='grpc'"
+        )
+
+
 def transport_factory(name: str) -> PeerFactory:
     """The `TRANSPORTS` entry for `name`; `ConfigError` naming the choices otherwise."""
     try:
@@ -300,5 +311,6 @@ __all__ = [
     "PullOutcome",
     "PushOutcome",
     "TransferCounts",
+    "check_transport",
     "transport_factory",
 ]
