@@ -27,7 +27,7 @@ from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.links import DistLinks, OpenRendezvous
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import PageService, ProofBook
-from kvmesh.worker.peers import TRANSPORTS, Peers, transport_factory
+from kvmesh.worker.peers import TRANSPORTS, Peers, check_transport, transport_factory
 from kvmesh.worker.transfer_server import ServerThread
 
 PAGE = 4
@@ -205,3 +205,10 @@ def test_an_unknown_transport_is_refused_naming_the_choices() -> None:
     with pytest.raises(ConfigError, match="carrier-pigeon"):
         Peers(_with_transport("carrier-pigeon"))
     assert sorted(TRANSPORTS) == ["dist", "grpc"]
+
+
+def test_torch_distributed_is_refused_under_the_production_profile() -> None:
+    with pytest.raises(ConfigError, match="production profile needs transport='grpc'"):
+        check_transport("dist", "production")
+    check_transport("grpc", "production")
+    check_transport("dist", "development")
