@@ -38,8 +38,9 @@ Measured in one run:
   and numpy arrays, which report to tracemalloc) plus the bytes of the
   index's native containers that tracemalloc cannot see (`extra_bytes`,
   roaring bitmaps), / distinct pages indexed. ``rss_bytes_per_page`` is the
-  process's resident-set growth while a second fresh index is built without
-  tracemalloc, / the same pages (coarser: it also counts allocator slack).
+  resident-set growth of a fresh process while it builds the same index
+  without tracemalloc, / the same pages (coarser: it also counts allocator
+  slack and numpy's over-allocation).
 
 Each measurement is one function taking the workload and returning its
 figures, so further dimensions (shards, replicas) add a function and a flag.
@@ -52,6 +53,7 @@ import gc
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -356,7 +358,27 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _memory(wl: _Workload) -> dict[str, Any]:
+def _rss_growth(workers: int, pages: int, seed: int, out: Any) -> None:
+    """In a fresh process (no freed memory to reuse): resident-set growth while the index is built."""
+    wl = _Workload(workers, pages, seed)
+    gc.collect()
+    before = _rss_bytes()
+    index = _build(wl)
+    gc.collect()
+    out.put((_rss_bytes() - before, len(index)))
+
+
+def _rss_per_page(workers: int, pages: int, seed: int) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_rss_growth, args=(workers, pages, seed, out))
+    child.start()
+    grown, indexed = out.get()
+    child.join()
+    return round(grown / indexed, 1)
+
+
+def _memory(wl: _Workload, workers: int, pages: int, seed: int) -> dict[str, Any]:
     """Bytes the index keeps per distinct page, hash objects and worker sets included."""
     gc.collect()
     tracemalloc.start()
@@ -375,20 +397,13 @@ def _memory(wl: _Workload) -> dict[str, Any]:
     gc.collect()
     naive_used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    del naive
-    gc.collect()
-    rss0 = _rss_bytes()
-    index = _build(wl)
-    gc.collect()
-    rss = _rss_bytes() - rss0
-    del index
     used = traced + native
     return {
         "bytes_per_page": round(used / pages, 1),
         "bytes_per_entry": round(used / entries, 1),
         "traced_bytes_per_page": round(traced / pages, 1),
         "native_bytes_per_page": round(native / pages, 1),
-        "rss_bytes_per_page": round(rss / pages, 1),
+        "rss_bytes_per_page": _rss_per_page(workers, pages, seed),
         "memory_pages": pages,
         "memory_entries": entries,
         "index_mib": round(used / 2**20, 1),
@@ -414,7 +429,7 @@ def measure_one(workers: int, args: argparse.Namespace) -> dict[str, Any]:
     result.update(_index_ops(wl, prompts))
     gc.collect()
     if not args.no_memory:
-        result.update(_memory(wl))
+        result.update(_memory(wl, workers, args.pages, args.seed))
     result.update(
         {
             "workload_build_s": round(build_s, 1),
