@@ -12,11 +12,9 @@ transport moves all the pages from the peer into the puller's pool:
   (chunked FetchPages streams, each page checked, proven against the
   puller's own `ProofBook` of the prompt, and inserted). Both
   processes take their `TransferConfig` from ``KVMESH_*`` variables, then the
-  ``--grpc-*`` flags: ``--grpc-client zero-copy|sync|aio`` picks the fetch
-  engine (zero-copy, the default, reads the calls straight into the pool),
-  ``--grpc-malloc-tune`` the opt-in allocator tuning (see
-  `kvmesh.worker.transfer_server` for what bounds this path and what each
-  setting measured).
+  ``--grpc-*`` flags (``--grpc-malloc-tune``: the opt-in allocator tuning).
+  One fetch engine (`kvmesh.worker.transfer_client.PageFetcher`): pooled
+  connections, each page read from the socket straight into its pool page.
 - ``dist``: `DistPageTransport.pull` over a gloo process group of the two
   (batched tensors, each page checked, proven and inserted).
 
@@ -47,7 +45,6 @@ DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
 PAGE_SIZE = 16
 SEED = "bench-transfer"
 TRANSPORT_CHOICES = ("grpc", "dist", "both")
-GRPC_CLIENTS = ("zero-copy", "sync", "aio")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -81,14 +78,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--grpc-chunk-bytes", type=int, default=None, help="grpc: page bytes per message"
     )
     parser.add_argument(
-        "--grpc-client",
-        choices=GRPC_CLIENTS,
-        default=None,
-        help="grpc: read the calls straight into the pool (zero-copy), grpcio blocking "
-        "channels with a thread per stream (sync), or grpcio's asyncio client (aio); "
-        "default: TransferConfig.grpc_zero_copy / grpc_sync_fetch",
-    )
-    parser.add_argument(
         "--grpc-malloc-tune",
         action="store_true",
         help="grpc: TransferConfig.grpc_malloc_tune in both processes (glibc keeps freed "
@@ -113,7 +102,6 @@ class Spec:
     use_grpc: bool
     grpc_streams: int | None
     grpc_chunk_bytes: int | None
-    grpc_client: str | None
     grpc_malloc_tune: bool
     batch_bytes: int | None
     gather: bool
@@ -186,9 +174,6 @@ def _transfer_config(spec: Spec) -> Any:
         extra["max_message_bytes"] = max(
             TransferConfig().max_message_bytes, spec.grpc_chunk_bytes + (1 << 20)
         )
-    if spec.grpc_client is not None:
-        extra["grpc_zero_copy"] = spec.grpc_client == "zero-copy"
-        extra["grpc_sync_fetch"] = spec.grpc_client == "sync"
     if spec.grpc_malloc_tune:
         extra["grpc_malloc_tune"] = True
     return from_env(TransferConfig, host="127.0.0.1", port=0, deadline_s=spec.timeout_s, **extra)
@@ -361,13 +346,8 @@ def measure(spec: Spec) -> list[Figure]:
             cleanup.append(client.close)
             receiver = service.receiving(proofs)
             pulls["grpc"] = lambda some: client.pull_into(receiver, some)
-            engine = (
-                "zero-copy"
-                if client.pulls_in_place(service, spec.pages)
-                else ("sync" if config.grpc_sync_fetch else "aio")
-            )
             details["grpc"] = (
-                f"{engine} client, "
+                "pooled connections into reserved pages, "
                 f"fetch_streams={config.fetch_streams} chunk_bytes={config.chunk_bytes}"
                 + (" malloc_tune" if config.grpc_malloc_tune else "")
             )
@@ -481,7 +461,6 @@ def spec_from_args(args: argparse.Namespace) -> Spec:
         use_grpc=args.transport in ("grpc", "both"),
         grpc_streams=args.grpc_streams,
         grpc_chunk_bytes=args.grpc_chunk_bytes,
-        grpc_client=args.grpc_client,
         grpc_malloc_tune=args.grpc_malloc_tune,
         batch_bytes=args.batch_bytes,
         gather=args.gather,

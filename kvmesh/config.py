@@ -196,7 +196,6 @@ class TransferConfig:
             non_negative=(
                 "retries",
                 "retry_backoff_s",
-                "grpc_zero_copy_min_bytes",
                 "fetch_pin_wait_s",
             ),
             not_empty=("transport",),
@@ -241,14 +240,7 @@ class TransferConfig:
     grpc_min_read_chunk_bytes: int = 0  # grpc.experimental.tcp_min_read_chunk_size
     grpc_max_read_chunk_bytes: int = 0  # grpc.experimental.tcp_max_read_chunk_size
     grpc_socket_buffer_bytes: int = 0  # grpc.tcp_receive_buffer_size (SO_RCVBUF)
-    grpc_sync_fetch: bool = False  # SyncPeerClient: blocking streams, a thread each (many cores)
     grpc_malloc_tune: bool = False  # glibc: keep freed transfer buffers mapped (process-wide)
-    # pulls read FetchPages off the socket straight into reserved KV pages (GPU pools: via
-    # host memory); kvmesh.worker.grpc_wire: same gRPC call and server, ~2x grpcio's receive
-    grpc_zero_copy: bool = True
-    # smaller pulls stay on grpcio's reused connections (a zero-copy call opens its own:
-    # ~2 ms on loopback; measured break-even 1-8 MiB)
-    grpc_zero_copy_min_bytes: int = 4 * 1024 * 1024
     # pushes (prefill -> decode) are taken only against a grant of the receiving worker,
     # valid this long; and one peer's pushes may evict at most this fraction of the pool's
     # pages per window (a token bucket), so pushes cannot flush everyone else's cache

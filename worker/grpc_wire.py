@@ -1,39 +1,41 @@
-"""Zero-copy FetchPages: a gRPC call read straight off the socket into the KV store.
+"""FetchPages read straight off the socket into the KV store, over reused HTTP/2 connections.
 
-Why: grpcio 1.85 hands every received message to Python as a fresh ``bytes``
-built by two copies (each read slice into a ``bytes``, then a join; its
-zero-copy receive is an unreleased experiment), and the receiver then copies
-the page bytes once more into its KV tensor. On a machine where sender and
-receiver share the cores, those copies are the bound (see
-`kvmesh.worker.transfer_server`). This module speaks the same gRPC call,
-``/kvmesh.v1.KVWorker/FetchPages`` over HTTP/2, to the same standard grpc
-server, but reads it itself: the small fields of each ``PageChunk`` are
-parsed as they arrive and the page bytes are ``recv_into``'d straight into the
-destination the caller names (a reserved page of its KV store). Per byte that
-is the kernel's copy and the caller's checksum, the same work as a raw socket
-plus the xxh3.
+Why a reader of our own: grpcio 1.85 hands every received message to Python
+as a fresh ``bytes`` built by two copies, and the receiver then copies the
+page bytes once more into its KV tensor; `h2` (python-hyper) hands DATA
+payloads over as ``bytes`` too, after three copies of its own (frame buffer,
+frame slice, payload) and a hex ``repr`` of every frame it receives. On a
+machine where sender and receiver share the cores those copies are the bound
+(the measurements are in the issue 14 note). This module speaks the same gRPC
+call, ``/kvmesh.v1.KVWorker/FetchPages`` over HTTP/2, to the same standard
+grpc server, but reads it itself: the small fields of each ``PageChunk`` are
+parsed as they arrive and the page bytes are ``recv_into``'d straight into
+the destination the caller names (a reserved page of its KV store). Per byte
+that is the kernel's copy and the caller's checksum.
 
-Scope, on purpose small: one unary-stream call per connection (stream 1),
-plaintext or TLS (ALPN ``h2``, mutual TLS with a client certificate), the
-bearer token, ``grpc-timeout`` and a socket deadline, HTTP/2 flow control
-(our windows opened wide, topped up as bytes are consumed; the request sent in
-frames and windows the server allows, however many hashes), SETTINGS / PING
-acknowledgements, padding, CONTINUATION, GOAWAY and RST_STREAM, and gRPC
-status trailers (including the server's ``kvmesh-error``). Header blocks are
-(de)compressed by `hpack` (python-hyper), the HPACK reference library for
-Python; everything else is a few fixed-layout frames. Lookup, PushPages and
-Health stay on grpcio.
+Scope, on purpose small: unary-stream calls, one at a time per connection,
+connections kept per peer (`ChannelPool`: no connect or TLS handshake per
+pull); plaintext or TLS (ALPN ``h2``, mutual TLS), the bearer token,
+``grpc-timeout`` and a socket deadline, HTTP/2 flow control (our windows
+opened wide, topped up as bytes are consumed; the request sent in frames and
+windows the server allows), SETTINGS / PING acknowledgements, padding,
+CONTINUATION, GOAWAY and RST_STREAM, and gRPC status trailers (including the
+server's ``kvmesh-error``). Header blocks are (de)compressed by `hpack`
+(python-hyper); everything else is a few fixed-layout frames. Lookup,
+PushPages and Health stay on grpcio.
 
 Failures raise `WireStatus`, a `grpc.RpcError` with the call's status code,
 details and trailing metadata, so callers translate and retry it exactly as
 they do grpcio's errors: connection refused, reset or closed mid-call is
-``UNAVAILABLE``; the deadline is ``DEADLINE_EXCEEDED``; `cancel` from another
-thread is ``CANCELLED``.
+``UNAVAILABLE``; the deadline is ``DEADLINE_EXCEEDED``; `FetchCall.cancel`
+from another thread is ``CANCELLED``. A connection that failed or was
+cancelled is closed, never reused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import ssl
 import struct
@@ -62,7 +64,7 @@ SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x
 MAX_WINDOW = 2**31 - 1
 MAX_FRAME = 2**24 - 1
 DEFAULT_WINDOW, DEFAULT_FRAME = 65535, 16384  # a peer's limits until its SETTINGS say otherwise
-STREAM = 1  # the one call on a connection
+MAX_STREAM_ID = 2**31 - 1
 READ_BUFFER_BYTES = 1 << 20
 """Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
 WINDOW_TOP_UP = 1 << 30
@@ -72,7 +74,7 @@ _DATA_KEY = (15 << 3) | 2  # PageChunk.data, length-delimited
 
 
 class WireStatus(grpc.RpcError):
-    """A FetchPages call over `WireCall` ended with a non-OK gRPC status."""
+    """A FetchPages call over a `WireChannel` ended with a non-OK gRPC status."""
 
     def __init__(
         self, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]] = ()
@@ -129,12 +131,14 @@ def tls_context(config: TransferConfig) -> ssl.SSLContext | None:
     return ctx
 
 
-class WireCall:
-    """One FetchPages call on its own connection, read by the thread that calls `run`.
+class WireChannel:
+    """One HTTP/2 connection to a peer's transfer server, one FetchPages call at a time.
 
-    `cancel` may be called from any thread: the connection is shut down and
-    `run` raises ``CANCELLED``. The server sees the connection close and
-    cancels the call (its pins are released as for any cancelled stream).
+    Calls on it get stream ids 1, 3, 5, ...; the HPACK tables, the read buffer
+    and the connection's flow-control windows carry over from call to call.
+    A call that ends with any gRPC status leaves the connection reusable; one
+    that fails below gRPC (socket error, deadline, bad framing, `cancel`)
+    marks it `broken`, and it is closed.
     """
 
     def __init__(
@@ -151,41 +155,56 @@ class WireCall:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._cancelled = False
+        self.broken = False
+        self.idle_since = time.monotonic()
         self._buf = bytearray(READ_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
-        self._frame_left = 0  # DATA payload bytes of the current frame not yet read
-        self._pad_left = 0  # its padding, skipped after the payload
-        self._frame_ends = False  # the current DATA frame carries END_STREAM
-        self._ended = False
-        self._consumed = 0
+        self._encoder = hpack.Encoder()
         self._decoder = hpack.Decoder()
-        self._headers: list[tuple[str, str]] = []
-        self._trailers: list[tuple[str, str]] | None = None
+        self._next_stream = 1
+        self._conn_consumed = 0
+        self._going_away = False
         self._end_time = 0.0
         # What the server accepts from us (the request message): RFC 9113 sections 4.2, 6.9
         self._send_frame = DEFAULT_FRAME
         self._send_initial = DEFAULT_WINDOW
-        self._send_conn = self._send_stream = DEFAULT_WINDOW
+        self._send_conn = DEFAULT_WINDOW
+        self._new_stream(0)
+
+    def _new_stream(self, stream: int) -> None:
+        """The per-call state, for `stream` (0: between calls)."""
+        self._stream = stream
+        self._frame_left = 0  # DATA payload bytes of the current frame not yet read
+        self._pad_left = 0  # its padding, skipped after the payload
+        self._frame_ends = False  # the current DATA frame carries END_STREAM
+        self._ended = False
+        self._stream_consumed = 0
+        self._headers: list[tuple[str, str]] = []
+        self._trailers: list[tuple[str, str]] | None = None
+        self._send_stream = self._send_initial
 
     # ------------------------------------------------------------ lifecycle
 
     def cancel(self) -> None:
-        """Abort the call from any thread (a no-op once it is over)."""
+        """Abort the call from any thread: the connection is shut down (and never reused)."""
         with self._lock:
             self._cancelled = True
+            self.broken = True
             sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):  # already closed: nothing to abort
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         with self._lock:
             sock, self._sock = self._sock, None
+            self.broken = True
         if sock is not None:
             sock.close()
 
     def _fail(self, code: grpc.StatusCode, details: str) -> WireStatus:
+        self.broken = True
         if self._cancelled:
             return WireStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
         return WireStatus(code, details)
@@ -215,19 +234,80 @@ class WireCall:
                 ) from None
         return sock
 
-    # ------------------------------------------------------------ the call
-
-    def run(self, request: pb.FetchRequest, timeout_s: float, sink: ChunkSink) -> None:
-        """Make the call and feed every chunk to `sink`; returns on status OK, else raises."""
-        self._end_time = time.monotonic() + timeout_s
-        sock = self._connect(timeout_s)
+    def _open(self, timeout: float) -> socket.socket:
+        """Connect and send the connection preface: our SETTINGS and connection window."""
+        sock = self._connect(timeout)
         with self._lock:
             if self._cancelled:
                 sock.close()
                 raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
             self._sock = sock
+        settings = struct.pack(
+            ">HIHIHI",
+            SETTINGS_ENABLE_PUSH,
+            0,
+            SETTINGS_INITIAL_WINDOW_SIZE,
+            MAX_WINDOW,
+            SETTINGS_MAX_FRAME_SIZE,
+            MAX_FRAME,
+        )
+        increment = struct.pack(">I", MAX_WINDOW - DEFAULT_WINDOW)
+        sock.sendall(
+            PREFACE
+            + _frame(SETTINGS, 0, 0, settings)
+            + settings
+            + _frame(WINDOW_UPDATE, 0, 0, increment)
+            + increment
+        )
+        return sock
+
+    def usable(self, max_idle_s: float) -> bool:
+        """Whether this idle connection can take another call: not broken or going away,
+        used within `max_idle_s`, and what the server sent meanwhile (PINGs, SETTINGS,
+        window updates) handled; a GOAWAY, a close or anything else makes it unusable."""
+        sock = self._sock
+        if self.broken or self._going_away or sock is None:
+            return False
+        if time.monotonic() - self.idle_since >= max_idle_s:
+            return False
         try:
-            self._send_request(sock, request, timeout_s)
+            while select.select([sock], [], [], 0)[0]:
+                if self._start:
+                    kept = self._end - self._start
+                    self._view[:kept] = self._view[self._start : self._end]
+                    self._start, self._end = 0, kept
+                got = sock.recv_into(self._view[self._end :])
+                if got == 0:
+                    return False
+                self._end += got
+                while self._end - self._start >= 9:
+                    length = int.from_bytes(self._view[self._start : self._start + 3], "big")
+                    kind, flags = self._buf[self._start + 3], self._buf[self._start + 4]
+                    if kind in (DATA, HEADERS, CONTINUATION, PUSH_PROMISE, GOAWAY, RST_STREAM):
+                        return False  # nothing a call between calls should see
+                    if self._end - self._start < 9 + length:
+                        break
+                    _, kind, flags, stream = self._frame_header()
+                    self._control(kind, flags, stream, self._payload(length))
+        except (OSError, ssl.SSLError, WireStatus):
+            return False
+        return not self.broken and not self._going_away
+
+    # ------------------------------------------------------------ the call
+
+    def call(self, request: pb.FetchRequest, end: float, sink: ChunkSink) -> None:
+        """Make one FetchPages call and feed every chunk to `sink`; returns on status OK,
+        else raises (`WireStatus`); `end` is the deadline on the monotonic clock."""
+        self._end_time = end
+        try:
+            sock = self._sock
+            if sock is None:
+                sock = self._open(self._remaining())
+            if self._next_stream > MAX_STREAM_ID:
+                raise self._fail(grpc.StatusCode.UNAVAILABLE, "connection out of stream ids")
+            self._new_stream(self._next_stream)
+            self._next_stream += 2
+            self._send_request(sock, request, self._remaining())
             while self._message(sink):
                 pass
             self._finish()
@@ -239,19 +319,16 @@ class WireCall:
             raise self._fail(
                 grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}"
             ) from None
+        except WireStatus:
+            raise
+        except BaseException:
+            self.broken = True  # e.g. the sink refused a page mid-message
+            raise
         finally:
-            self._close()
+            self._new_stream(0)
+            self.idle_since = time.monotonic()
 
     def _send_request(self, sock: socket.socket, request: pb.FetchRequest, timeout: float) -> None:
-        settings = struct.pack(
-            ">HIHIHI",
-            SETTINGS_ENABLE_PUSH,
-            0,
-            SETTINGS_INITIAL_WINDOW_SIZE,
-            MAX_WINDOW,
-            SETTINGS_MAX_FRAME_SIZE,
-            MAX_FRAME,
-        )
         headers = [
             (":method", "POST"),
             (":scheme", "https" if self._tls is not None else "http"),
@@ -264,18 +341,11 @@ class WireCall:
         ]
         if self.config.auth_token:
             headers.append(("authorization", f"Bearer {self.config.auth_token}"))
-        block = hpack.Encoder().encode(headers)
+        block = self._encoder.encode(headers)
         body = request.SerializeToString()
         message = b"\x00" + struct.pack(">I", len(body)) + body
-        out = [
-            PREFACE,
-            _frame(SETTINGS, 0, 0, settings),
-            settings,
-            _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 4)),
-            struct.pack(">I", MAX_WINDOW - 65535),
-            _frame(HEADERS, END_HEADERS, STREAM, block),
-            block,
-        ]
+        stream = self._stream
+        out = [_frame(HEADERS, END_HEADERS, stream, block), block]
         # The message goes in DATA frames no larger than the server accepts and within its
         # flow-control windows: a large request (hundreds of hashes) waits for its SETTINGS
         # and WINDOW_UPDATEs rather than break the connection (FRAME_SIZE_ERROR).
@@ -293,7 +363,7 @@ class WireCall:
             pos += n
             self._send_conn -= n
             self._send_stream -= n
-            out += (_frame(DATA, END_STREAM if pos == len(message) else 0, STREAM, part), part)
+            out += (_frame(DATA, END_STREAM if pos == len(message) else 0, stream, part), part)
         sock.sendall(b"".join(out))
 
     def _await_window(self) -> None:
@@ -515,7 +585,7 @@ class WireCall:
                     if length < 0:
                         raise self._fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
                 self._account(length + pad + (1 if flags & PADDED else 0))
-                if stream != STREAM:
+                if stream != self._stream:
                     raise self._fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
                 self._frame_left, self._pad_left = length, pad
                 self._frame_ends = bool(flags & END_STREAM)
@@ -532,13 +602,19 @@ class WireCall:
 
     def _account(self, n: int) -> None:
         """Flow control: give the server back what it sent, in large steps."""
-        self._consumed += n
-        if self._consumed >= WINDOW_TOP_UP and self._sock is not None:
-            inc = struct.pack(">I", self._consumed)
-            self._consumed = 0
-            self._sock.sendall(
-                _frame(WINDOW_UPDATE, 0, 0, inc) + inc + _frame(WINDOW_UPDATE, 0, STREAM, inc) + inc
-            )
+        self._conn_consumed += n
+        self._stream_consumed += n
+        out = b""
+        if self._conn_consumed >= WINDOW_TOP_UP:
+            inc = struct.pack(">I", self._conn_consumed)
+            self._conn_consumed = 0
+            out += _frame(WINDOW_UPDATE, 0, 0, inc) + inc
+        if self._stream_consumed >= WINDOW_TOP_UP:
+            inc = struct.pack(">I", self._stream_consumed)
+            self._stream_consumed = 0
+            out += _frame(WINDOW_UPDATE, 0, self._stream, inc) + inc
+        if out and self._sock is not None:
+            self._sock.sendall(out)
 
     def _control(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         sock = self._sock
@@ -557,13 +633,13 @@ class WireCall:
             inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             if stream == 0:
                 self._send_conn += inc
-            elif stream == STREAM:
+            elif stream == self._stream:
                 self._send_stream += inc
         elif kind == PING and not flags & ACK:
             sock.sendall(_frame(PING, ACK, 0, payload) + payload)
         elif kind == HEADERS:
             self._header_block(flags, stream, payload)
-        elif kind == RST_STREAM and stream == STREAM:
+        elif kind == RST_STREAM and stream == self._stream and stream:
             code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else 0
             raise self._fail(
                 grpc.StatusCode.CANCELLED if code == 8 else grpc.StatusCode.UNAVAILABLE,
@@ -571,7 +647,8 @@ class WireCall:
             )
         elif kind == GOAWAY:
             last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF if len(payload) >= 4 else 0
-            if last < STREAM:
+            self._going_away = True  # no new call on this connection
+            if last < self._stream:
                 raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
         elif kind == PUSH_PROMISE:
             raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
@@ -596,7 +673,7 @@ class WireCall:
             fields = [(str(k), str(v)) for k, v in self._decoder.decode(block)]
         except hpack.HPACKError as exc:
             raise self._fail(grpc.StatusCode.INTERNAL, f"bad header block: {exc}") from None
-        if stream != STREAM:
+        if stream != self._stream or not stream:
             return
         if not self._headers:
             self._headers = fields
@@ -609,3 +686,92 @@ class WireCall:
             self._trailers = fields
         if flags & END_STREAM:
             self._ended = True
+
+
+class ChannelPool:
+    """Idle `WireChannel`s to one peer, reused by later calls (thread-safe).
+
+    A channel is taken for one call and given back after it; a broken one is
+    closed instead. An idle channel is checked before reuse (`WireChannel.usable`):
+    one idle for the keepalive interval or longer is dropped, since the
+    server may have closed it with pings unanswered.
+    """
+
+    def __init__(self, address: str, config: TransferConfig) -> None:
+        self.address = address
+        self.config = config
+        self._tls = tls_context(config)
+        self._idle: list[WireChannel] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> WireChannel:
+        """An idle channel that still works, or a new one (it connects on its first call)."""
+        max_idle_s = self.config.keepalive_ms / 1000
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise WireStatus(
+                        grpc.StatusCode.CANCELLED, f"the client for peer {self.address} is closed"
+                    )
+                channel = self._idle.pop() if self._idle else None
+            if channel is None:
+                return WireChannel(
+                    self.address, self.config, self._tls, self.config.max_message_bytes
+                )
+            if channel.usable(max_idle_s):
+                return channel
+            channel.close()
+
+    def give(self, channel: WireChannel) -> None:
+        with self._lock:
+            if not channel.broken and not self._closed:
+                self._idle.append(channel)
+                return
+        channel.close()
+
+    def close(self) -> None:
+        """Close the idle channels; calls under way close theirs when they end."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for channel in idle:
+            channel.close()
+
+
+class FetchCall:
+    """One FetchPages call on a channel of `pool`; `cancel` may come from any thread.
+
+    Cancelling shuts the call's connection down (the server sees it close and
+    releases the stream's pins) and keeps it out of the pool; a call that is
+    over is not touched, so a channel already serving another call is safe.
+    """
+
+    __slots__ = ("_cancelled", "_channel", "_lock", "_pool")
+
+    def __init__(self, pool: ChannelPool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._channel: WireChannel | None = None
+        self._cancelled = False
+
+    def run(self, request: pb.FetchRequest, end: float, sink: ChunkSink) -> None:
+        """Make the call and feed every chunk to `sink`; returns on status OK, else raises."""
+        channel = self._pool.take()
+        with self._lock:
+            if self._cancelled:
+                self._pool.give(channel)
+                raise WireStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
+            self._channel = channel
+        try:
+            channel.call(request, end, sink)
+        finally:
+            with self._lock:
+                self._channel = None
+            self._pool.give(channel)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._channel is not None:
+                self._channel.cancel()

@@ -181,15 +181,11 @@ def mtls_server(pki: PKI, service: PageService) -> Iterator[ServerThread]:
         yield server
 
 
-FETCH_MODES = pytest.mark.parametrize("sync_fetch", [True, False], ids=["sync-fetch", "aio-fetch"])
-
-
-@FETCH_MODES
 def test_a_client_with_a_cluster_certificate_and_the_token_is_served(
-    pki: PKI, service: PageService, mtls_server: ServerThread, sync_fetch: bool
+    pki: PKI, service: PageService, mtls_server: ServerThread
 ) -> None:
     assert mtls_server.server.tls
-    cfg = dataclasses.replace(client_config(pki, pki.client), grpc_sync_fetch=sync_fetch)
+    cfg = client_config(pki, pki.client)
     receiver = PageService(
         PagePool(16, page_size=PAGE), KVStore(16, 1, 1, 8, PAGE), PageHasher(PAGE)
     )
@@ -214,11 +210,10 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
         client.lookup(page_hashes(service))
 
 
-@FETCH_MODES
 def test_mutual_tls_refuses_a_certificate_from_another_ca(
-    pki: PKI, service: PageService, mtls_server: ServerThread, sync_fetch: bool
+    pki: PKI, service: PageService, mtls_server: ServerThread
 ) -> None:
-    cfg = dataclasses.replace(client_config(pki, pki.foreign_client), grpc_sync_fetch=sync_fetch)
+    cfg = client_config(pki, pki.foreign_client)
     with (
         SyncPeerClient(mtls_server.address, cfg) as client,
         pytest.raises(TransportError, match="UNAVAILABLE"),
@@ -226,14 +221,11 @@ def test_mutual_tls_refuses_a_certificate_from_another_ca(
         client.fetch_pages(page_hashes(service))
 
 
-@FETCH_MODES
 @pytest.mark.parametrize("token", [None, "not-the-token"])
 def test_mutual_tls_with_a_missing_or_wrong_token_is_unauthenticated(
-    pki: PKI, service: PageService, mtls_server: ServerThread, token: str | None, sync_fetch: bool
+    pki: PKI, service: PageService, mtls_server: ServerThread, token: str | None
 ) -> None:
-    cfg = dataclasses.replace(
-        client_config(pki, pki.client, token=token), grpc_sync_fetch=sync_fetch
-    )
+    cfg = client_config(pki, pki.client, token=token)
     with SyncPeerClient(mtls_server.address, cfg) as client:
         with pytest.raises(Unauthenticated, match="bearer token"):
             client.lookup(page_hashes(service))

@@ -46,8 +46,10 @@ from kvmesh.errors import (
 from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2, kvmesh_pb2_grpc
 from kvmesh.types import PageHash
+from kvmesh.worker.grpc_wire import WireChannel
 from kvmesh.worker.kv_store import KVStore, checksum
 from kvmesh.worker.page_codec import PUSH_TICKET_KEY, PageAssembler, decode_chunk, encode_chunk
+from kvmesh.worker.page_landing import verify_page
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import (
     EvictionBudget,
@@ -57,7 +59,7 @@ from kvmesh.worker.page_service import (
     ProofBook,
     PushGrants,
 )
-from kvmesh.worker.transfer_client import PeerClient, SyncPeerClient, pull_into, verify_page
+from kvmesh.worker.transfer_client import SyncPeerClient
 from kvmesh.worker.transfer_server import ServerThread, TransferServer
 
 PAGE = 16
@@ -258,16 +260,6 @@ def test_push_caches_pages_on_the_peer_and_skips_pages_it_holds(
     assert decode.lookup(hashes) == [True] * 12
     assert all(page_bytes(decode, h) == page_bytes(prefill, h) for h in hashes)
     assert all(c == 0 for c in prefill.ref_counts() + decode.ref_counts())
-
-
-def test_one_shot_pull_into_fetches_over_a_fresh_connection(
-    served: tuple[PageService, list[PageHash], ServerThread],
-) -> None:
-    _, hashes, server = served
-    receiver = empty()
-    got = asyncio.run(pull_into(into(receiver, 24), server.address, hashes[:5], config=SMALL))
-    assert got == 5
-    assert receiver.prefix_length(hashes) == 5
 
 
 # ------------------------------------------------------------------ refusals
@@ -578,30 +570,6 @@ def test_deadline_exceeded_on_a_slow_peer_and_its_pins_are_released(
         assert page_bytes(receiver, h) == page_bytes(sender, h)
 
 
-def test_a_cancelled_fetch_releases_its_pins_on_the_server(
-    served: tuple[PageService, list[PageHash], ServerThread],
-) -> None:
-    sender, hashes, _ = served
-    with ServerThread(sender, SMALL, page_delay_s=0.05) as server:
-
-        async def cancel_midway() -> int:
-            got: list[int] = []
-            async with PeerClient(server.address, SMALL) as client:
-                task = asyncio.ensure_future(
-                    client.fetch_pages(hashes, on_page=lambda i, _p: got.append(i))
-                )
-                while len(got) < 3:
-                    await asyncio.sleep(0.01)
-                assert any(c > 0 for c in sender.ref_counts())
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-            return len(got)
-
-        assert asyncio.run(cancel_midway()) >= 3
-        assert wait_until(lambda: all(c == 0 for c in sender.ref_counts()))
-
-
 def test_a_failing_consumer_ends_the_stream_and_pins_are_released(
     served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
@@ -665,23 +633,17 @@ def test_peer_killed_mid_stream_gives_a_clear_error_and_only_whole_pages(
         receiver.check_invariants()
 
 
-def test_unavailable_is_retried_for_fetches_but_never_for_pushes() -> None:
+def test_unavailable_is_retried_for_fetches_and_lookups_but_never_for_pushes() -> None:
     sleeps: list[float] = []
-
-    async def record(seconds: float) -> None:
-        sleeps.append(seconds)
-
     cfg = dataclasses.replace(SMALL, retries=3)
     dead = "127.0.0.1:1"  # nothing listens on port 1
-
-    async def scenario() -> None:
-        client = PeerClient(dead, cfg, sleep=record)
+    with SyncPeerClient(dead, cfg, sleep=sleeps.append) as client:
         with pytest.raises(TransportError, match=re.escape(dead)):
-            await client.fetch_pages([PageHash(b"\x01" * 32)], deadline_s=5)
+            client.fetch_pages([PageHash(b"\x01" * 32)], deadline_s=5)
         assert len(sleeps) == 3
         sleeps.clear()
         with pytest.raises(TransportError):
-            await client.lookup([PageHash(b"\x01" * 32)], deadline_s=5)
+            client.lookup([PageHash(b"\x01" * 32)], deadline_s=5)
         assert len(sleeps) == 3
         sleeps.clear()
         service = empty()
@@ -689,29 +651,18 @@ def test_unavailable_is_retried_for_fetches_but_never_for_pushes() -> None:
             PageHash(b"\x01" * 32), None, (), service.export(service.store.num_pages - 1)
         )
         with pytest.raises(TransportError):
-            await client.push_pages([page], b"\x00" * 16, deadline_s=5)
+            client.push_pages([page], b"\x00" * 16, deadline_s=5)
         assert sleeps == []
-        await client.close()
-
-    asyncio.run(scenario())
 
 
 def test_backoff_is_jittered_and_grows() -> None:
     import random
 
     sleeps: list[float] = []
-
-    async def record(seconds: float) -> None:
-        sleeps.append(seconds)
-
     cfg = dataclasses.replace(SMALL, retries=4, retry_backoff_s=0.1)
-
-    async def scenario() -> None:
-        async with PeerClient("127.0.0.1:1", cfg, rng=random.Random(3), sleep=record) as client:
-            with pytest.raises(TransportError):
-                await client.health(deadline_s=5)
-
-    asyncio.run(scenario())
+    client = SyncPeerClient("127.0.0.1:1", cfg, rng=random.Random(3), sleep=sleeps.append)
+    with client, pytest.raises(TransportError):
+        client.health(deadline_s=5)
     assert len(sleeps) == 4
     for i, s in enumerate(sleeps):
         assert 0.1 * 2**i * 0.5 <= s <= 0.1 * 2**i * 1.5
@@ -738,8 +689,8 @@ def test_the_server_runs_inside_an_existing_event_loop(
         server = TransferServer(sender, SMALL)
         address = await server.start()
         try:
-            async with PeerClient(address, SMALL) as client:
-                return await client.lookup(hashes[:2])
+            with SyncPeerClient(address, SMALL) as client:  # its calls block: off the loop
+                return await asyncio.to_thread(client.lookup, hashes[:2])
         finally:
             await server.stop(0)
 
@@ -811,15 +762,7 @@ def test_encode_then_decode_returns_the_same_chunk(
     assert bytes(decoded.data) == data and decoded.meta.header == header
 
 
-# ------------------------------------------- tuning, the sync fetcher, many streams
-
-PULL_ENGINES = {
-    "aio": {"grpc_sync_fetch": False, "grpc_zero_copy": False},
-    "sync": {"grpc_sync_fetch": True, "grpc_zero_copy": False},
-    "zero-copy": {"grpc_zero_copy": True, "grpc_zero_copy_min_bytes": 0},
-}
-"""The three ways `SyncPeerClient.pull_into` can fetch: grpcio asyncio, grpcio blocking
-streams, and `kvmesh.worker.grpc_wire` straight into the pool."""
+# ------------------------------------------- tuning, the fetcher, many streams
 
 TUNED = dataclasses.replace(
     SMALL,
@@ -829,7 +772,6 @@ TUNED = dataclasses.replace(
     grpc_read_chunk_bytes=256 << 10,
     grpc_max_read_chunk_bytes=1 << 20,
     grpc_socket_buffer_bytes=4 << 20,
-    grpc_zero_copy=False,  # these settings are for grpcio's channels
 )
 TUNED_ARGS = {
     ("grpc.http2.max_frame_size", 1 << 20),
@@ -855,23 +797,20 @@ def spy(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[set[
     return seen
 
 
-@pytest.mark.parametrize("sync_fetch", [True, False])
-def test_tuning_settings_reach_the_server_and_every_client_channel(
+def test_tuning_settings_reach_the_server_and_the_client_channel(
     monkeypatch: pytest.MonkeyPatch,
     served: tuple[PageService, list[PageHash], ServerThread],
-    sync_fetch: bool,
 ) -> None:
     sender, hashes, _ = served
     servers = spy(monkeypatch, grpc.aio, "server")
-    sync_channels = spy(monkeypatch, grpc, "insecure_channel")
-    aio_channels = spy(monkeypatch, grpc.aio, "insecure_channel")
-    cfg = dataclasses.replace(TUNED, grpc_sync_fetch=sync_fetch)
+    channels = spy(monkeypatch, grpc, "insecure_channel")
+    cfg = TUNED
     receiver = empty()
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
         assert client.pull_into(into(receiver, 24), hashes) == len(hashes)  # all of them
+        assert client.lookup(hashes[:1]) == [True]
     assert servers[0] >= TUNED_ARGS
-    channels = sync_channels if sync_fetch else aio_channels
-    assert len(channels) == cfg.fetch_streams
+    assert len(channels) == 1  # Lookup, Health, PushPages; fetches go over grpc_wire
     for options in channels:
         assert options >= TUNED_ARGS
     for h in hashes:
@@ -883,15 +822,12 @@ def test_untuned_settings_leave_grpc_defaults(
     served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
     _, hashes, server = served
-    sync_channels = spy(monkeypatch, grpc, "insecure_channel")
-    aio_channels = spy(monkeypatch, grpc.aio, "insecure_channel")
-    for sync_fetch in (True, False):
-        cfg = dataclasses.replace(SMALL, grpc_sync_fetch=sync_fetch, grpc_zero_copy=False)
-        with SyncPeerClient(server.address, cfg) as client:
-            assert len(client.fetch_pages(hashes).pages) == len(hashes)
+    channels = spy(monkeypatch, grpc, "insecure_channel")
+    with SyncPeerClient(server.address, SMALL) as client:
+        assert len(client.fetch_pages(hashes).pages) == len(hashes)
     tuned_names = {name for name, _ in TUNED_ARGS}
-    assert sync_channels and aio_channels
-    for opts in sync_channels + aio_channels:
+    assert channels
+    for opts in channels:
         assert not tuned_names & {name for name, _ in opts}
 
 
@@ -912,21 +848,26 @@ def test_impossible_tuning_is_refused_before_anything_starts(change: dict[str, A
 
 
 @pytest.mark.parametrize("chunk_bytes", [4096, 1 << 20], ids=["two-chunk-pages", "one-chunk-pages"])
-def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
+def test_the_fetcher_pulls_bit_exact_pages_over_several_streams_on_kept_connections(
     monkeypatch: pytest.MonkeyPatch, peer_module: tuple[ModuleType, Path], chunk_bytes: int
 ) -> None:
     sender, hashes, _ = build(peer_module, 96, 60)
     in_use = sender.pin(hashes[5:8])  # a "request" holds some of them meanwhile
     before = sender.ref_counts()
     receiver = empty(96)
-    channels = spy(monkeypatch, grpc, "insecure_channel")
-    cfg = dataclasses.replace(
-        SMALL, chunk_bytes=chunk_bytes, fetch_streams=3, grpc_sync_fetch=True, grpc_zero_copy=False
-    )
+    dials: list[str] = []
+    real_open = WireChannel._open
+
+    def _open(self: WireChannel, timeout: float) -> Any:
+        dials.append(self.address)
+        return real_open(self, timeout)
+
+    monkeypatch.setattr(WireChannel, "_open", _open)
+    cfg = dataclasses.replace(SMALL, chunk_bytes=chunk_bytes, fetch_streams=3)
     with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
         assert client.pull_into(into(receiver, 60), hashes) == 60
         assert client.pull_into(into(receiver, 60), hashes) == 0  # held already: nothing new
-    assert len(channels) == 3  # one connection per stream, reused by the second pull
+    assert len(dials) == 3  # one connection per stream, reused by the second pull
     assert receiver.lookup(hashes) == [True] * 60
     for h in hashes:
         assert page_bytes(receiver, h) == page_bytes(sender, h)
@@ -936,14 +877,13 @@ def test_the_sync_fetcher_pulls_bit_exact_pages_over_several_streams(
     receiver.check_invariants()
 
 
-@pytest.mark.parametrize("sync_fetch", [True, False])
-def test_both_clients_hand_pages_over_in_request_order_and_report_misses(
-    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
+def test_pages_are_handed_over_in_request_order_and_misses_reported(
+    served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
     sender, hashes, server = served
     unknown = PageHash(b"\x07" * 32)
     wanted = [*hashes[:10], unknown, *hashes[10:]]
-    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
+    cfg = dataclasses.replace(SMALL, fetch_streams=3)
     order: list[int] = []
     with SyncPeerClient(server.address, cfg) as client:
         result = client.fetch_pages(wanted, on_page=lambda i, _p: order.append(i))
@@ -952,14 +892,13 @@ def test_both_clients_hand_pages_over_in_request_order_and_report_misses(
     assert all(c == 0 for c in sender.ref_counts())
 
 
-@pytest.mark.parametrize("sync_fetch", [True, False])
 def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts_as_they_were(
-    served: tuple[PageService, list[PageHash], ServerThread], sync_fetch: bool
+    served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
     sender, hashes, _ = served
     in_use = sender.pin(hashes[:2])
     before = sender.ref_counts()
-    cfg = dataclasses.replace(SMALL, fetch_streams=3, grpc_sync_fetch=sync_fetch)
+    cfg = dataclasses.replace(SMALL, fetch_streams=3)
 
     def refuse(index: int, _page: IncomingPage) -> None:
         if index == 4:
@@ -972,14 +911,13 @@ def test_a_consumer_failing_in_a_multi_stream_fetch_leaves_the_server_ref_counts
     sender.unpin(in_use)
 
 
-@pytest.mark.parametrize("engine", sorted(PULL_ENGINES))
 def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reservation(
-    served: tuple[PageService, list[PageHash], ServerThread], engine: str
+    served: tuple[PageService, list[PageHash], ServerThread],
 ) -> None:
     sender, hashes, server = served
     before = sender.ref_counts()
     receiver = empty()
-    cfg = dataclasses.replace(SMALL, fetch_streams=3, **PULL_ENGINES[engine])
+    cfg = dataclasses.replace(SMALL, fetch_streams=3)
     with ServerThread(sender, cfg, page_delay_s=0.05) as slow:
         with SyncPeerClient(slow.address, cfg) as client, pytest.raises(DeadlineExceeded):
             client.pull_into(into(receiver, 24), hashes, deadline_s=0.4)
@@ -995,9 +933,8 @@ def test_a_deadline_in_a_multi_stream_pull_keeps_whole_pages_and_leaks_no_reserv
         assert page_bytes(receiver, h) == page_bytes(sender, h)
 
 
-@pytest.mark.parametrize("engine", sorted(PULL_ENGINES))
 def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_whole_pages(
-    peer_module: tuple[ModuleType, Path], engine: str
+    peer_module: tuple[ModuleType, Path],
 ) -> None:
     n = 40
     with slow_peer_process(peer_module, n) as (proc, address):
@@ -1009,7 +946,7 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
             proc.kill()
 
         killer = threading.Thread(target=kill_after_five, daemon=True)
-        cfg = dataclasses.replace(SMALL, fetch_streams=3, **PULL_ENGINES[engine])
+        cfg = dataclasses.replace(SMALL, fetch_streams=3)
         with (
             SyncPeerClient(address, cfg) as client,
             pytest.raises(TransportError, match=re.escape(address)) as err,
@@ -1027,11 +964,11 @@ def test_peer_killed_during_a_multi_stream_pull_gives_transport_error_and_only_w
         receiver.check_invariants()
 
 
-def test_the_sync_fetcher_retries_unavailable_with_jittered_growing_backoff() -> None:
+def test_fetches_retry_unavailable_with_jittered_growing_backoff() -> None:
     import random
 
     sleeps: list[float] = []
-    cfg = dataclasses.replace(SMALL, retries=3, retry_backoff_s=0.1, grpc_sync_fetch=True)
+    cfg = dataclasses.replace(SMALL, retries=3, retry_backoff_s=0.1)
     dead = "127.0.0.1:1"  # nothing listens on port 1
     with (
         SyncPeerClient(dead, cfg, rng=random.Random(5), sleep=sleeps.append) as client,

@@ -485,11 +485,8 @@ def test_a_peer_over_its_pin_cap_is_refused_while_another_peer_pulls(
 # ---------------------------------------------------------------- normal clients
 
 
-PULLERS = {
-    "zero-copy": TransferConfig(grpc_zero_copy=True, grpc_zero_copy_min_bytes=0),
-    "aio": TransferConfig(grpc_zero_copy=False),
-    "sync": TransferConfig(grpc_zero_copy=False, grpc_sync_fetch=True),
-}
+PULLERS = {kind: TransferConfig() for kind in ("a", "b", "c")}
+"""Three workers pulling at once (one fetch engine; 2 streams each)."""
 
 
 @pytest.fixture(scope="module")

@@ -83,27 +83,15 @@ def test_grpc_flags_and_kvmesh_variables_reach_both_processes_config(
     monkeypatch.setenv("KVMESH_GRPC_FRAME_BYTES", str(1 << 20))
     monkeypatch.setenv("KVMESH_FETCH_STREAMS", "5")
     spec = bench_transfer.spec_from_args(
-        parse([*TINY, "--grpc-client", "sync", "--grpc-malloc-tune", "--grpc-streams", "3"])
+        parse([*TINY, "--grpc-malloc-tune", "--grpc-streams", "3"])
     )
     config = bench_transfer._transfer_config(spec)
     assert config.grpc_frame_bytes == 1 << 20  # from the environment
     assert config.fetch_streams == 3  # a flag wins over its variable
-    assert (config.grpc_sync_fetch, config.grpc_zero_copy, config.grpc_malloc_tune) == (
-        True,
-        False,
-        True,
-    )
+    assert config.grpc_malloc_tune
     assert (config.host, config.port, config.deadline_s) == ("127.0.0.1", 0, 60.0)
     default = bench_transfer._transfer_config(bench_transfer.spec_from_args(parse(TINY)))
-    assert (default.grpc_sync_fetch, default.grpc_zero_copy, default.grpc_malloc_tune) == (
-        False,
-        True,
-        False,
-    )
-    aio = bench_transfer._transfer_config(
-        bench_transfer.spec_from_args(parse([*TINY, "--grpc-client", "aio"]))
-    )
-    assert (aio.grpc_sync_fetch, aio.grpc_zero_copy) == (False, False)
+    assert not default.grpc_malloc_tune
 
 
 def test_the_table_header_names_the_machine_load() -> None:

@@ -1,4 +1,4 @@
-"""Zero-copy FetchPages (`kvmesh.worker.grpc_wire`) against real and scripted HTTP/2 servers."""
+"""FetchPages into the pool (`kvmesh.worker.grpc_wire`) against real and scripted HTTP/2 servers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 import hpack
@@ -31,19 +31,18 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker import grpc_wire as h2
 from kvmesh.worker import transfer_client
-from kvmesh.worker.grpc_wire import FETCH_PATH, PREFACE, WireCall, WireStatus
+from kvmesh.worker.call_retry import RetryPolicy, translate
+from kvmesh.worker.grpc_wire import FETCH_PATH, PREFACE, WireChannel, WireStatus
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_codec import encode_chunk
+from kvmesh.worker.page_landing import Landed
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import PageInfo, PageReceiver, PageService, ProofBook
-from kvmesh.worker.transfer_client import SyncFetcher, SyncPeerClient, _Landed, translate
+from kvmesh.worker.transfer_client import PageFetcher, SyncPeerClient
 from kvmesh.worker.transfer_server import ServerThread
 
 PAGE = 16
-# grpc_zero_copy_min_bytes=0: these pulls of small test pages take the zero-copy path too
-CFG = TransferConfig(
-    chunk_bytes=4096, deadline_s=10.0, retries=0, fetch_streams=2, grpc_zero_copy_min_bytes=0
-)
+CFG = TransferConfig(chunk_bytes=4096, deadline_s=10.0, retries=0, fetch_streams=2)
 ONE_STREAM = dataclasses.replace(CFG, fetch_streams=1)  # "pages before the fault" is exact
 
 
@@ -126,22 +125,15 @@ def idle(svc: PageService) -> bool:
 
 @pytest.fixture(autouse=True)
 def wire(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Addresses of every `WireCall.run`; opening any grpcio channel fails the test (every
-    fetch here must take the zero-copy path)."""
+    """Addresses of every FetchPages call (`WireChannel.call`)."""
     runs: list[str] = []
-    real = WireCall.run
+    real = WireChannel.call
 
-    def run(self: WireCall, *args: Any, **kwargs: Any) -> None:
+    def call(self: WireChannel, *args: Any, **kwargs: Any) -> None:
         runs.append(self.address)
         real(self, *args, **kwargs)
 
-    def no_channel(*_args: Any, **_kwargs: Any) -> NoReturn:
-        raise AssertionError("a grpcio channel was opened for a zero-copy fetch")
-
-    monkeypatch.setattr(WireCall, "run", run)
-    for module in (grpc, grpc.aio):
-        for name in ("insecure_channel", "secure_channel"):
-            monkeypatch.setattr(module, name, no_channel)
+    monkeypatch.setattr(WireChannel, "call", call)
     return runs
 
 
@@ -226,13 +218,13 @@ def test_unknown_hashes_in_the_middle_are_missing_and_later_pages_still_land() -
     landing = into(fresh, 10)
 
     def commit(_index: int, item: object) -> None:
-        assert isinstance(item, _Landed)  # received straight into a reserved page of `fresh`
+        assert isinstance(item, Landed)  # received straight into a reserved page of `fresh`
         landing.commit([(item.reservation, item.page)])
 
     with ServerThread(sender, CFG) as server:
         with SyncPeerClient(server.address, CFG) as client:
             assert client.pull_into(into(receiver, 10), asked[:9]) == 7
-        fetcher = SyncFetcher(server.address, CFG)
+        fetcher = PageFetcher(server.address, CFG, RetryPolicy.of(server.address, CFG))
         result = fetcher.fetch(asked, commit, service=landing)
         fetcher.close()
     assert receiver.lookup(keys) == [True] * 7 + [False] * 3
@@ -322,9 +314,9 @@ def test_windows_are_topped_up_with_exactly_what_was_consumed(
     monkeypatch.setattr(h2, "WINDOW_TOP_UP", 64 * 1024)
     received = [0]  # flow-controlled DATA bytes the call has read
     updates: list[tuple[int, int, int]] = []  # (stream, increment, bytes received by then)
-    real_account = WireCall._account
+    real_account = WireChannel._account
 
-    def account(self: WireCall, n: int) -> None:
+    def account(self: WireChannel, n: int) -> None:
         received[0] += n
         real_account(self, n)
 
@@ -348,9 +340,9 @@ def test_windows_are_topped_up_with_exactly_what_was_consumed(
         def __getattr__(self, name: str) -> Any:
             return getattr(self._sock, name)
 
-    real_connect = WireCall._connect
-    monkeypatch.setattr(WireCall, "_account", account)
-    monkeypatch.setattr(WireCall, "_connect", lambda self, t: Recording(real_connect(self, t)))
+    real_connect = WireChannel._connect
+    monkeypatch.setattr(WireChannel, "_account", account)
+    monkeypatch.setattr(WireChannel, "_connect", lambda self, t: Recording(real_connect(self, t)))
     sender, receiver = service(160), service(160)
     keys = fill(sender, 128)  # 8 KiB pages: 1 MiB in all
     with (
@@ -464,11 +456,12 @@ def test_cancel_from_another_thread_ends_run_with_cancelled_and_unpins_the_serve
     keys = fill(sender, 20)
     failures: list[BaseException] = []
     with ServerThread(sender, CFG, page_delay_s=0.2) as server:
-        call = WireCall(server.address, CFG, None, CFG.max_message_bytes)
+        call = WireChannel(server.address, CFG, None, CFG.max_message_bytes)
 
         def run() -> None:
+            request = pb.FetchRequest(page_hashes=keys, max_chunk_bytes=4096)
             try:
-                call.run(pb.FetchRequest(page_hashes=keys, max_chunk_bytes=4096), 10.0, sink)
+                call.call(request, time.monotonic() + 10.0, sink)
             except BaseException as exc:
                 failures.append(exc)
 
@@ -481,7 +474,7 @@ def test_cancel_from_another_thread_ends_run_with_cancelled_and_unpins_the_serve
         assert wait_until(lambda: idle(sender))
     assert len(failures) == 1 and isinstance(failures[0], WireStatus)
     assert failures[0].code() == grpc.StatusCode.CANCELLED
-    assert len(sink.chunks) < 40
+    assert len(sink.chunks) < 40 and call.broken  # never reused
 
 
 def test_a_message_over_max_message_bytes_is_message_too_large(
@@ -492,7 +485,8 @@ def test_a_message_over_max_message_bytes_is_message_too_large(
     big = pb.FetchRequest(page_hashes=keys, max_chunk_bytes=1 << 20)
     with ServerThread(sender, dataclasses.replace(CFG, chunk_bytes=1 << 20)) as server:
         with pytest.raises(WireStatus) as raised:
-            WireCall(server.address, CFG, None, 128 * 1024).run(big, 5.0, Recorder())
+            channel = WireChannel(server.address, CFG, None, 128 * 1024)
+            channel.call(big, time.monotonic() + 5.0, Recorder())
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # A client asking for more than it accepts, as a peer ignoring max_chunk_bytes would send
         monkeypatch.setattr(transfer_client, "chunk_size", lambda _cfg: 1 << 20)
@@ -568,7 +562,8 @@ class FakePeer:
         """Run a FetchPages call against this peer; re-raise what went wrong on its side."""
         try:
             request = pb.FetchRequest(page_hashes=[b"\x01" * 32], max_chunk_bytes=4096)
-            WireCall(self.address, CFG, None, 1 << 20).run(request, 5.0, sink)
+            channel = WireChannel(self.address, CFG, None, 1 << 20)
+            channel.call(request, time.monotonic() + 5.0, sink)
         finally:
             self.thread.join(10)
             self.listener.close()
@@ -645,3 +640,51 @@ def test_a_server_closing_mid_message_is_unavailable() -> None:
         FakePeer(script).call(sink)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sink.chunks == []
+
+
+# ------------------------------------------------------------------ connection reuse
+
+
+@pytest.fixture
+def dials(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Addresses of every new connection a `WireChannel` opens."""
+    opened: list[str] = []
+    real = WireChannel._open
+
+    def _open(self: WireChannel, timeout: float) -> socket.socket:
+        opened.append(self.address)
+        return real(self, timeout)
+
+    monkeypatch.setattr(WireChannel, "_open", _open)
+    return opened
+
+
+def test_pulls_reuse_the_peer_connections_instead_of_dialing_each_time(
+    wire: list[str], dials: list[str]
+) -> None:
+    """Small and large pulls take the same path; two streams, two connections, kept."""
+    sender, receiver = service(48), service(48)
+    keys = fill(sender, 40)
+    with ServerThread(sender, CFG) as server, SyncPeerClient(server.address, CFG) as client:
+        for n in (1, 4, 40, 2, 40):
+            with receiver.lock:
+                receiver.pool.reset_prefix_cache()
+            assert client.pull_into(into(receiver, 40), keys[:n]) == n
+    assert len(wire) == 1 + 2 * 4 and dials == [server.address] * 2
+    assert same_bytes(sender, receiver, keys) and idle(sender) and idle(receiver)
+
+
+def test_a_pooled_connection_the_peer_closed_while_idle_is_replaced_not_failed(
+    dials: list[str],
+) -> None:
+    """A peer restarted between two pulls: the idle connection is found closed before a call
+    is made on it, and a new one is dialled (no retry needed: retries=0 here)."""
+    sender, receiver = service(16), service(16)
+    keys = fill(sender, 4)
+    with ServerThread(sender, ONE_STREAM) as first:
+        port = first.server.port
+        client = SyncPeerClient(first.address, ONE_STREAM)
+        assert client.pull_into(into(receiver, 4), keys[:2]) == 2
+    with ServerThread(sender, dataclasses.replace(ONE_STREAM, port=port)), client:
+        assert client.pull_into(into(receiver, 4), keys) == 2
+    assert len(dials) == 2 and idle(sender) and idle(receiver)

@@ -28,7 +28,7 @@ from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportEr
 from kvmesh.events import decode_batch
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor, WorkerSpec
-from kvmesh.worker.grpc_wire import WireCall
+from kvmesh.worker.grpc_wire import WireChannel
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.peers import GrpcPeer
 from kvmesh.worker.transfer_client import SyncPeerClient
@@ -156,31 +156,18 @@ def test_a_worker_pulls_the_pages_a_named_peer_holds_over_grpc(
     assert (w1.stats().pages_pulled, w1.stats().pulls_grpc) == (6, 1)
 
 
-@pytest.mark.parametrize(
-    ("zero_copy", "min_bytes", "in_place"),
-    [(True, 0, True), (True, 1 << 30, False), (False, 0, False)],
-    ids=["zero-copy", "small-pull-on-grpcio", "zero-copy-off"],
-)
-def test_a_pull_lands_in_place_over_the_zero_copy_reader_or_goes_through_grpcio(
-    monkeypatch: pytest.MonkeyPatch,
-    link: Link,
-    model: TinyTransformer,
-    zero_copy: bool,
-    min_bytes: int,
-    in_place: bool,
+def test_a_pull_lands_in_place_over_the_one_fetch_engine_on_a_kept_connection(
+    monkeypatch: pytest.MonkeyPatch, link: Link, model: TinyTransformer
 ) -> None:
     calls: list[str] = []
-    real_run = WireCall.run
+    real_call = WireChannel.call
 
-    def run(self: WireCall, *args: Any, **kwargs: Any) -> None:
+    def call(self: WireChannel, *args: Any, **kwargs: Any) -> None:
         calls.append(self.address)
-        real_run(self, *args, **kwargs)
+        real_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(WireCall, "run", run)
-    transfer = dataclasses.replace(
-        CONFIG.transfer, grpc_zero_copy=zero_copy, grpc_zero_copy_min_bytes=min_bytes
-    )
-    with two_workers(dataclasses.replace(CONFIG, transfer=transfer), link) as (w0, w1):
+    monkeypatch.setattr(WireChannel, "call", call)
+    with two_workers(CONFIG, link) as (w0, w1):
         shared = prompt(6)
         w0.generate(request(shared))
         tokens = shared + tuple(prompt(1))
@@ -189,8 +176,7 @@ def test_a_pull_lands_in_place_over_the_zero_copy_reader_or_goes_through_grpcio(
         assert list(result.tokens) == model.generate(list(tokens), 4)
         peer = w1.peers.get(w0.address)
         assert isinstance(peer, GrpcPeer)
-        assert peer.client.pulls_in_place(w1.pages, 6) == in_place
-        assert bool(calls) == in_place and set(calls) <= {w0.address}
+        assert calls and set(calls) <= {w0.address}
         assert w1.stats().pulls_grpc == 1
 
 
