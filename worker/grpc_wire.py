@@ -1,35 +1,26 @@
 """FetchPages read straight off the socket into the KV store, over reused HTTP/2 connections.
 
-Why a reader of our own: grpcio 1.85 hands every received message to Python
-as a fresh ``bytes`` built by two copies, and the receiver then copies the
-page bytes once more into its KV tensor; `h2` (python-hyper) hands DATA
-payloads over as ``bytes`` too, after three copies of its own (frame buffer,
-frame slice, payload) and a hex ``repr`` of every frame it receives. On a
-machine where sender and receiver share the cores those copies are the bound
-(the measurements are in the issue 14 note). This module speaks the same gRPC
-call, ``/kvmesh.v1.KVWorker/FetchPages`` over HTTP/2, to the same standard
-grpc server, but reads it itself: the small fields of each ``PageChunk`` are
-parsed as they arrive and the page bytes are ``recv_into``'d straight into
-the destination the caller names (a reserved page of its KV store). Per byte
-that is the kernel's copy and the caller's checksum.
+Why a reader of our own: grpcio hands every received message to Python as a
+fresh ``bytes`` (two copies) and `h2` hands DATA payloads over after three
+copies and a hex ``repr`` of every frame, then the page is copied once more
+into the KV tensor; on a machine where sender and receiver share the cores
+those copies are the bound (measured in the issue 14 note). This reader
+speaks the same call to the same standard grpc server, parses each
+``PageChunk``'s small fields as they arrive and ``recv_into``'s the page
+bytes straight into the destination the caller names: per byte, the kernel's
+copy and the caller's checksum.
 
-Scope, on purpose small: unary-stream calls, one at a time per connection,
-connections kept per peer (`ChannelPool`: no connect or TLS handshake per
-pull); plaintext or TLS (ALPN ``h2``, mutual TLS), the bearer token,
-``grpc-timeout`` and a socket deadline, HTTP/2 flow control (our windows
-opened wide, topped up as bytes are consumed; the request sent in frames and
-windows the server allows), SETTINGS / PING acknowledgements, padding,
-CONTINUATION, GOAWAY and RST_STREAM, and gRPC status trailers (including the
-server's ``kvmesh-error``). Header blocks are (de)compressed by `hpack`
-(python-hyper); everything else is a few fixed-layout frames. Lookup,
-PushPages and Health stay on grpcio.
-
-Failures raise `WireStatus`, a `grpc.RpcError` with the call's status code,
-details and trailing metadata, so callers translate and retry it exactly as
-they do grpcio's errors: connection refused, reset or closed mid-call is
-``UNAVAILABLE``; the deadline is ``DEADLINE_EXCEEDED``; `FetchCall.cancel`
-from another thread is ``CANCELLED``. A connection that failed or was
-cancelled is closed, never reused.
+Scope, on purpose small: unary-stream calls, one at a time per connection
+(`WireChannel`, kept for reuse by `kvmesh.worker.wire_pool`); plaintext or TLS
+(ALPN ``h2``, mutual TLS), the bearer token, ``grpc-timeout`` and a socket
+deadline; HTTP/2 flow control (windows opened wide, topped up as consumed;
+the request sent within the server's frame size and windows), SETTINGS / PING
+acknowledgements, padding, CONTINUATION, GOAWAY, RST_STREAM and gRPC status
+trailers (with the server's ``kvmesh-error``). Header blocks are coded by
+`hpack` (python-hyper). Failures raise `WireStatus` (a `grpc.RpcError`, so
+callers translate and retry it as grpcio's): a lost connection is
+``UNAVAILABLE``, the deadline ``DEADLINE_EXCEEDED``, `WireChannel.cancel`
+``CANCELLED``; a connection that failed or was cancelled is never reused.
 """
 
 from __future__ import annotations
@@ -42,93 +33,22 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
-from typing import Protocol
 
 import grpc
 import hpack
 
 from kvmesh.config import TransferConfig
-from kvmesh.grpc_security import client_tls_material
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.worker.page_codec import SERVICE_NAME, encode_varint
+from kvmesh.worker import h2_frames as h2
+from kvmesh.worker.h2_frames import ChunkSink, WireStatus
+from kvmesh.worker.page_codec import encode_varint
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-FETCH_PATH = f"/{SERVICE_NAME}/FetchPages"
-
-# HTTP/2 frame types and flags (RFC 9113, section 6)
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
-WINDOW_UPDATE, CONTINUATION = 8, 9
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_ENABLE_PUSH, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x2, 0x4, 0x5
-MAX_WINDOW = 2**31 - 1
-MAX_FRAME = 2**24 - 1
-DEFAULT_WINDOW, DEFAULT_FRAME = 65535, 16384  # a peer's limits until its SETTINGS say otherwise
-MAX_STREAM_ID = 2**31 - 1
 READ_BUFFER_BYTES = 1 << 20
-"""Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
+"""Bytes read per ``recv`` for h2.frame headers and small fields; page bytes bypass it."""
 WINDOW_TOP_UP = 1 << 30
-"""Consumed DATA bytes after which both windows are topped up again."""
+"""Consumed h2.DATA bytes after which both windows are topped up again."""
 
 _DATA_KEY = (15 << 3) | 2  # PageChunk.data, length-delimited
-
-
-class WireStatus(grpc.RpcError):
-    """A FetchPages call over a `WireChannel` ended with a non-OK gRPC status."""
-
-    def __init__(
-        self, code: grpc.StatusCode, details: str, metadata: Sequence[tuple[str, str]] = ()
-    ) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-        self._metadata = tuple(metadata)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-
-class ChunkSink(Protocol):
-    """Where a call's ``PageChunk``\\s go: the caller picks each chunk's data destination."""
-
-    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
-        """A writable view of exactly `nbytes` for this chunk's data (meta has no data)."""
-
-    def landed(self, meta: pb.PageChunk, data: memoryview) -> None:
-        """The chunk's data is in the view `target` returned."""
-
-
-_STATUS_BY_VALUE = {s.value[0]: s for s in grpc.StatusCode}
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream)
-
-
-def _timeout_header(seconds: float) -> str:
-    """``grpc-timeout``: at most 8 digits and a unit."""
-    ms = max(1, int(seconds * 1000))
-    return f"{ms}m" if ms < 10**8 else f"{min(int(seconds), 10**8 - 1)}S"
-
-
-def tls_context(config: TransferConfig) -> ssl.SSLContext | None:
-    """The client TLS context for `client_tls_material` (what grpcio's channels use), or None."""
-    root, key, cert = client_tls_material(config)
-    if root is None and cert is None:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    if root is not None:
-        ctx.load_verify_locations(cadata=root.decode())
-    if key is not None and cert is not None and config.tls_cert and config.tls_key:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key)  # the files read_pem just read
-    ctx.set_alpn_protocols(["h2"])
-    return ctx
 
 
 class WireChannel:
@@ -167,17 +87,17 @@ class WireChannel:
         self._going_away = False
         self._end_time = 0.0
         # What the server accepts from us (the request message): RFC 9113 sections 4.2, 6.9
-        self._send_frame = DEFAULT_FRAME
-        self._send_initial = DEFAULT_WINDOW
-        self._send_conn = DEFAULT_WINDOW
+        self._send_frame = h2.DEFAULT_FRAME
+        self._send_initial = h2.DEFAULT_WINDOW
+        self._send_conn = h2.DEFAULT_WINDOW
         self._new_stream(0)
 
     def _new_stream(self, stream: int) -> None:
         """The per-call state, for `stream` (0: between calls)."""
         self._stream = stream
-        self._frame_left = 0  # DATA payload bytes of the current frame not yet read
+        self._frame_left = 0  # h2.DATA payload bytes of the current h2.frame not yet read
         self._pad_left = 0  # its padding, skipped after the payload
-        self._frame_ends = False  # the current DATA frame carries END_STREAM
+        self._frame_ends = False  # the current h2.DATA h2.frame carries h2.END_STREAM
         self._ended = False
         self._stream_consumed = 0
         self._headers: list[tuple[str, str]] = []
@@ -235,7 +155,7 @@ class WireChannel:
         return sock
 
     def _open(self, timeout: float) -> socket.socket:
-        """Connect and send the connection preface: our SETTINGS and connection window."""
+        """Connect and send the connection preface: our h2.SETTINGS and connection window."""
         sock = self._connect(timeout)
         with self._lock:
             if self._cancelled:
@@ -244,27 +164,27 @@ class WireChannel:
             self._sock = sock
         settings = struct.pack(
             ">HIHIHI",
-            SETTINGS_ENABLE_PUSH,
+            h2.SETTINGS_ENABLE_PUSH,
             0,
-            SETTINGS_INITIAL_WINDOW_SIZE,
-            MAX_WINDOW,
-            SETTINGS_MAX_FRAME_SIZE,
-            MAX_FRAME,
+            h2.SETTINGS_INITIAL_WINDOW_SIZE,
+            h2.MAX_WINDOW,
+            h2.SETTINGS_MAX_FRAME_SIZE,
+            h2.MAX_FRAME,
         )
-        increment = struct.pack(">I", MAX_WINDOW - DEFAULT_WINDOW)
+        increment = struct.pack(">I", h2.MAX_WINDOW - h2.DEFAULT_WINDOW)
         sock.sendall(
-            PREFACE
-            + _frame(SETTINGS, 0, 0, settings)
+            h2.PREFACE
+            + h2.frame(h2.SETTINGS, 0, 0, settings)
             + settings
-            + _frame(WINDOW_UPDATE, 0, 0, increment)
+            + h2.frame(h2.WINDOW_UPDATE, 0, 0, increment)
             + increment
         )
         return sock
 
     def usable(self, max_idle_s: float) -> bool:
         """Whether this idle connection can take another call: not broken or going away,
-        used within `max_idle_s`, and what the server sent meanwhile (PINGs, SETTINGS,
-        window updates) handled; a GOAWAY, a close or anything else makes it unusable."""
+        used within `max_idle_s`, and what the server sent meanwhile (PINGs, h2.SETTINGS,
+        window updates) handled; a h2.GOAWAY, a close or anything else makes it unusable."""
         sock = self._sock
         if self.broken or self._going_away or sock is None:
             return False
@@ -283,7 +203,14 @@ class WireChannel:
                 while self._end - self._start >= 9:
                     length = int.from_bytes(self._view[self._start : self._start + 3], "big")
                     kind, flags = self._buf[self._start + 3], self._buf[self._start + 4]
-                    if kind in (DATA, HEADERS, CONTINUATION, PUSH_PROMISE, GOAWAY, RST_STREAM):
+                    if kind in (
+                        h2.DATA,
+                        h2.HEADERS,
+                        h2.CONTINUATION,
+                        h2.PUSH_PROMISE,
+                        h2.GOAWAY,
+                        h2.RST_STREAM,
+                    ):
                         return False  # nothing a call between calls should see
                     if self._end - self._start < 9 + length:
                         break
@@ -303,7 +230,7 @@ class WireChannel:
             sock = self._sock
             if sock is None:
                 sock = self._open(self._remaining())
-            if self._next_stream > MAX_STREAM_ID:
+            if self._next_stream > h2.MAX_STREAM_ID:
                 raise self._fail(grpc.StatusCode.UNAVAILABLE, "connection out of stream ids")
             self._new_stream(self._next_stream)
             self._next_stream += 2
@@ -332,12 +259,12 @@ class WireChannel:
         headers = [
             (":method", "POST"),
             (":scheme", "https" if self._tls is not None else "http"),
-            (":path", FETCH_PATH),
+            (":path", h2.FETCH_PATH),
             (":authority", self.config.tls_server_name or self.address),
             ("te", "trailers"),
             ("content-type", "application/grpc"),
             ("user-agent", "kvmesh-wire"),
-            ("grpc-timeout", _timeout_header(timeout)),
+            ("grpc-timeout", h2.timeout_header(timeout)),
         ]
         if self.config.auth_token:
             headers.append(("authorization", f"Bearer {self.config.auth_token}"))
@@ -345,9 +272,9 @@ class WireChannel:
         body = request.SerializeToString()
         message = b"\x00" + struct.pack(">I", len(body)) + body
         stream = self._stream
-        out = [_frame(HEADERS, END_HEADERS, stream, block), block]
-        # The message goes in DATA frames no larger than the server accepts and within its
-        # flow-control windows: a large request (hundreds of hashes) waits for its SETTINGS
+        out = [h2.frame(h2.HEADERS, h2.END_HEADERS, stream, block), block]
+        # The message goes in h2.DATA frames no larger than the server accepts and within its
+        # flow-control windows: a large request (hundreds of hashes) waits for its h2.SETTINGS
         # and WINDOW_UPDATEs rather than break the connection (FRAME_SIZE_ERROR).
         pos = 0
         while pos < len(message):
@@ -363,14 +290,17 @@ class WireChannel:
             pos += n
             self._send_conn -= n
             self._send_stream -= n
-            out += (_frame(DATA, END_STREAM if pos == len(message) else 0, stream, part), part)
+            out += (
+                h2.frame(h2.DATA, h2.END_STREAM if pos == len(message) else 0, stream, part),
+                part,
+            )
         sock.sendall(b"".join(out))
 
     def _await_window(self) -> None:
         """Handle the server's frames until it lets us send more of the request."""
         while min(self._send_frame, self._send_conn, self._send_stream) <= 0 and not self._ended:
             length, kind, flags, stream = self._frame_header()
-            if kind == DATA:
+            if kind == h2.DATA:
                 raise self._fail(grpc.StatusCode.INTERNAL, "DATA before the request was sent")
             self._control(kind, flags, stream, self._payload(length))
 
@@ -383,7 +313,7 @@ class WireChannel:
                 f"{self.address} ended FetchPages without a gRPC status "
                 f"(HTTP status {dict(self._headers).get(':status', '?')})",
             )
-        code = _STATUS_BY_VALUE.get(int(status), grpc.StatusCode.UNKNOWN)
+        code = h2.STATUS_BY_VALUE.get(int(status), grpc.StatusCode.UNKNOWN)
         if code != grpc.StatusCode.OK:
             details = urllib.parse.unquote(dict(trailers).get("grpc-message", ""))
             raise WireStatus(code, details, [(k, v) for k, v in trailers if not k.startswith(":")])
@@ -492,7 +422,7 @@ class WireChannel:
     # ------------------------------------------------------------ HTTP/2
 
     def _read_into(self, dst: memoryview, *, at_boundary: bool = False) -> bool:
-        """Fill `dst` with the stream's DATA bytes; False if the stream ended first (only at
+        """Fill `dst` with the stream's h2.DATA bytes; False if the stream ended first (only at
         a message boundary: elsewhere that is an error)."""
         pos, n = 0, len(dst)
         sock = self._sock
@@ -537,7 +467,9 @@ class WireChannel:
         if self._end - self._start >= n:
             return
         if n > READ_BUFFER_BYTES:
-            raise self._fail(grpc.StatusCode.INTERNAL, f"a {n}-byte frame is over the read buffer")
+            raise self._fail(
+                grpc.StatusCode.INTERNAL, f"a {n}-byte h2.frame is over the read buffer"
+            )
         if self._start:
             kept = self._end - self._start
             self._view[:kept] = self._view[self._start : self._end]
@@ -566,7 +498,7 @@ class WireChannel:
         return out
 
     def _frame_header(self) -> tuple[int, int, int, int]:
-        """The next frame's (payload length, type, flags, stream id)."""
+        """The next h2.frame's (payload length, type, flags, stream id)."""
         self._fill(9)
         head = self._view[self._start : self._start + 9]
         self._start += 9
@@ -574,21 +506,25 @@ class WireChannel:
         return int.from_bytes(head[:3], "big"), head[3], head[4], stream
 
     def _next_data_frame(self) -> bool:
-        """Handle frames until a DATA frame with payload on our stream; False at its end."""
+        """Handle frames until a h2.DATA h2.frame with payload on our stream; False at its end."""
         while not self._ended:
             length, kind, flags, stream = self._frame_header()
-            if kind == DATA:
+            if kind == h2.DATA:
                 pad = 0
-                if flags & PADDED:
+                if flags & h2.PADDED:
                     pad = self._payload(1)[0]
                     length -= 1 + pad
                     if length < 0:
-                        raise self._fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
-                self._account(length + pad + (1 if flags & PADDED else 0))
+                        raise self._fail(
+                            grpc.StatusCode.INTERNAL, "DATA padding over its length"
+                        )
+                self._account(length + pad + (1 if flags & h2.PADDED else 0))
                 if stream != self._stream:
-                    raise self._fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
+                    raise self._fail(
+                        grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}"
+                    )
                 self._frame_left, self._pad_left = length, pad
-                self._frame_ends = bool(flags & END_STREAM)
+                self._frame_ends = bool(flags & h2.END_STREAM)
                 if length:
                     return True
                 self._skip(pad)
@@ -608,11 +544,11 @@ class WireChannel:
         if self._conn_consumed >= WINDOW_TOP_UP:
             inc = struct.pack(">I", self._conn_consumed)
             self._conn_consumed = 0
-            out += _frame(WINDOW_UPDATE, 0, 0, inc) + inc
+            out += h2.frame(h2.WINDOW_UPDATE, 0, 0, inc) + inc
         if self._stream_consumed >= WINDOW_TOP_UP:
             inc = struct.pack(">I", self._stream_consumed)
             self._stream_consumed = 0
-            out += _frame(WINDOW_UPDATE, 0, self._stream, inc) + inc
+            out += h2.frame(h2.WINDOW_UPDATE, 0, self._stream, inc) + inc
         if out and self._sock is not None:
             self._sock.sendall(out)
 
@@ -620,54 +556,54 @@ class WireChannel:
         sock = self._sock
         if sock is None:
             raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
-        if kind == SETTINGS and not flags & ACK:
+        if kind == h2.SETTINGS and not flags & h2.ACK:
             for i in range(0, len(payload) - 5, 6):
                 key, value = struct.unpack_from(">HI", payload, i)
-                if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if key == h2.SETTINGS_INITIAL_WINDOW_SIZE:
                     self._send_stream += value - self._send_initial
                     self._send_initial = value
-                elif key == SETTINGS_MAX_FRAME_SIZE:
+                elif key == h2.SETTINGS_MAX_FRAME_SIZE:
                     self._send_frame = value
-            sock.sendall(_frame(SETTINGS, ACK, 0))
-        elif kind == WINDOW_UPDATE and len(payload) >= 4:
+            sock.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        elif kind == h2.WINDOW_UPDATE and len(payload) >= 4:
             inc = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             if stream == 0:
                 self._send_conn += inc
             elif stream == self._stream:
                 self._send_stream += inc
-        elif kind == PING and not flags & ACK:
-            sock.sendall(_frame(PING, ACK, 0, payload) + payload)
-        elif kind == HEADERS:
+        elif kind == h2.PING and not flags & h2.ACK:
+            sock.sendall(h2.frame(h2.PING, h2.ACK, 0, payload) + payload)
+        elif kind == h2.HEADERS:
             self._header_block(flags, stream, payload)
-        elif kind == RST_STREAM and stream == self._stream and stream:
+        elif kind == h2.RST_STREAM and stream == self._stream and stream:
             code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else 0
             raise self._fail(
                 grpc.StatusCode.CANCELLED if code == 8 else grpc.StatusCode.UNAVAILABLE,
                 f"{self.address} reset the stream (HTTP/2 error {code})",
             )
-        elif kind == GOAWAY:
+        elif kind == h2.GOAWAY:
             last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF if len(payload) >= 4 else 0
             self._going_away = True  # no new call on this connection
             if last < self._stream:
                 raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
-        elif kind == PUSH_PROMISE:
-            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
+        elif kind == h2.PUSH_PROMISE:
+            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in h2.SETTINGS")
         # PRIORITY, unknown types: nothing to do for a reader
 
     def _header_block(self, flags: int, stream: int, payload: bytes) -> None:
-        if flags & PADDED:
+        if flags & h2.PADDED:
             pad = payload[0]
             payload = payload[1 : len(payload) - pad]
-        if flags & PRIORITY_FLAG:
+        if flags & h2.PRIORITY_FLAG:
             payload = payload[5:]
         block = payload
-        while not flags & END_HEADERS:  # CONTINUATION frames follow directly
+        while not flags & h2.END_HEADERS:  # h2.CONTINUATION frames follow directly
             self._fill(9)
             head = bytes(self._view[self._start : self._start + 9])
             self._start += 9
-            if head[3] != CONTINUATION:
-                raise self._fail(grpc.StatusCode.INTERNAL, "header block without CONTINUATION")
-            flags = (flags & END_STREAM) | head[4]
+            if head[3] != h2.CONTINUATION:
+                raise self._fail(grpc.StatusCode.INTERNAL, "header block without h2.CONTINUATION")
+            flags = (flags & h2.END_STREAM) | head[4]
             block += self._payload(int.from_bytes(head[:3], "big"))
         try:
             fields = [(str(k), str(v)) for k, v in self._decoder.decode(block)]
@@ -684,94 +620,5 @@ class WireChannel:
                 )
         else:
             self._trailers = fields
-        if flags & END_STREAM:
+        if flags & h2.END_STREAM:
             self._ended = True
-
-
-class ChannelPool:
-    """Idle `WireChannel`s to one peer, reused by later calls (thread-safe).
-
-    A channel is taken for one call and given back after it; a broken one is
-    closed instead. An idle channel is checked before reuse (`WireChannel.usable`):
-    one idle for the keepalive interval or longer is dropped, since the
-    server may have closed it with pings unanswered.
-    """
-
-    def __init__(self, address: str, config: TransferConfig) -> None:
-        self.address = address
-        self.config = config
-        self._tls = tls_context(config)
-        self._idle: list[WireChannel] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def take(self) -> WireChannel:
-        """An idle channel that still works, or a new one (it connects on its first call)."""
-        max_idle_s = self.config.keepalive_ms / 1000
-        while True:
-            with self._lock:
-                if self._closed:
-                    raise WireStatus(
-                        grpc.StatusCode.CANCELLED, f"the client for peer {self.address} is closed"
-                    )
-                channel = self._idle.pop() if self._idle else None
-            if channel is None:
-                return WireChannel(
-                    self.address, self.config, self._tls, self.config.max_message_bytes
-                )
-            if channel.usable(max_idle_s):
-                return channel
-            channel.close()
-
-    def give(self, channel: WireChannel) -> None:
-        with self._lock:
-            if not channel.broken and not self._closed:
-                self._idle.append(channel)
-                return
-        channel.close()
-
-    def close(self) -> None:
-        """Close the idle channels; calls under way close theirs when they end."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for channel in idle:
-            channel.close()
-
-
-class FetchCall:
-    """One FetchPages call on a channel of `pool`; `cancel` may come from any thread.
-
-    Cancelling shuts the call's connection down (the server sees it close and
-    releases the stream's pins) and keeps it out of the pool; a call that is
-    over is not touched, so a channel already serving another call is safe.
-    """
-
-    __slots__ = ("_cancelled", "_channel", "_lock", "_pool")
-
-    def __init__(self, pool: ChannelPool) -> None:
-        self._pool = pool
-        self._lock = threading.Lock()
-        self._channel: WireChannel | None = None
-        self._cancelled = False
-
-    def run(self, request: pb.FetchRequest, end: float, sink: ChunkSink) -> None:
-        """Make the call and feed every chunk to `sink`; returns on status OK, else raises."""
-        channel = self._pool.take()
-        with self._lock:
-            if self._cancelled:
-                self._pool.give(channel)
-                raise WireStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
-            self._channel = channel
-        try:
-            channel.call(request, end, sink)
-        finally:
-            with self._lock:
-                self._channel = None
-            self._pool.give(channel)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            if self._channel is not None:
-                self._channel.cancel()

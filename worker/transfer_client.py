@@ -39,10 +39,10 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.call_retry import RetryPolicy
 from kvmesh.worker.grpc_tuning import grpc_tuning_options, tune_malloc
-from kvmesh.worker.grpc_wire import ChannelPool, FetchCall
 from kvmesh.worker.page_codec import PUSH_TICKET_KEY, SERVICE_NAME, chunk_size, iter_page_chunks
 from kvmesh.worker.page_landing import InOrder, Item, Landed, PageLander
 from kvmesh.worker.page_service import IncomingPage, PageReceiver, PageService, check_hash
+from kvmesh.worker.wire_pool import ChannelPool, FetchCall
 
 _METHOD = f"/{SERVICE_NAME}/"
 OnPage = Callable[[int, IncomingPage], None]

@@ -29,10 +29,11 @@ from kvmesh.config import TransferConfig
 from kvmesh.hashing import NO_EXTRA, PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash, PageId
-from kvmesh.worker import grpc_wire as h2
-from kvmesh.worker import transfer_client
+from kvmesh.worker import grpc_wire, transfer_client
+from kvmesh.worker import h2_frames as h2
 from kvmesh.worker.call_retry import RetryPolicy, translate
-from kvmesh.worker.grpc_wire import FETCH_PATH, PREFACE, WireChannel, WireStatus
+from kvmesh.worker.grpc_wire import WireChannel
+from kvmesh.worker.h2_frames import FETCH_PATH, PREFACE, WireStatus
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_codec import encode_chunk
 from kvmesh.worker.page_landing import Landed
@@ -311,7 +312,7 @@ def test_windows_are_topped_up_with_exactly_what_was_consumed(
     """Streams longer than WINDOW_TOP_UP (1 GiB) give the server back what it sent, no more:
     windows stay at most 2**31 - 1. Topped up every 64 KiB here, so a 1 MiB pull sends many
     WINDOW_UPDATEs; each is checked against the DATA bytes received before it."""
-    monkeypatch.setattr(h2, "WINDOW_TOP_UP", 64 * 1024)
+    monkeypatch.setattr(grpc_wire, "WINDOW_TOP_UP", 64 * 1024)
     received = [0]  # flow-controlled DATA bytes the call has read
     updates: list[tuple[int, int, int]] = []  # (stream, increment, bytes received by then)
     real_account = WireChannel._account
