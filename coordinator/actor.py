@@ -157,7 +157,8 @@ class CoordinatorActor:
         ]
         if config.api_port >= 0:
             self._api = CoordinatorAPIServer(self, config, security or TransferConfig())
-            self._tasks.append(loop.create_task(self._api.start()))
+            self._api_start: asyncio.Task[int] = loop.create_task(self._api.start())
+            self._tasks.append(self._api_start)
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -324,7 +325,10 @@ class CoordinatorActor:
 
     async def api_address(self) -> str | None:
         """host:port of the gRPC routing API this actor serves (None: not served)."""
-        return None if self._api is None else self._api.address
+        if self._api is None:
+            return None
+        await self._api_start  # raises what binding raised (a port in use, bad TLS files)
+        return self._api.address
 
     async def record_result(
         self, promised_local: int, promised_pull: int, realized_local: int, realized_pull: int

@@ -133,7 +133,8 @@ class RouterActor:
         ]
         if config.api_port >= 0:
             self._api = CoordinatorAPIServer(self, config, security or TransferConfig())
-            self._tasks.append(loop.create_task(self._api.start()))
+            self._api_start: asyncio.Task[int] = loop.create_task(self._api.start())
+            self._tasks.append(self._api_start)
 
     # ---------------------------------------------------------------- shards
 
@@ -460,7 +461,10 @@ class RouterActor:
         }
 
     async def api_address(self) -> str | None:
-        return None if self._api is None else self._api.address
+        if self._api is None:
+            return None
+        await self._api_start  # raises what binding raised (a port in use, bad TLS files)
+        return self._api.address
 
     async def pid(self) -> int:
         return os.getpid()
@@ -517,6 +521,9 @@ def create_layout(config: CoordinatorConfig, security: TransferConfig | None = N
     routers: list[Any] = []
     for r in reversed(range(config.router_replicas)):  # replica 0 last: it holds the others
         options = {**common, "name": router_actor_name(config, r), **_placement(config, r)}
+        # A call to a dead router fails at once (no retry wait), so its callers fail over to
+        # another replica within milliseconds; workers resend their reports anyway.
+        options["max_task_retries"] = 0
         peers = routers if r == 0 else []
         handle = (
             ray.remote(RouterActor).options(**options).remote(config, r, security, shards, peers)

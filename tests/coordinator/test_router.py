@@ -317,3 +317,33 @@ def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: N
     assert a == b
     for d, p in zip(b, PROMPTS, strict=True):
         check(d, p, held)
+
+
+def test_the_routers_serve_the_grpc_api_and_a_client_fails_over(ray_cluster: None) -> None:
+    """An engine outside Ray registers and reports over gRPC; its client survives router 0."""
+    from kvmesh.client.routing_client import RoutingClient
+    from kvmesh.config import TransferConfig
+    from kvmesh.events import PagesStored
+
+    cfg = dataclasses.replace(layout(shards=2, replicas=2), api_port=0)
+    security = TransferConfig(auth_token="t0ken")
+    routers = create_layout(cfg, security)
+    assert ray.get([r.wait_ready.remote(60) for r in routers], timeout=90) == [True] * 2
+    addresses = ray.get([r.api_address.remote() for r in routers], timeout=60)
+    with RoutingClient(addresses, security, deadline_s=10) as client:
+        assert client.health().replicas == 2
+        for i in range(3):
+            client.register(f"engine-{i}", f"http://engine-{i}:8000", 1000, "boot")
+            events = [PagesStored(tuple(PROMPTS[0][: 3 + 3 * i]), None, (), PAGE)]
+            batch = encode_batch(make_batch(events, WorkerId(f"engine-{i}"), "boot", 0))
+            assert client.report(f"engine-{i}", [batch]) == (False, ["applied"])
+        got = client.route(PROMPTS[0], 48, page_size=PAGE)
+        assert (got.worker_id, got.matched_pages, got.worker_address) == (
+            "engine-2",
+            9,
+            "http://engine-2:8000",
+        )
+        ray.kill(routers[0], no_restart=True)
+        again = client.route(PROMPTS[0], 48, page_size=PAGE)
+        assert (again.worker_id, again.matched_pages) == ("engine-2", 9)
+        assert again.router == addresses[1]
