@@ -182,6 +182,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
         index=index,
         sources=sources,
         tenants=tenants,
+        verify=verify,
     )
 
 
@@ -200,6 +201,8 @@ def describe(gateway: Gateway, host: str, port: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from kvmesh.gateway.app import create_app
@@ -208,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     check_bind_address(args.host, args.allow_remote)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    level = "DEBUG" if args.log_level.lower() == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="kvmesh gateway: %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     gateway = build_gateway(args)
     print(describe(gateway, args.host, args.port), file=sys.stderr, flush=True)
     uvicorn.run(create_app(gateway), host=args.host, port=args.port, log_level=args.log_level)

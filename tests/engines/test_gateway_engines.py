@@ -94,6 +94,17 @@ def chat(front: Front, messages: list[dict[str, str]], **extra: object) -> httpx
     return httpx.post(front.url + "/v1/chat/completions", json=body, timeout=120)
 
 
+def test_each_engine_passes_the_hash_parity_canary_when_the_gateway_starts(front: Front) -> None:
+    def passed(name: str) -> float:
+        text = httpx.get(front.url + "/metrics").text
+        return metric(text, f'kvmesh_engine_canary_total{{engine="{name}",outcome="passed"}}')
+
+    for name in front.engines:
+        wait_until(lambda n=name: passed(n) >= 1, f"{name}'s canary")
+    health = httpx.get(front.url + "/health").json()["engines"]
+    assert not any(e["stale"] for e in health.values())
+
+
 def test_follow_up_turns_land_on_the_engine_holding_the_prefix(front: Front) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello!"}]
     batches = event_batches(front)

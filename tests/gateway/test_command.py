@@ -31,6 +31,7 @@ def test_flags_build_engines_in_order_with_their_event_sockets(tokenizer_dir: Pa
     ]
     assert isinstance(gateway.router, IndexRouter) and gateway.router.name == "kv_aware"
     assert len(gateway.sources) == 1  # one subscriber follows both engines
+    assert gateway.verify is not None  # the hash-parity canary, when an engine is up
     assert (gateway.hasher.block_size, gateway.hasher.seed) == (32, "7")
     line = describe(gateway, "127.0.0.1", 8000)
     assert "engine-1=http://127.0.0.1:8002 (events tcp://127.0.0.1:5567)" in line
@@ -42,6 +43,7 @@ def test_approx_prefix_follows_no_events(tokenizer_dir: Path) -> None:
     gateway = build_gateway(args)
     assert isinstance(gateway.router, HistoryRouter)
     assert gateway.sources == []
+    assert gateway.verify is None
 
 
 @pytest.mark.parametrize(
