@@ -128,7 +128,8 @@ def test_route_answers_the_coordinators_decision_with_the_workers_addresses(
 def test_register_report_and_stats_reach_the_index(served: Served) -> None:
     with RoutingClient(served.address, TransferConfig(auth_token=TOKEN)) as client:
         assert client.register("engine-a", "http://engine-a:8000", 500, "boot-1") is True
-        batch = make_batch([PagesStored(tuple(prompt(9, 3)), None, (), 4)], "engine-a", "boot-1", 0)
+        stored = [PagesStored(tuple(prompt(9, 3)), None, (), 4)]
+        batch = make_batch(stored, WorkerId("engine-a"), "boot-1", 0)
         resync, results = client.report(
             "engine-a", [encode_batch(batch)], WorkerLoad(WorkerId("engine-a"), 64, 0, 400, 500)
         )
@@ -165,7 +166,7 @@ def test_bad_requests_get_the_kvmesh_error_and_change_nothing(served: Served) ->
     before = state(served.core)
     with RoutingClient(served.address, TransferConfig(auth_token=TOKEN)) as client:
         with pytest.raises(InvalidInput, match="1-64 bytes"):
-            client.route([b"x" * 65], 16)
+            client.route([PageHash(b"x" * 65)], 16)
         with pytest.raises(InvalidInput, match="role"):
             client.route(prompt(2, 7), 8, role="janitor")
         with pytest.raises(InvalidInput, match="unknown policy"):
@@ -253,7 +254,7 @@ def test_fuzzed_messages_change_nothing(served: Served, method: str, body: bytes
             call(body, timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
             refused = False
         except grpc.RpcError as err:
-            assert err.code() in (  # type: ignore[attr-defined]
+            assert err.code() in (
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.UNAVAILABLE,

@@ -347,3 +347,19 @@ def test_the_routers_serve_the_grpc_api_and_a_client_fails_over(ray_cluster: Non
         again = client.route(PROMPTS[0], 48, page_size=PAGE)
         assert (again.worker_id, again.matched_pages) == ("engine-2", 9)
         assert again.router == addresses[1]
+
+
+def test_the_single_coordinator_actor_serves_the_grpc_api_too(ray_cluster: None) -> None:
+    from kvmesh.client.routing_client import RoutingClient
+
+    cfg = CoordinatorConfig(namespace=f"t{uuid.uuid4().hex[:8]}", api_port=0)
+    coordinator = get_or_create_coordinator(cfg)
+    address = ray.get(coordinator.api_address.remote(), timeout=60)
+    workers = start_workers(cfg, coordinator, 2)
+    held = truth(workers)
+    with RoutingClient(address) as client:
+        assert client.health().shards == 1
+        for p in PROMPTS:
+            got = client.route(p, len(p) * PAGE, page_size=PAGE)
+            assert got.matched_pages == held_prefix(held[got.worker_id], p)
+            assert got.worker_address == f"addr-{got.worker_id}"

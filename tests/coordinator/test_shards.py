@@ -20,7 +20,7 @@ from kvmesh.coordinator.shards import (
     request_seed,
     shard_of,
 )
-from kvmesh.errors import InvalidInput, NoWorkers
+from kvmesh.errors import InvalidInput, InvalidSetting, NoWorkers
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.simulate import PreparedTrace, prepare_trace
 from kvmesh.trace import load_trace
@@ -207,7 +207,7 @@ def test_merged_views_keep_worker_id_order_for_the_policies_tie_breaks() -> None
 
 def test_a_sharded_coordinator_without_workers_refuses_to_route() -> None:
     with pytest.raises(NoWorkers):
-        ShardedCoordinator(CoordinatorConfig(index_shards=3)).route([b"h" * 16], 16)
+        ShardedCoordinator(CoordinatorConfig(index_shards=3)).route([PageHash(b"h" * 16)], 16)
 
 
 def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() -> None:
@@ -248,9 +248,10 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
 
 
 def test_a_request_seed_depends_on_the_request_only() -> None:
-    r1 = RouteRequest((b"a" * 16, b"b" * 16), 40, 16, False, "x")
-    r2 = RouteRequest((b"a" * 16, b"b" * 16), 40, 16, False, "x")
-    r3 = RouteRequest((b"a" * 16, b"c" * 16), 40, 16, False, "x")
+    a, b, c = (PageHash(x * 16) for x in (b"a", b"b", b"c"))
+    r1 = RouteRequest((a, b), 40, 16, False, "x")
+    r2 = RouteRequest((a, b), 40, 16, False, "x")
+    r3 = RouteRequest((a, c), 40, 16, False, "x")
     assert request_seed(1, r1) == request_seed(1, r2)
     assert request_seed(1, r1) != request_seed(1, r3)
     assert request_seed(1, r1) != request_seed(2, r1)
@@ -261,3 +262,20 @@ def test_a_router_refuses_an_unknown_policy_by_name() -> None:
     view = RouteView({}, (WorkerLoad(WorkerId("w0")),))
     with pytest.raises(Exception, match="nope"):
         router.decide(RouteRequest((), 1), view, "nope")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("index_shards", 0, "must be positive"),
+        ("router_replicas", 0, "must be positive"),
+        ("api_port", 70_000, "TCP port"),
+        ("api_port", -2, "TCP port"),
+        ("api_deadline_s", 0.0, "must be positive"),
+    ],
+)
+def test_a_bad_scale_setting_is_refused_naming_the_field(
+    field: str, value: object, reason: str
+) -> None:
+    with pytest.raises(InvalidSetting, match=f"CoordinatorConfig.{field}=.*{reason}"):
+        CoordinatorConfig(**{field: value})  # type: ignore[arg-type]
