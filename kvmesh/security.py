@@ -223,6 +223,9 @@ def check_cluster(config: ClusterConfig, env: Mapping[str, str] = os.environ) ->
         require_mtls=sec.require_mtls,
         hashing=config.hash,
     )
+    if sec.profile == "dev" and config.coordinator.api_port >= 0:
+        # the coordinator's routing API binds by the page service's rule (docs/scale.md)
+        check_bind_address(config.coordinator.api_host, sec.allow_remote)
 
 
 PROFILE_VAR = "KVMESH_PROFILE"

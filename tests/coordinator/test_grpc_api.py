@@ -318,3 +318,16 @@ def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_plaintext(
                 c.stats()
     finally:
         s.stop()
+
+
+def test_the_dev_profile_keeps_the_routing_api_on_loopback_unless_remote_is_allowed() -> None:
+    from kvmesh.config import ClusterConfig, SecurityConfig
+    from kvmesh.security import check_cluster
+
+    remote = CoordinatorConfig(api_port=7070, api_host="0.0.0.0")
+    with pytest.raises(ConfigError, match=r"0\.0\.0\.0"):
+        check_cluster(ClusterConfig(coordinator=remote), env={})
+    check_cluster(
+        ClusterConfig(coordinator=remote, security=SecurityConfig(allow_remote=True)), env={}
+    )
+    check_cluster(ClusterConfig(coordinator=CoordinatorConfig(api_port=7070)), env={})
