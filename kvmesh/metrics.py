@@ -9,7 +9,7 @@ operations work bridges actors' metrics to Ray's metrics endpoint.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 TRANSFER_REFUSED = Counter(
     "kvmesh_transfer_refused",
@@ -30,6 +30,24 @@ REQUESTS_CANCELLED = Counter(
     "Requests a worker stopped before answering, by reason: the caller cancelled it "
     "(ray.cancel), its deadline passed, or the caller's process went away",
     ["worker", "reason"],
+)
+
+PEER_TRANSFERS = Counter(
+    "kvmesh_peer_transfers",
+    "Pulls and pushes a worker made with a peer, by the transport that carried them (a "
+    "torch.distributed transfer that fell back counts under grpc)",
+    ["worker", "direction", "transport"],
+)
+DIST_FALLBACKS = Counter(
+    "kvmesh_dist_fallbacks",
+    "torch.distributed transfers of a worker that failed and were redone over gRPC",
+    ["worker", "direction"],
+)
+DIST_LINKS = Counter(
+    "kvmesh_dist_links",
+    "torch.distributed links a worker opened to a peer (client end) or served for one "
+    "(server end)",
+    ["worker", "end"],
 )
 
 # -- the gateway (kvmesh.gateway) in front of real engines; `engine` is the engine's name
@@ -124,3 +142,9 @@ REPLICA_FAILOVERS = Counter(
     "replica_down (a replica was skipped for state changes)",
     ["reason"],
 )
+
+
+def counter_value(name: str, **labels: str) -> int:
+    """The value of counter `name` (without ``_total``) for `labels` in this process; 0
+    before its first increment."""
+    return int(REGISTRY.get_sample_value(f"{name}_total", labels) or 0)

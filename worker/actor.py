@@ -285,7 +285,7 @@ class WorkerActor:
             open_rendezvous=self._open_link if self._rpc is not None else None,
             host=self._bind_host(),
         )
-        self.peers = Peers(cfg.transfer, links=self.links)
+        self.peers = Peers(cfg.transfer, links=self.links, worker=self.worker_id)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._draining = False

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ConfigError, InvalidInput, KVMeshError, TransportError
+from kvmesh.metrics import DIST_LINKS, counter_value
 from kvmesh.rendezvous import LINK_CLIENT_RANK, LINK_SERVER_RANK, DistRendezvous
 from kvmesh.types import WorkerId
 from kvmesh.worker.dist_group import DistGroup
@@ -56,8 +57,7 @@ class DistLinks:
         self._links: dict[str, DistPageTransport] = {}  # peer address -> this end (client)
         self._locks: dict[str, threading.Lock] = {}
         self._served: dict[str, DistGroup] = {}  # rendezvous prefix -> group this end serves
-        self.opened = 0  # links this worker opened (client end)
-        self.served = 0  # links peers opened to this worker
+        self._base = (self._count("client"), self._count("server"))
 
     def link(self, address: str) -> DistPageTransport:
         """The link to the worker at `address`, opened through the coordinator if there is
@@ -83,7 +83,7 @@ class DistLinks:
             link = self._join(rendezvous)
             with self._guard:
                 self._links[address] = link
-                self.opened += 1
+            DIST_LINKS.labels(self.worker_id, "client").inc()
             return link
 
     def current(self, address: str) -> DistPageTransport | None:
@@ -131,9 +131,21 @@ class DistLinks:
                     log.info("hang-up on the link to %s failed: %s", address, exc)
             self.drop(address)
 
+    @property
+    def opened(self) -> int:
+        """Links this worker opened (client end) since it started or `reset_counts`."""
+        return self._count("client") - self._base[0]
+
+    @property
+    def served(self) -> int:
+        """Links peers opened to this worker since it started or `reset_counts`."""
+        return self._count("server") - self._base[1]
+
     def reset_counts(self) -> None:
-        with self._guard:
-            self.opened = self.served = 0
+        self._base = (self._count("client"), self._count("server"))
+
+    def _count(self, end: str) -> int:
+        return counter_value("kvmesh_dist_links", worker=self.worker_id, end=end)
 
     def _join(self, rendezvous: DistRendezvous) -> DistPageTransport:
         """Join a link's group (within the connect timeout) and wrap it in a transport whose
@@ -161,7 +173,7 @@ class DistLinks:
         group = transport.group
         with self._guard:
             self._served[rendezvous.prefix] = group
-            self.served += 1
+        DIST_LINKS.labels(self.worker_id, "server").inc()
         try:
             transport.serve_forever(LINK_CLIENT_RANK, idle_timeout_s=self._config.dist_idle_timeout_s)
         except KVMeshError as exc:

@@ -15,8 +15,9 @@ when the link fails, drops it, logs the reason and redoes the transfer over
 its `GrpcPeer` (the outcome carries the reason). The caller never branches
 on the transport: it asks `Peers` for the peer at an address.
 
-Counting: `Peers.counts` gives pulls and pushes per transport and dist
-fallbacks, for `WorkerStats`.
+Counting: pulls and pushes per transport and dist fallbacks are metrics
+(`kvmesh_peer_transfers_total`, `kvmesh_dist_fallbacks_total`, by worker);
+`Peers.counts` reads them back for `WorkerStats`.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ConfigError, KVMeshError, PermissionDenied, TransportError
+from kvmesh.metrics import DIST_FALLBACKS, PEER_TRANSFERS, counter_value
 from kvmesh.rendezvous import LINK_SERVER_RANK
 from kvmesh.types import PageHash
 from kvmesh.worker.links import DistLinks
@@ -97,25 +98,46 @@ class Peer(Protocol):
 
 
 class _Tally:
-    """Thread-safe counts behind `TransferCounts`."""
+    """A worker's transfer counters: named metrics (`kvmesh.metrics`), read back as the
+    change since this worker started or last reset them."""
 
-    __slots__ = ("_counts", "_lock")
+    __slots__ = ("_base", "worker")
 
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self._base = self._read()
 
-    def add(self, field: str) -> None:
-        with self._lock:
-            self._counts[field] += 1
+    def moved(self, direction: str, transport: str) -> None:
+        PEER_TRANSFERS.labels(self.worker, direction, transport).inc()
+
+    def fell_back(self, direction: str) -> None:
+        DIST_FALLBACKS.labels(self.worker, direction).inc()
 
     def snapshot(self) -> TransferCounts:
-        with self._lock:
-            return TransferCounts(**self._counts)
+        now, base = self._read(), self._base
+        return TransferCounts(
+            *(getattr(now, f.name) - getattr(base, f.name) for f in dataclasses.fields(now))
+        )
 
     def reset(self) -> None:
-        with self._lock:
-            self._counts.clear()
+        self._base = self._read()
+
+    def _read(self) -> TransferCounts:
+        def moved(direction: str, transport: str) -> int:
+            labels = {"worker": self.worker, "direction": direction, "transport": transport}
+            return counter_value("kvmesh_peer_transfers", **labels)
+
+        fallbacks = sum(
+            counter_value("kvmesh_dist_fallbacks", worker=self.worker, direction=d)
+            for d in ("pull", "push")
+        )
+        return TransferCounts(
+            moved("pull", "grpc"),
+            moved("pull", "dist"),
+            moved("push", "grpc"),
+            moved("push", "dist"),
+            fallbacks,
+        )
 
 
 class GrpcPeer:
@@ -131,7 +153,7 @@ class GrpcPeer:
     def pull_into(
         self, receiver: PageReceiver, hashes: Sequence[PageHash], *, deadline_s: float | None = None
     ) -> PullOutcome:
-        self._tally.add("pulls_grpc")
+        self._tally.moved("pull", self.transport)
         asked = tuple(hashes)
         try:
             inserted = self.client.pull_into(receiver, list(asked), deadline_s=deadline_s)
@@ -150,7 +172,7 @@ class GrpcPeer:
         deadline_s: float | None = None,
     ) -> PushOutcome:
         self.client.push_from(service, list(hashes), ticket, deadline_s=deadline_s)
-        self._tally.add("pushes_grpc")
+        self._tally.moved("push", self.transport)
         return PushOutcome(self.transport, len(hashes), len(hashes))
 
     def close(self) -> None:
@@ -180,7 +202,7 @@ class DistPeer:
             reason = self._fell_back("pull", len(asked), exc)
             outcome = self._fallback.pull_into(receiver, asked, deadline_s=deadline_s)
             return dataclasses.replace(outcome, fallback_reason=reason)
-        self._tally.add("pulls_dist")
+        self._tally.moved("pull", self.transport)
         return PullOutcome(asked, self.transport, len(result.inserted))
 
     def push(
@@ -200,7 +222,7 @@ class DistPeer:
             reason = self._fell_back("push", len(todo), exc)
             outcome = self._fallback.push(service, todo, ticket, deadline_s=deadline_s)
             return dataclasses.replace(outcome, fallback_reason=reason)
-        self._tally.add("pushes_dist")
+        self._tally.moved("push", self.transport)
         if sent.refused:
             raise PermissionDenied(
                 f"the worker at {self.address} refused {sent.refused} of {len(sent.sent)} "
@@ -215,7 +237,7 @@ class DistPeer:
     def _fell_back(self, what: str, pages: int, exc: TransportError) -> str:
         reason = f"{type(exc).__name__}: {exc}"
         self._links.drop(self.address)
-        self._tally.add("dist_fallbacks")
+        self._tally.fell_back(what)
         log.warning(
             "dist %s of %d pages with %s failed, falling back to grpc: %s",
             what,
@@ -247,15 +269,17 @@ class Peers:
     """The peers of one worker by address, each reached over `config.transport`.
 
     Peers are made on first use and kept (their connections are reused) until
-    `close`. `links` is needed for transport="dist". Raises `ConfigError` for an
-    unknown transport.
+    `close`. `links` is needed for transport="dist"; `worker` (this worker's id)
+    labels the transfer metrics. Raises `ConfigError` for an unknown transport.
     """
 
-    def __init__(self, config: TransferConfig, *, links: DistLinks | None = None) -> None:
+    def __init__(
+        self, config: TransferConfig, *, links: DistLinks | None = None, worker: str = ""
+    ) -> None:
         self.factory = transport_factory(config.transport)
         self.config = config
         self.links = links
-        self.tally = _Tally()
+        self.tally = _Tally(worker)
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
 

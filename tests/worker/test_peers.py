@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from worker_kit import proofs_for
 
 from kvmesh.config import TransferConfig
@@ -98,7 +99,9 @@ def test_a_grpc_pull_lands_every_page_through_the_receiver_bit_exact(
 ) -> None:
     address, theirs, hashes = source
     mine = make_service()
-    peers = Peers(_with_transport("grpc"))
+    labels = {"worker": "w-grpc-pull", "direction": "pull", "transport": "grpc"}
+    before = REGISTRY.get_sample_value("kvmesh_peer_transfers_total", labels) or 0.0
+    peers = Peers(_with_transport("grpc"), worker="w-grpc-pull")
     try:
         outcome = peers.get(address).pull_into(mine.receiving(proofs()), hashes)
     finally:
@@ -106,7 +109,8 @@ def test_a_grpc_pull_lands_every_page_through_the_receiver_bit_exact(
     assert (outcome.transport, outcome.inserted, outcome.error) == ("grpc", N, None)
     assert outcome.page_hashes == tuple(hashes)
     assert same_bytes(mine, theirs, hashes)
-    assert peers.counts().pulls_grpc == 1
+    assert peers.counts().pulls_grpc == 1  # read back from the named metric
+    assert REGISTRY.get_sample_value("kvmesh_peer_transfers_total", labels) == before + 1
     assert mine.ref_counts() == [0] * 64
 
 
