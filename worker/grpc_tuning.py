@@ -102,16 +102,32 @@ def tune_malloc(config: TransferConfig) -> bool:
     return ok
 
 
-def server_options(config: TransferConfig) -> list[tuple[str, Any]]:
-    """The transfer server's arguments: message bounds, keepalive, `grpc_tuning_options`."""
+def _both_ends(config: TransferConfig) -> list[tuple[str, Any]]:
+    """Message bounds and keepalive, the same for servers and clients."""
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", config.keepalive_ms),
         ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, config.keepalive_ms // 2)),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(config: TransferConfig) -> list[tuple[str, Any]]:
+    """The transfer server's arguments: `_both_ends`, `grpc_tuning_options`."""
+    return [
+        *_both_ends(config),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", max(1, config.keepalive_ms // 2)),
         ("grpc.so_reuseport", 0),
         *grpc_tuning_options(config),
     ]
+
+
+def channel_options(config: TransferConfig) -> list[tuple[str, Any]]:
+    """A client channel's arguments: `_both_ends`, gRPC's own retries off (the client's
+    `RetryPolicy` is the one policy), `grpc_tuning_options`, the TLS name override."""
+    options = [*_both_ends(config), ("grpc.enable_retries", 0), *grpc_tuning_options(config)]
+    if config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return options

@@ -219,7 +219,8 @@ class PageLander:
         service = self.service
         header = first_chunk_header(meta, service.store.page_nbytes if service else None)
         nbytes = header.nbytes
-        probe = incoming_page(header, _placeholder(nbytes))
+        # Without a pool the size is the peer's word: its stand-in is not kept.
+        probe = incoming_page(header, _placeholder(nbytes) if service else bytes(nbytes))
         verify_page(probe, expected, self.address, with_checksum=False)
         res, dst = None, None
         if service is not None:

@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +37,7 @@ from kvmesh.grpc_security import client_tls_material
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.call_retry import RetryPolicy
-from kvmesh.worker.grpc_tuning import grpc_tuning_options, tune_malloc
+from kvmesh.worker.grpc_tuning import channel_options, tune_malloc
 from kvmesh.worker.page_codec import PUSH_TICKET_KEY, SERVICE_NAME, chunk_size, iter_page_chunks
 from kvmesh.worker.page_landing import InOrder, Item, Landed, PageLander
 from kvmesh.worker.page_service import IncomingPage, PageReceiver, PageService, check_hash
@@ -57,24 +56,6 @@ def channel_credentials(config: TransferConfig) -> grpc.ChannelCredentials | Non
     return grpc.ssl_channel_credentials(
         root_certificates=root, private_key=key, certificate_chain=cert
     )
-
-
-def channel_options(config: TransferConfig) -> list[tuple[str, Any]]:
-    """The grpcio channel's arguments: message bounds, keepalive, gRPC's own retries off
-    (`RetryPolicy` is the one policy), `grpc_tuning_options`."""
-    options: list[tuple[str, Any]] = [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", config.keepalive_ms),
-        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.enable_retries", 0),
-    ]
-    options.extend(grpc_tuning_options(config))
-    if config.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
-    return options
 
 
 @dataclass(frozen=True, slots=True)
