@@ -202,7 +202,9 @@ class RouterActor:
             self._call(self.replica, shard, method, *args)
         )
         pending: set[asyncio.Future[Any]] = {own}
-        await asyncio.wait(pending, timeout=HEDGE_AFTER_S)
+        # own replica known to be away (state changes skip it): ask the others at once
+        away = self._down_until.get(self.replica, 0.0) > asyncio.get_running_loop().time()
+        await asyncio.wait(pending, timeout=0 if away else HEDGE_AFTER_S)
         if not own.done() or own.exception() is not None:
             REPLICA_FAILOVERS.labels(reason="hedged").inc()
             pending |= {
