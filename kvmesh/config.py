@@ -169,7 +169,7 @@ class TransferConfig:
     """Worker gRPC server and the transfer paths between workers."""
 
     def __post_init__(self) -> None:
-        # transport: a name in kvmesh.worker.dist_transfer.FETCHERS; the grpc_* tuning sizes
+        # transport: a name in kvmesh.worker.peers.TRANSPORTS; the grpc_* tuning sizes
         # and max_message_bytes vs the chunk headers: kvmesh.settings asks the transfer server
         _check_section(
             self,
