@@ -127,7 +127,7 @@ class Gateway:
         self.router: Router = make_router(
             config.policy, self.index, config.coordinator, config.history_blocks
         )
-        self.pool = EnginePool(config.engines)
+        self.pool = EnginePool(config.engines, config.health_failures)
         self.models: list[str] = [config.served_model] if config.served_model else []
         self.verify = verify
         self._client: httpx.AsyncClient | None = None

@@ -64,7 +64,8 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 300.0  # longest wait for an engine's next bytes
     health_interval_s: float = 1.0
-    health_timeout_s: float = 1.0
+    health_timeout_s: float = 2.0
+    health_failures: int = 2  # slow or non-200 /health answers in a row before an engine is down
     max_body_bytes: int = 8 * 1024 * 1024
     history_blocks: int = 0
     served_model: str | None = None  # default: the model the first engine serves
@@ -80,6 +81,8 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.health_timeout_s > 0:
             raise ConfigError(f"health_timeout_s must be positive, got {self.health_timeout_s}")
+        if self.health_failures < 1:
+            raise ConfigError(f"health_failures must be >= 1, got {self.health_failures}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.history_blocks < 0:

@@ -5,9 +5,10 @@ prompt tokens still to prefill (counted from the moment a request is sent
 until the engine's first bytes come back, minus the prefix the index said
 the engine holds). That is the queue the `kv_aware` cost weighs.
 
-Health: an engine is up until a request to it fails to connect or its
-``/health`` does not answer 200 within the health timeout; it is up again
-when ``/health`` answers. A down engine is never a routing candidate, so
+Health: an engine is up until a connection to it is refused (a request's
+or a health check's), or its ``/health`` times out or answers other than
+200 in `down_after` checks in a row; it is up again when ``/health``
+answers 200. A down engine is never a routing candidate, so
 once a health check (or a failed request) has seen it die, no request is
 sent to it. The state is plain data changed only on the event loop.
 """
@@ -43,7 +44,7 @@ class EngineState:
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
     last_error: str = ""
-    no_affinity: bool = False  # set when the engine's hashes cannot be trusted (canary)
+    failed_checks: int = 0  # consecutive health checks that timed out or were not 200
 
     @property
     def worker_id(self) -> WorkerId:
@@ -83,10 +84,11 @@ def _export(state: EngineState) -> None:
 class EnginePool:
     """The engines by name, their load as `WorkerLoad`s, and the health loop."""
 
-    def __init__(self, specs: Iterable[EngineTarget]) -> None:
+    def __init__(self, specs: Iterable[EngineTarget], down_after: int = 2) -> None:
         self.engines: dict[WorkerId, EngineState] = {
             WorkerId(s.name): EngineState(s) for s in specs
         }
+        self.down_after = down_after
         self.on_up: Callable[[EngineState], None] | None = None
         """Called when a down engine answers its health check again (a restart, maybe)."""
         for state in self.engines.values():
@@ -111,7 +113,7 @@ class EnginePool:
                 e.worker_id,
                 active_prefill_tokens=e.inflight_prefill_tokens,
                 active_requests=e.inflight_requests,
-                stale=e.no_affinity or e.worker_id in stale,
+                stale=e.worker_id in stale,
             )
             for e in self.engines.values()
             if e.up and e.worker_id not in exclude
@@ -139,17 +141,32 @@ class EnginePool:
                 self.on_up(engine)
 
     async def check(self, client: httpx.AsyncClient, engine: EngineState, timeout_s: float) -> bool:
-        """One ``GET /health``; marks the engine up or down and says which."""
+        """One ``GET /health``; marks the engine up or down and says whether it answered.
+
+        A refused connection (nothing listens) marks the engine down at once;
+        a timeout or an answer other than 200 does after `down_after` such
+        checks in a row, so one slow answer from a busy engine is no outage.
+        """
         try:
             resp = await client.get(engine.spec.base_url + "/health", timeout=timeout_s)
-        except httpx.HTTPError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.mark_down(engine, f"/health: {type(exc).__name__}: {exc}")
             return False
-        if resp.status_code != 200:
-            self.mark_down(engine, f"/health answered {resp.status_code}")
+        except httpx.HTTPError as exc:
+            self._failed(engine, f"/health: {type(exc).__name__}: {exc}")
             return False
+        if resp.status_code != 200:
+            self._failed(engine, f"/health answered {resp.status_code}")
+            return False
+        engine.failed_checks = 0
         self.mark_up(engine)
         return True
+
+    def _failed(self, engine: EngineState, reason: str) -> None:
+        engine.failed_checks += 1
+        engine.last_error = reason
+        if engine.failed_checks >= self.down_after:
+            self.mark_down(engine, f"{reason} ({engine.failed_checks} checks in a row)")
 
     async def check_all(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         await asyncio.gather(*(self.check(client, e, timeout_s) for e in self.engines.values()))

@@ -307,7 +307,7 @@ async def test_an_engine_failing_its_health_check_gets_no_requests_until_it_reco
     async with engines_and_gateway(engines, tokenizer) as s, httpx.AsyncClient() as c:
         hold(s.gateway, "engine-0", ids)
         engines[0].sick = True
-        await asyncio.sleep(0.5)  # > health_interval_s
+        await asyncio.sleep(1.0)  # > health_failures * health_interval_s
         sick = [await c.post(s.url + "/v1/completions", json={"prompt": ids}) for _ in range(3)]
         engines[0].sick = False
         await asyncio.sleep(0.5)
@@ -338,7 +338,7 @@ async def test_an_engine_is_verified_when_first_up_and_again_after_it_was_down(
         await asyncio.sleep(0.1)
         assert sorted(checked) == ["engine-0", "engine-1"]
         engines[1].sick = True
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
         engines[1].sick = False
         await asyncio.sleep(0.5)
         # a failed check is loud but the engine still serves
