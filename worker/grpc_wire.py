@@ -44,9 +44,9 @@ from kvmesh.worker.h2_frames import ChunkSink, WireStatus
 from kvmesh.worker.page_codec import encode_varint
 
 READ_BUFFER_BYTES = 1 << 20
-"""Bytes read per ``recv`` for h2.frame headers and small fields; page bytes bypass it."""
+"""Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
 WINDOW_TOP_UP = 1 << 30
-"""Consumed h2.DATA bytes after which both windows are topped up again."""
+"""Consumed DATA bytes after which both windows are topped up again."""
 
 _DATA_KEY = (15 << 3) | 2  # PageChunk.data, length-delimited
 
@@ -95,9 +95,9 @@ class WireChannel:
     def _new_stream(self, stream: int) -> None:
         """The per-call state, for `stream` (0: between calls)."""
         self._stream = stream
-        self._frame_left = 0  # h2.DATA payload bytes of the current h2.frame not yet read
+        self._frame_left = 0  # DATA payload bytes of the current frame not yet read
         self._pad_left = 0  # its padding, skipped after the payload
-        self._frame_ends = False  # the current h2.DATA h2.frame carries h2.END_STREAM
+        self._frame_ends = False  # the current DATA frame carries END_STREAM
         self._ended = False
         self._stream_consumed = 0
         self._headers: list[tuple[str, str]] = []
@@ -155,7 +155,7 @@ class WireChannel:
         return sock
 
     def _open(self, timeout: float) -> socket.socket:
-        """Connect and send the connection preface: our h2.SETTINGS and connection window."""
+        """Connect and send the connection preface: our SETTINGS and connection window."""
         sock = self._connect(timeout)
         with self._lock:
             if self._cancelled:
@@ -183,8 +183,8 @@ class WireChannel:
 
     def usable(self, max_idle_s: float) -> bool:
         """Whether this idle connection can take another call: not broken or going away,
-        used within `max_idle_s`, and what the server sent meanwhile (PINGs, h2.SETTINGS,
-        window updates) handled; a h2.GOAWAY, a close or anything else makes it unusable."""
+        used within `max_idle_s`, and what the server sent meanwhile (PINGs, SETTINGS,
+        window updates) handled; a GOAWAY, a close or anything else makes it unusable."""
         sock = self._sock
         if self.broken or self._going_away or sock is None:
             return False
@@ -273,8 +273,8 @@ class WireChannel:
         message = b"\x00" + struct.pack(">I", len(body)) + body
         stream = self._stream
         out = [h2.frame(h2.HEADERS, h2.END_HEADERS, stream, block), block]
-        # The message goes in h2.DATA frames no larger than the server accepts and within its
-        # flow-control windows: a large request (hundreds of hashes) waits for its h2.SETTINGS
+        # The message goes in DATA frames no larger than the server accepts and within its
+        # flow-control windows: a large request (hundreds of hashes) waits for its SETTINGS
         # and WINDOW_UPDATEs rather than break the connection (FRAME_SIZE_ERROR).
         pos = 0
         while pos < len(message):
@@ -422,7 +422,7 @@ class WireChannel:
     # ------------------------------------------------------------ HTTP/2
 
     def _read_into(self, dst: memoryview, *, at_boundary: bool = False) -> bool:
-        """Fill `dst` with the stream's h2.DATA bytes; False if the stream ended first (only at
+        """Fill `dst` with the stream's DATA bytes; False if the stream ended first (only at
         a message boundary: elsewhere that is an error)."""
         pos, n = 0, len(dst)
         sock = self._sock
@@ -467,9 +467,7 @@ class WireChannel:
         if self._end - self._start >= n:
             return
         if n > READ_BUFFER_BYTES:
-            raise self._fail(
-                grpc.StatusCode.INTERNAL, f"a {n}-byte h2.frame is over the read buffer"
-            )
+            raise self._fail(grpc.StatusCode.INTERNAL, f"a {n}-byte frame is over the read buffer")
         if self._start:
             kept = self._end - self._start
             self._view[:kept] = self._view[self._start : self._end]
@@ -498,7 +496,7 @@ class WireChannel:
         return out
 
     def _frame_header(self) -> tuple[int, int, int, int]:
-        """The next h2.frame's (payload length, type, flags, stream id)."""
+        """The next frame's (payload length, type, flags, stream id)."""
         self._fill(9)
         head = self._view[self._start : self._start + 9]
         self._start += 9
@@ -506,7 +504,7 @@ class WireChannel:
         return int.from_bytes(head[:3], "big"), head[3], head[4], stream
 
     def _next_data_frame(self) -> bool:
-        """Handle frames until a h2.DATA h2.frame with payload on our stream; False at its end."""
+        """Handle frames until a DATA frame with payload on our stream; False at its end."""
         while not self._ended:
             length, kind, flags, stream = self._frame_header()
             if kind == h2.DATA:
@@ -515,14 +513,10 @@ class WireChannel:
                     pad = self._payload(1)[0]
                     length -= 1 + pad
                     if length < 0:
-                        raise self._fail(
-                            grpc.StatusCode.INTERNAL, "DATA padding over its length"
-                        )
+                        raise self._fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
                 self._account(length + pad + (1 if flags & h2.PADDED else 0))
                 if stream != self._stream:
-                    raise self._fail(
-                        grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}"
-                    )
+                    raise self._fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
                 self._frame_left, self._pad_left = length, pad
                 self._frame_ends = bool(flags & h2.END_STREAM)
                 if length:
@@ -587,7 +581,7 @@ class WireChannel:
             if last < self._stream:
                 raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
         elif kind == h2.PUSH_PROMISE:
-            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in h2.SETTINGS")
+            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
         # PRIORITY, unknown types: nothing to do for a reader
 
     def _header_block(self, flags: int, stream: int, payload: bytes) -> None:
@@ -597,12 +591,12 @@ class WireChannel:
         if flags & h2.PRIORITY_FLAG:
             payload = payload[5:]
         block = payload
-        while not flags & h2.END_HEADERS:  # h2.CONTINUATION frames follow directly
+        while not flags & h2.END_HEADERS:  # CONTINUATION frames follow directly
             self._fill(9)
             head = bytes(self._view[self._start : self._start + 9])
             self._start += 9
             if head[3] != h2.CONTINUATION:
-                raise self._fail(grpc.StatusCode.INTERNAL, "header block without h2.CONTINUATION")
+                raise self._fail(grpc.StatusCode.INTERNAL, "header block without CONTINUATION")
             flags = (flags & h2.END_STREAM) | head[4]
             block += self._payload(int.from_bytes(head[:3], "big"))
         try:
