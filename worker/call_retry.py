@@ -27,33 +27,11 @@ from kvmesh.errors import (
     MessageTooLarge,
     TransportError,
     Unauthenticated,
-    UnknownHash,
 )
-from kvmesh.grpc_security import ERROR_METADATA_KEY
+from kvmesh.grpc_security import error_from_rpc
 
 T = TypeVar("T")
 
-
-def _all_errors(cls: type[KVMeshError]) -> dict[str, type[KVMeshError]]:
-    out = {cls.__name__: cls}
-    for sub in cls.__subclasses__():
-        out.update(_all_errors(sub))
-    return out
-
-
-ERRORS_BY_NAME = _all_errors(KVMeshError)
-"""Registry of kvmesh error classes by name, for the server's ``kvmesh-error`` metadata."""
-
-ERRORS_BY_CODE: dict[grpc.StatusCode, type[KVMeshError]] = {
-    grpc.StatusCode.UNAVAILABLE: TransportError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.DATA_LOSS: ChecksumMismatch,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidInput,
-    grpc.StatusCode.NOT_FOUND: UnknownHash,
-}
-"""A gRPC status without kvmesh metadata (transport-level failures) -> the error raised."""
 
 HINTS: dict[type[KVMeshError], str] = {
     TransportError: "check that the peer is running and reachable (kvmesh status)",
@@ -65,19 +43,11 @@ HINTS: dict[type[KVMeshError], str] = {
 
 
 def translate(err: grpc.RpcError, what: str, address: str) -> KVMeshError:
-    """The kvmesh error for a failed call: the server's class if it sent one, else by status."""
-    code = err.code()
-    details = err.details() or ""
-    name = None
-    for key, value in err.trailing_metadata() or ():
-        if key == ERROR_METADATA_KEY:
-            name = value if isinstance(value, str) else bytes(value).decode(errors="replace")
-    cls = ERRORS_BY_NAME.get(name or "")
-    if cls is None or cls.grpc_code != code.name:
-        cls = ERRORS_BY_CODE.get(code, TransportError)
-    hint = next((HINTS[c] for c in cls.__mro__ if c in HINTS), "")
-    message = f"{what} to peer {address} failed ({code.name}): {details}"
-    return cls(f"{message}; {hint}" if hint else message)
+    """The kvmesh error for a failed call to a peer (`error_from_rpc`: the server's class if
+    it sent one, else by status), with what to do about it."""
+    error = error_from_rpc(err, what, f"peer {address}")
+    hint = next((HINTS[c] for c in type(error).__mro__ if c in HINTS), "")
+    return type(error)(f"{error}; {hint}") if hint else error
 
 
 @dataclass(slots=True)

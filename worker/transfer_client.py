@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.config import TransferConfig
 from kvmesh.errors import ChecksumMismatch, InvariantViolation, TransportError, UnknownHash
-from kvmesh.grpc_security import client_tls_material
+from kvmesh.grpc_security import channel_credentials
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
 from kvmesh.worker.call_retry import RetryPolicy
@@ -46,16 +46,6 @@ from kvmesh.worker.wire_pool import ChannelPool, FetchCall
 _METHOD = f"/{SERVICE_NAME}/"
 OnPage = Callable[[int, IncomingPage], None]
 """Called with (request index, page) for every received page, in request order."""
-
-
-def channel_credentials(config: TransferConfig) -> grpc.ChannelCredentials | None:
-    """TLS credentials for dialing peers (`client_tls_material`), or None for plaintext."""
-    root, key, cert = client_tls_material(config)
-    if root is None and cert is None:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=root, private_key=key, certificate_chain=cert
-    )
 
 
 @dataclass(frozen=True, slots=True)
