@@ -11,14 +11,14 @@ One row per page, its "ordinal"; rows are reused once freed::
 
 Invariants, and why:
 
-- a digest has at most one row, found by its compact key (the first 8 bytes
-  as a uint64): keys sit in a sorted array (`np.searchsorted`; a deleted key
-  is tombstoned) plus a small open-addressing table of recent keys
-  (`_KeyTable`) merged in once it outgrows 1/16 of the sorted part, so an
-  insert never re-sorts everything. Only a digest
-  longer than 8 bytes can share its key with another; the second one goes to
-  a small dict keyed by the full digest. Every lookup compares the whole
-  digest and its length, so answers are exact, never probabilistic;
+- a digest has at most one row, found through an open-addressing table of
+  row numbers (int32 slots, linear probing, at most a third full, tombstones
+  for deleted rows) placed by its compact key: the first 8 bytes as a uint64,
+  spread by Fibonacci hashing. A slot holds only the row; the probe compares
+  the row's whole digest and length, so two digests sharing their first 8
+  bytes simply sit in different slots and answers are exact, never
+  probabilistic. One probe touches the slot and the digest row: two cache
+  lines, where a sorted array or a dict of objects touch many;
 - a holder mask is the index's 4-bits-per-worker-slot int (see
   `coordinator.index`), interned: pages held by the same workers in the same
   tiers share one Python int and rows store its id, so a page costs 4 bytes
@@ -55,8 +55,6 @@ Rows = npt.NDArray[np.int64]
 _BITS = 4
 _WORKER_BITS = 0b1111
 _MIN_ROWS = 1024
-_MERGE_MIN = 4096
-_MERGE_FRACTION = 16
 _NO_ROWS: Rows = np.empty(0, np.int64)
 
 
@@ -80,101 +78,8 @@ _GOLDEN_INT = 0x9E3779B97F4A7C15
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
-
-
-class _KeyTable:
-    """uint64 key -> row, open addressing with linear probing, every operation vectorized.
-
-    Holds the recent keys until `PageStore` merges them into its sorted array;
-    at most half full (tombstones included), so probes stay short. Keys are
-    spread by Fibonacci hashing, so engine hashes with structure spread too.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        bits = max(4, (capacity - 1).bit_length())
-        self._shift = np.uint64(64 - bits)
-        self._mask = (1 << bits) - 1
-        self._keys = np.zeros(1 << bits, np.uint64)
-        self._rows = np.full(1 << bits, _EMPTY, np.int32)
-        self.live = 0
-        self.used = 0  # live + deleted slots
-
-    def __len__(self) -> int:
-        return self.live
-
-    @property
-    def room(self) -> int:
-        """Keys that still fit before the table is half full."""
-        return (self._mask + 1) // 2 - self.used
-
-    def _home(self, keys: npt.NDArray[np.uint64]) -> Rows:
-        return ((keys * _GOLDEN) >> self._shift).astype(np.int64)
-
-    def _slots(self, keys: npt.NDArray[np.uint64]) -> Rows:
-        """Each key's slot, or -1."""
-        out = np.full(len(keys), -1, np.int64)
-        if not self.live:
-            return out
-        pos = self._home(keys)
-        todo = np.arange(len(keys))
-        while len(todo):
-            rows = self._rows[pos]
-            hit = (rows >= 0) & (self._keys[pos] == keys[todo])
-            out[todo[hit]] = pos[hit]
-            go_on = (rows != _EMPTY) & ~hit
-            todo, pos = todo[go_on], (pos[go_on] + 1) & self._mask
-        return out
-
-    def get(self, keys: npt.NDArray[np.uint64]) -> Rows:
-        """Each key's row, or -1."""
-        slots = self._slots(keys)
-        found = slots >= 0
-        return np.where(found, self._rows.take(slots, mode="clip"), -1)
-
-    def get_one(self, key: int) -> int:
-        """One key's row, or -1, without building arrays (a prompt walk's rare miss)."""
-        if not self.live:
-            return -1
-        pos = (key * _GOLDEN_INT & _U64) >> int(self._shift)
-        while True:
-            row = int(self._rows.item(pos))
-            if row == _EMPTY:
-                return -1
-            if row >= 0 and int(self._keys.item(pos)) == key:
-                return row
-            pos = (pos + 1) & self._mask
-
-    def put(self, keys: npt.NDArray[np.uint64], rows: Rows) -> None:
-        """Insert distinct keys that are not in the table; the caller keeps `room` positive."""
-        pos = self._home(keys)
-        todo = np.arange(len(keys))
-        while len(todo):
-            free = self._rows[pos] < 0
-            cand, at = todo[free], pos[free]
-            order = np.argsort(at, kind="stable")  # one winner per slot: the first
-            at_sorted = at[order]
-            first = np.ones(len(at_sorted), bool)
-            np.not_equal(at_sorted[1:], at_sorted[:-1], out=first[1:])
-            win, win_at = cand[order[first]], at_sorted[first]
-            self.used += int((self._rows[win_at] == _EMPTY).sum())
-            self._keys[win_at] = keys[win]
-            self._rows[win_at] = rows[win]
-            self.live += len(win)
-            placed = np.zeros(len(keys), bool)
-            placed[win] = True
-            left = ~placed[todo]
-            todo, pos = todo[left], (pos[left] + 1) & self._mask
-
-    def delete(self, keys: npt.NDArray[np.uint64], rows: Rows) -> None:
-        """Forget the keys that name exactly these rows."""
-        slots = self._slots(keys)
-        slots = slots[(slots >= 0) & (self._rows.take(slots, mode="clip") == rows)]
-        self._rows[slots] = _DELETED
-        self.live -= len(slots)
-
-    def items(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32]]:
-        live = self._rows >= 0
-        return self._keys[live], self._rows[live]
+_MIN_SLOTS = 1 << 12
+_LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
 class PageStore:
@@ -183,8 +88,8 @@ class PageStore:
     Not thread-safe. `masks` (id -> mask int) is public for `GlobalIndex.match`'s walk.
     """
 
-    def __init__(self, *, merge_min: int = _MERGE_MIN) -> None:
-        self._merge_min = merge_min
+    def __init__(self, *, min_slots: int = _MIN_SLOTS) -> None:
+        self._min_slots = min_slots
         self._words = 1
         self._narrow = False  # some digest is shorter than the width: lookups compare lengths
         self._digest = np.zeros((0, 1), np.uint64)
@@ -194,10 +99,8 @@ class PageStore:
         self._kids = np.zeros(0, np.int32)
         self._top = 0  # rows [0, top) have been used
         self._free_rows: list[int] = []
-        self._sorted_keys = np.zeros(0, np.uint64)
-        self._sorted_rows = np.zeros(0, np.int32)  # -1: tombstone
-        self._recent = _KeyTable(4 * merge_min)
-        self._clash: dict[bytes, int] = {}
+        self._slots_used = 0  # live and deleted slots
+        self._new_table(min_slots)
         self.masks: list[int] = [0]
         self._mask_ids: dict[int, int] = {0: 0}
         self._mask_rows: list[int] = [0]  # rows per mask id; id 0 (nobody) is not counted
@@ -253,55 +156,111 @@ class PageStore:
             buf[at, :size] = np.frombuffer(joined, np.uint8).reshape(len(at), size)
         return buf.view(np.uint64), lengths
 
-    def _search(self, keys: npt.NDArray[np.uint64]) -> Rows:
-        """`np.searchsorted` in the sorted keys; many keys are sorted first, so that each
-        search starts where the last ended (fewer cache misses in a big array)."""
-        if len(keys) < 64:
-            return np.searchsorted(self._sorted_keys, keys)
-        order = np.argsort(keys)
-        pos = np.empty(len(keys), np.int64)
-        pos[order] = np.searchsorted(self._sorted_keys, keys[order])
-        return pos
+    # ------------------------------------------------------------------ lookup table
+
+    def _new_table(self, size: int) -> None:
+        bits = max(4, (size - 1).bit_length())
+        self._table = np.full(1 << bits, _EMPTY, np.int32)
+        self._table_mask = (1 << bits) - 1
+        self._table_shift = np.uint64(64 - bits)
+        self._table_shift_int = 64 - bits
+        self._slots_used = 0
+
+    def _home(self, keys: npt.NDArray[np.uint64]) -> Rows:
+        return ((keys * _GOLDEN) >> self._table_shift).astype(np.int64)
+
+    def _make_room(self, more: int) -> bool:
+        """Grow (or clean tombstones out of) the table so `more` rows fit under the load;
+        True if it was rebuilt (slots found before are stale)."""
+        if (self._slots_used + more) * _LOAD_DIVISOR <= len(self._table):
+            return False
+        rows = self._table[self._table >= 0].astype(np.int64)
+        size = max(self._min_slots, (len(rows) + more) * _LOAD_DIVISOR * 2)
+        self._new_table(size)
+        if len(rows):
+            self._place(rows)
+        return True
+
+    def _place_at(self, rows: Rows, slots: Rows) -> None:
+        """`_place`, given the empty slot each row's lookup ended at: one slot each, and
+        the rows that met another at the same slot go through `_place`."""
+        order = np.argsort(slots, kind="stable")
+        ordered = slots[order]
+        first = np.ones(len(ordered), bool)
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        self._table[ordered[first]] = rows[order[first]]
+        self._slots_used += int(first.sum())
+        if not first.all():
+            self._place(rows[order[~first]])
+
+    def _place(self, rows: Rows) -> None:
+        """Put distinct rows, whose digests are not in the table yet, into free slots."""
+        keys = np.ascontiguousarray(self._digest[rows, 0])
+        pos = self._home(keys)
+        todo = np.arange(len(rows))
+        placed = np.zeros(len(rows), bool)
+        while len(todo):
+            free = self._table[pos] < 0
+            cand, at = todo[free], pos[free]
+            order = np.argsort(at, kind="stable")  # one winner per slot: the first
+            at_sorted = at[order]
+            first = np.ones(len(at_sorted), bool)
+            np.not_equal(at_sorted[1:], at_sorted[:-1], out=first[1:])
+            win, win_at = cand[order[first]], at_sorted[first]
+            self._slots_used += int((self._table[win_at] == _EMPTY).sum())
+            self._table[win_at] = rows[win]
+            placed[win] = True
+            left = ~placed[todo]
+            todo, pos = todo[left], (pos[left] + 1) & self._table_mask
+
+    def _unplace(self, rows: Rows) -> None:
+        """Tombstone the slots of these rows (all in the table)."""
+        pos = self._home(np.ascontiguousarray(self._digest[rows, 0]))
+        todo = np.arange(len(rows))
+        while len(todo):
+            slots = self._table[pos]
+            hit = slots == rows[todo]
+            if (slots[~hit] == _EMPTY).any():
+                raise InvariantViolation("a row to forget is not in the lookup table")
+            self._table[pos[hit]] = _DELETED
+            todo, pos = todo[~hit], (pos[~hit] + 1) & self._table_mask
 
     def _find(
         self,
-        hashes: Sequence[bytes],
         digests: npt.NDArray[np.uint64],
         lengths: npt.NDArray[np.uint8],
     ) -> tuple[Rows, Rows]:
-        """(rows, by_key): each digest's row or -1; the row its compact key names, or -1.
-
-        A fixed number of numpy calls whatever `len(hashes)` (plus a few probing
-        rounds in the recent keys' table), no Python step per hash.
-        """
-        n = len(hashes)
+        """(rows, stops): each digest's row or -1, and for a missing one the empty slot
+        its probe ended at (where it may be placed). Probing rounds, each a fixed
+        number of numpy calls."""
+        n = len(lengths)
+        out = np.full(n, -1, np.int64)
+        stops = np.full(n, -1, np.int64)
         if not self._top:
-            return np.full(n, -1, np.int64), np.full(n, -1, np.int64)
-        keys = digests[:, 0]
-        if len(self._sorted_keys):
-            pos = self._search(keys)
-            named = self._sorted_rows.take(pos, mode="clip").astype(np.int64)
-            by_key = np.where(self._sorted_keys.take(pos, mode="clip") == keys, named, -1)
-        else:
-            by_key = np.full(n, -1, np.int64)
-        if len(self._recent):  # a key is live in one place: the other says -1
-            by_key = np.maximum(by_key, self._recent.get(np.ascontiguousarray(keys)))
-        same = (self._length.take(by_key, mode="clip") == lengths) & (
-            self._digest.take(by_key, axis=0, mode="clip") == digests[:, : self._words]
-        ).all(axis=1)
-        rows = np.where(same & (by_key >= 0), by_key, -1)
-        if self._clash:
-            get_clash = self._clash.get
-            for i in np.flatnonzero(rows < 0).tolist():
-                rows[i] = get_clash(hashes[i], -1)
-        return rows, by_key
+            stops[:] = self._home(np.ascontiguousarray(digests[:, 0]))
+            return out, stops
+        wide = digests[:, : self._words]
+        pos = self._home(np.ascontiguousarray(digests[:, 0]))
+        todo = np.arange(n)
+        while len(todo):
+            rows = self._table[pos].astype(np.int64)
+            same = (self._length.take(rows, mode="clip") == lengths[todo]) & (
+                self._digest.take(rows, axis=0, mode="clip") == wide[todo]
+            ).all(axis=1)
+            same &= rows >= 0
+            out[todo[same]] = rows[same]
+            empty = rows == _EMPTY
+            stops[todo[empty]] = pos[empty]
+            go_on = ~empty & ~same
+            todo, pos = todo[go_on], (pos[go_on] + 1) & self._table_mask
+        return out, stops
 
     def find(self, hashes: Sequence[bytes]) -> Rows:
         """Each digest's row, or -1 where none exists (ghost rows included)."""
         if not hashes:
             return _NO_ROWS
         digests, lengths = self._encode(hashes)
-        return self._find(hashes, digests, lengths)[0]
+        return self._find(digests, lengths)[0]
 
     def _rows_for(self, hashes: Sequence[bytes]) -> tuple[Rows, Rows | None]:
         """Each digest's row, creating (as ghosts) the missing ones.
@@ -310,14 +269,13 @@ class PageStore:
         distinct (None when some digest repeats among them).
         """
         digests, lengths = self._encode(hashes)
-        rows, by_key = self._find(hashes, digests, lengths)
+        rows, stops = self._find(digests, lengths)
         new = np.flatnonzero(rows < 0)
         if not len(new):
             return rows, new
         keys = np.ascontiguousarray(digests[new, 0])
-        repeats = len(_distinct(keys)) != len(keys)
-        one_each = not repeats
-        if not repeats:  # distinct keys, so distinct digests: no dedupe needed
+        one_each = len(_distinct(keys)) == len(keys)
+        if one_each:  # distinct keys, so distinct digests: no dedupe needed
             first = new
             made = self._alloc(len(new))
             rows[new] = made
@@ -329,72 +287,22 @@ class PageStore:
             first = new[np.unique(slot, return_index=True)[1]]
             made = self._alloc(len(distinct))
             rows[new] = made[slot]
-            keys = np.ascontiguousarray(digests[first, 0])
-            repeats = len(_distinct(keys)) != len(keys)
         self._widen(digests.shape[1])
         self._digest[made, : digests.shape[1]] = digests[first]
         self._length[made] = lengths[first]
         if not self._narrow and (lengths[first] != self._words * 8).any():
             self._narrow = True
-        # A key already naming another digest, or named twice in this run, clashes.
-        clash = by_key[first] >= 0
-        if repeats:
-            _, once = np.unique(keys, return_index=True)
-            repeated = np.ones(len(keys), bool)
-            repeated[once] = False
-            clash |= repeated
-        if clash.any():
-            primary = np.flatnonzero(~clash)
-            for i in np.flatnonzero(clash).tolist():
-                self._clash[bytes(hashes[first[i]])] = int(made[i])
-            keys, made = keys[primary], made[primary]
-        if len(made) >= self._recent.room:
-            self._merge(keys, made)
+        if self._make_room(len(made)):
+            self._place(made)
         else:
-            self._recent.put(keys, made)
-            if len(self._recent) > max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION):
-                self._merge()
+            self._place_at(made, stops[first])
         return rows, new if one_each else None
-
-    def _merge(
-        self,
-        more_keys: npt.NDArray[np.uint64] | None = None,
-        more_rows: Rows | None = None,
-    ) -> None:
-        """Fold the recent keys (and `more_*`) into the sorted array, drop tombstones: O(rows)."""
-        live = self._sorted_rows >= 0
-        keys = self._sorted_keys[live]
-        rows = self._sorted_rows[live]
-        new_keys, new_rows = self._recent.items()
-        if more_keys is not None and more_rows is not None:
-            new_keys = np.concatenate([new_keys, more_keys])
-            new_rows = np.concatenate([new_rows, more_rows.astype(np.int32)])
-        order = np.argsort(new_keys, kind="stable")
-        new_keys, new_rows = new_keys[order], new_rows[order]
-        at = np.searchsorted(keys, new_keys)
-        self._sorted_keys = np.insert(keys, at, new_keys)
-        self._sorted_rows = np.insert(rows, at, new_rows)
-        self._recent = _KeyTable(
-            4 * max(self._merge_min, len(self._sorted_keys) // _MERGE_FRACTION)
-        )
 
     def _free(self, rows: Rows) -> None:
         """Forget rows nobody holds and nobody names as parent."""
         if not len(rows):
             return
-        keys = self._digest[rows, 0]
-        if self._clash:
-            for r in rows.tolist():
-                d = self._digest_bytes(r)
-                if self._clash.get(d) == r:
-                    del self._clash[d]
-        size = len(self._sorted_keys)
-        if size:
-            pos = np.minimum(np.searchsorted(self._sorted_keys, keys), size - 1)
-            mine = (self._sorted_keys[pos] == keys) & (self._sorted_rows[pos] == rows)
-            self._sorted_rows[pos[mine]] = -1
-        if len(self._recent):
-            self._recent.delete(keys, rows)
+        self._unplace(rows)
         self._length[rows] = 0
         self._digest[rows] = 0
         self._free_rows.extend(rows.tolist())
@@ -634,24 +542,22 @@ class PageStore:
             return []
         width = self._words * 8
         joined = b"".join(hashes)
-        # Freed rows are zeroed: a zero digest takes the general path, never the guess.
-        if self._clash or set(map(len, hashes)) != {width} or bytes(width) in joined:
+        # Freed rows are zeroed: a zero digest takes the general path, and so do
+        # digests of several widths (a shorter one, zero-padded, could look the same).
+        if self._narrow or set(map(len, hashes)) != {width} or bytes(width) in joined:
             found = self.find(hashes)
             ids: list[int] = np.where(
                 found >= 0, self._holders.take(found, mode="clip"), 0
             ).tolist()
             return ids
-        # The hot path (a prompt of one hash width): guess each page's row from the
-        # sorted keys, compare all guessed digests with the prompt's bytes at once,
-        # and look at the recent keys only where a guess was wrong. The first
-        # page found nowhere ends the walk, as a page nobody holds would.
-        keys = np.frombuffer(joined, np.uint64)[:: self._words]
-        n = len(hashes)
-        if len(self._sorted_keys):
-            rows = self._sorted_rows.take(np.searchsorted(self._sorted_keys, keys), mode="clip")
-        else:
-            rows = np.full(n, -1, np.int32)
+        # The hot path (a prompt of one hash width): take each page's home slot's
+        # row, compare all those digests with the prompt's bytes at once, and
+        # probe on only where a home slot held another page. The first page
+        # found nowhere ends the walk, as a page nobody holds would.
+        home = self._home(np.frombuffer(joined, np.uint64)[:: self._words])
+        rows = self._table.take(home)
         stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
+        n = len(hashes)
         done = 0
         while done < n:
             if stored[done * width :] == joined[done * width :]:
@@ -665,19 +571,25 @@ class PageStore:
                 else:
                     hi = mid - 1
             done = lo
-            row = self._recent.get_one(int(keys[done]))
             at = done * width
-            if row < 0 or self._digest[row].tobytes() != joined[at : at + width]:
+            row = self._probe_one(int(home[done]), joined[at : at + width])
+            if row < 0:
                 break
             rows[done] = row
             done += 1
-        rows = rows[:done]
-        if self._narrow:
-            short = np.flatnonzero(self._length.take(rows, mode="clip") != width)
-            if len(short):  # a shorter digest, zero-padded, looked the same
-                rows = rows[: short[0]]
-        held: list[int] = self._holders.take(rows, mode="clip").tolist()
+        held: list[int] = self._holders.take(rows[:done], mode="clip").tolist()
         return held
+
+    def _probe_one(self, pos: int, digest: bytes) -> int:
+        """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""
+        table, mask = self._table, self._table_mask
+        while True:
+            row = int(table.item(pos))
+            if row == _EMPTY:
+                return -1
+            if row >= 0 and self._digest[row].tobytes() == digest:
+                return row
+            pos = (pos + 1) & mask
 
     def _row(self, page_hash: PageHash) -> int:
         """The row of an indexed page, or -1."""
@@ -757,9 +669,11 @@ class PageStore:
         if not np.array_equal(found, used):
             bad = used[found != used]
             raise InvariantViolation(f"rows {bad[:5].tolist()} are not found by their own digest")
-        live_keys = int((self._sorted_rows >= 0).sum()) + len(self._recent) + len(self._clash)
-        if live_keys != len(used):
-            raise InvariantViolation(f"{live_keys} keys name {len(used)} rows")
+        placed = np.sort(self._table[self._table >= 0])
+        if not np.array_equal(placed, used):
+            raise InvariantViolation(f"{len(placed)} table slots name {len(used)} rows")
+        if (self._table != _EMPTY).sum() != self._slots_used:
+            raise InvariantViolation(f"{self._slots_used} slots counted as used")
         ids = self._holders[used]
         held = int((ids != 0).sum())
         if held != self._held:

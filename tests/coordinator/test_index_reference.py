@@ -253,7 +253,7 @@ def test_random_event_streams_give_the_reference_models_answers(
 def test_many_pages_and_merges_keep_the_reference_answers(
     batches: list[tuple[int, list[KVEvent]]],
 ) -> None:
-    """Thousands of pages per worker, so recent keys are merged and rows reused."""
+    """Thousands of pages per worker, so the lookup table grows and rows are reused."""
     new, ref = GlobalIndex(), reference_index()
     seq = [0, 0, 0]
     big = [_digest("big", i, 32 if i % 3 else 8) for i in range(6000)]
@@ -275,7 +275,8 @@ def test_many_pages_and_merges_keep_the_reference_answers(
 
 
 # One hash width (the prompt fast path): SHA-256 chains, the all-zero digest (a
-# freed row is zeroed) and a digest whose compact key is 0; merges every few keys.
+# freed row is zeroed) and a digest whose compact key is 0; a lookup table that
+# starts tiny, so it grows and is rebuilt every few keys.
 WIDE: list[list[PageHash]] = [[_digest(f"wide{c}", i, 32) for i in range(8)] for c in range(3)]
 WIDE[2][3] = PageHash(bytes(32))
 WIDE[1][0] = PageHash(bytes(8) + _digest("zero-key", 0, 24))
@@ -296,13 +297,13 @@ wide_event = st.one_of(wide_stored, wide_stored, wide_removed, st.just(AllPagesC
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(st.integers(0, 2), st.lists(wide_event, max_size=4)), max_size=30),
-    st.integers(1, 6),
+    st.integers(1, 40),
 )
 def test_prompts_of_one_hash_width_give_the_reference_answers(
-    batches: list[tuple[int, list[KVEvent]]], merge_min: int
+    batches: list[tuple[int, list[KVEvent]]], min_slots: int
 ) -> None:
     new, ref = GlobalIndex(), reference_index()
-    new._store = PageStore(merge_min=merge_min)
+    new._store = PageStore(min_slots=min_slots)
     seq = [0, 0, 0]
     for w, events in batches:
         batch = EventBatch(tuple(events), WORKERS[w], "life", seq[w], 1.0)
