@@ -3,7 +3,7 @@
 Pure (no Ray, no gRPC); numpy arrays and one roaring bitmap per worker slot.
 One row per page, its "ordinal"; rows are reused once freed::
 
-    digest   uint64[rows, words]  the page hash, zero-padded to words * 8 bytes
+    digest   uint64[rows, words]  the page hash, zero-padded to the widest seen
     length   uint8[rows]          its length in bytes (1-64); 0 marks a free row
     holders  int32[rows]          id of the page's holder mask; 0: nobody holds it
     parent   int32[rows]          row of the page's parent, -1 for none
@@ -33,8 +33,10 @@ Invariants, and why:
   bit of that slot, so dropping a worker costs O(its pages).
 
 Operations take whole runs of hashes (one event or consecutive events of one
-worker and tier) and cost a fixed number of numpy calls plus O(distinct holder
-masks touched) Python steps, not a Python step per page.
+worker and tier) and cost a few numpy calls per probing round plus
+O(distinct holder masks touched) Python steps, not a Python step per page.
+The digest width is the widest digest seen (8 bytes for engine hashes, 32
+for SHA-256): one 64-byte digest would widen every row.
 """
 
 from __future__ import annotations
