@@ -25,19 +25,14 @@ import xxhash
 from kvmesh.errors import ChecksumMismatch, InvalidInput, PageFormatError, TransportError
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.types import PageHash
-from kvmesh.worker.kv_store import DTYPES, checksum
+from kvmesh.worker.kv_store import DTYPES
 from kvmesh.worker.page_codec import first_chunk_header, incoming_page
 from kvmesh.worker.page_service import IncomingPage, PageReceiver, Reservation, check_hash
 
 
-def verify_page(
-    page: IncomingPage, expected: PageHash, address: str, *, with_checksum: bool = True
-) -> None:
-    """Check a received page on its own: the hash asked for, a consistent format, its checksum.
-
-    `with_checksum=False` leaves the checksum to a consumer that checks it anyway,
-    so the bytes are hashed once.
-    """
+def verify_header(page: IncomingPage, expected: PageHash, address: str) -> None:
+    """Check what a page's header says before any byte of it is taken: the hash asked for,
+    and a size that is its dtype and shape (the bytes' checksum is checked as they land)."""
     if page.page_hash != expected:
         raise InvalidInput(
             f"peer {address} sent page {page.page_hash.hex()[:16]} where "
@@ -49,14 +44,6 @@ def verify_page(
         raise PageFormatError(
             f"peer {address} sent page {expected.hex()[:16]} with {blob.nbytes} bytes, "
             f"which is not {blob.dtype} {list(blob.shape)}"
-        )
-    if not with_checksum:
-        return
-    actual = checksum(blob.data)
-    if actual != blob.checksum:
-        raise ChecksumMismatch(
-            f"page {expected.hex()[:16]} from peer {address} hashes to {actual:#018x}, "
-            f"header says {blob.checksum:#018x}: corrupted in transit; fetch it again"
         )
 
 
@@ -221,7 +208,7 @@ class PageLander:
         nbytes = header.nbytes
         # Without a pool the size is the peer's word: its stand-in is not kept.
         probe = incoming_page(header, _placeholder(nbytes) if service else bytes(nbytes))
-        verify_page(probe, expected, self.address, with_checksum=False)
+        verify_header(probe, expected, self.address)
         res, dst = None, None
         if service is not None:
             service.check(probe, with_checksum=False)  # format and hash chain, no bytes yet

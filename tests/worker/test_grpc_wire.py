@@ -689,3 +689,22 @@ def test_a_pooled_connection_the_peer_closed_while_idle_is_replaced_not_failed(
     with ServerThread(sender, dataclasses.replace(ONE_STREAM, port=port)), client:
         assert client.pull_into(into(receiver, 4), keys) == 2
     assert len(dials) == 2 and idle(sender) and idle(receiver)
+
+
+def test_fetched_pages_without_a_pool_are_checksummed_and_none_after_a_corrupt_one_is_given(
+    wire: list[str],
+) -> None:
+    sender = service(16)
+    keys = fill(sender, 8)
+    sender.corrupt.add(keys[3])
+    got: list[int] = []
+    with (
+        ServerThread(sender, ONE_STREAM) as server,
+        SyncPeerClient(server.address, ONE_STREAM) as client,
+    ):
+        with pytest.raises(errors.ChecksumMismatch, match="corrupted"):
+            client.fetch_pages(keys, on_page=lambda i, _p: got.append(i))
+        sender.corrupt.clear()
+        pages = client.fetch_pages(keys).pages
+    assert got == [0, 1, 2] and [p.page_hash for p in pages] == keys
+    assert wait_until(lambda: idle(sender))
