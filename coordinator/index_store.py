@@ -177,7 +177,8 @@ class PageStore:
         if (self._slots_used + more) * _LOAD_DIVISOR <= len(self._table):
             return False
         rows = self._table[self._table >= 0].astype(np.int64)
-        size = max(self._min_slots, (len(rows) + more) * _LOAD_DIVISOR * 2)
+        # The next power of two past the load limit: 3-6 slots, 12-24 bytes, a page.
+        size = max(self._min_slots, (len(rows) + more) * _LOAD_DIVISOR + 1)
         self._new_table(size)
         if len(rows):
             self._place(rows)
