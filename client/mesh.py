@@ -55,6 +55,7 @@ from kvmesh.errors import (
     WorkerDied,
 )
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.requests import GenerateRequest, WorkerStats
 from kvmesh.security import TenantPolicy
 from kvmesh.types import PageHash, WorkerId
 
@@ -73,7 +74,7 @@ class ClusterStats:
     """The cluster now: every reachable worker's stats and the coordinator's counters."""
 
     policy: str
-    workers: tuple[Any, ...]  # kvmesh.worker.actor.WorkerStats
+    workers: tuple[WorkerStats, ...]
     coordinator: dict[str, Any]
 
     @property
@@ -410,8 +411,6 @@ class KVMesh:
         api_key: str | None = None,
     ) -> Any:
         """Async `generate`: awaits object refs, never blocks the event loop."""
-        from kvmesh.worker.actor import GenerateRequest
-
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidInput(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         if lora_id is not None and (isinstance(lora_id, bool) or not isinstance(lora_id, int)):
@@ -723,7 +722,8 @@ def _create_workers(
     """Start one named worker actor per (id, role) and wait until each has registered."""
     import ray
 
-    from kvmesh.worker.actor import WorkerActor, WorkerSpec, worker_actor_name
+    from kvmesh.requests import WorkerSpec
+    from kvmesh.worker.actor import WorkerActor, worker_actor_name
 
     if not plan:
         raise ConfigError("no workers to start: give num_workers (or prefill and decode workers)")

@@ -50,7 +50,7 @@ from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, WorkerLoad
-from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
     Coordinator,
     RebuildResult,
@@ -60,6 +60,7 @@ from kvmesh.coordinator.service import (
 )
 from kvmesh.errors import KVMeshError, TransportError
 from kvmesh.rendezvous import DistRendezvous, LinkBook
+from kvmesh.requests import Role
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)

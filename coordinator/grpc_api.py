@@ -30,11 +30,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordinator.policies import REGISTRY, RouteDecision, WorkerLoad
-from kvmesh.coordinator.registry import ROLES, Role
 from kvmesh.coordinator.service import Registration, ReportResult
 from kvmesh.errors import DeadlineExceeded, InvalidInput, KVMeshError
 from kvmesh.grpc_security import ERROR_METADATA_KEY, TokenAuthInterceptor, server_credentials
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.requests import ROLES, Role
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)

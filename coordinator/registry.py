@@ -10,14 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.errors import InvalidInput, UnknownWorker
+from kvmesh.requests import ROLES, Role
 from kvmesh.types import WorkerId
-
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
 
 @dataclass(frozen=True, slots=True)

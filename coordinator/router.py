@@ -56,12 +56,13 @@ from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
-from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import RebuildResult, Registration, ReportResult, RouteView
 from kvmesh.coordinator.shards import ShardRouter, merge_matches, merge_stats, merge_views, shard_of
 from kvmesh.errors import KVMeshError, NoWorkers, TransportError
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
+from kvmesh.requests import Role
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)

@@ -43,10 +43,11 @@ from kvmesh.coordinator.policies import (
     WorkerLoad,
     make_policy,
 )
-from kvmesh.coordinator.registry import Role, WorkerInfo, WorkerRegistry
+from kvmesh.coordinator.registry import WorkerInfo, WorkerRegistry
 from kvmesh.errors import EventDecodeError, InvalidInput, KVMeshError, UnknownWorker
 from kvmesh.events import EventBatch, decode_batch
 from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
+from kvmesh.requests import Role
 from kvmesh.types import PageHash, WorkerId
 
 

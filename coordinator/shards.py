@@ -55,7 +55,7 @@ from kvmesh.coordinator.policies import (
     WorkerLoad,
     make_policy,
 )
-from kvmesh.coordinator.registry import Role, WorkerInfo
+from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
     Coordinator,
     RebuildResult,
@@ -64,6 +64,7 @@ from kvmesh.coordinator.service import (
     RouteView,
 )
 from kvmesh.errors import InvalidInput
+from kvmesh.requests import Role
 from kvmesh.types import PageHash, WorkerId
 
 ROUTER_COUNTERS = (

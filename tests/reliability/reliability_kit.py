@@ -136,8 +136,9 @@ def start_worker(
     """
     import ray
 
+    from kvmesh.requests import WorkerSpec
     from kvmesh.types import WorkerId
-    from kvmesh.worker.actor import WorkerActor, WorkerSpec, worker_actor_name
+    from kvmesh.worker.actor import WorkerActor, worker_actor_name
 
     ns = config.coordinator.namespace
     coordinator = ray.get_actor(config.coordinator.actor_name, namespace=ns)

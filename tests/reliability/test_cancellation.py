@@ -36,7 +36,7 @@ from reliability_kit import random_prompt, wait_until
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, CoordinatorConfig, ModelConfig, PoolConfig
 from kvmesh.errors import DeadlineExceeded, RequestExpired
-from kvmesh.worker.actor import GenerateRequest
+from kvmesh.requests import GenerateRequest
 from kvmesh.worker.model import TinyTransformer
 
 ray = pytest.importorskip("ray")

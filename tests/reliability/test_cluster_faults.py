@@ -36,8 +36,8 @@ from reliability_kit import (
 
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
+from kvmesh.requests import GenerateRequest
 from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.actor import GenerateRequest
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.transfer_client import SyncPeerClient
 

@@ -63,7 +63,8 @@ class Layout:
 
 def start_worker(worker_id: str, group: str) -> Any:
     """A worker actor on the nodes of worker group `group` (a node-label selector)."""
-    from kvmesh.worker.actor import WorkerActor, WorkerSpec, worker_actor_name
+    from kvmesh.requests import WorkerSpec
+    from kvmesh.worker.actor import WorkerActor, worker_actor_name
 
     coordinator = ray.get_actor(CONFIG.coordinator.actor_name, namespace=NAMESPACE)
     handle = (

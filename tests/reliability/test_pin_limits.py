@@ -40,8 +40,9 @@ from kvmesh.config import ClusterConfig, PoolConfig, TransferConfig
 from kvmesh.errors import InvalidSetting, InvariantViolation, PinLimitExceeded
 from kvmesh.hashing import PageHasher
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.requests import GenerateRequest, WorkerSpec
 from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.fetch_limits import PinBudget, fetch_limits
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.page_pool import PagePool

@@ -32,8 +32,9 @@ from reliability_kit import TRANSFER, in_process_worker, wait_until
 
 from kvmesh.config import ClusterConfig, PoolConfig
 from kvmesh.errors import PoolExhausted
+from kvmesh.requests import GenerateRequest, WorkerSpec
 from kvmesh.types import WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.transfer_client import SyncPeerClient
 
 pytestmark = pytest.mark.timeout(180)

@@ -27,8 +27,9 @@ from reliability_kit import in_process_worker, wait_until
 
 from kvmesh.config import ClusterConfig, PoolConfig, TransferConfig
 from kvmesh.errors import DeadlineExceeded
+from kvmesh.requests import GenerateRequest, WorkerSpec
 from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.kv_store import PageBlob
 from kvmesh.worker.page_service import PageService
 from kvmesh.worker.transfer_client import SyncPeerClient

@@ -27,7 +27,7 @@ from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, TransferConfig
 from kvmesh.errors import ConfigError, InvalidInput, InvalidSetting, Unauthenticated
 from kvmesh.hashing import MAX_LORA_ID, ExtraKeys, PageHasher
-from kvmesh.worker.actor import GenerateRequest
+from kvmesh.requests import GenerateRequest
 from kvmesh.worker.transfer_client import SyncPeerClient
 
 KVMESH_BIN = str(Path(sys.executable).parent / "kvmesh")

@@ -26,8 +26,9 @@ from kvmesh.config import TransferConfig
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportError
 from kvmesh.events import decode_batch
+from kvmesh.requests import WorkerSpec
 from kvmesh.types import WorkerId
-from kvmesh.worker.actor import WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.grpc_wire import WireChannel
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.peers import GrpcPeer

@@ -14,8 +14,9 @@ from typing import Any
 
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
 from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
+from kvmesh.requests import GenerateRequest, WorkerSpec
 from kvmesh.types import WorkerId
-from kvmesh.worker.actor import GenerateRequest, WorkerActor, WorkerSpec
+from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.page_service import ProofBook
 
 BASE = dataclasses.replace(

@@ -1,0 +1,130 @@
+"""What a worker is built from and what it is asked and answers: the types components share.
+
+The client builds `GenerateRequest`s and reads `WorkerStats`; the coordinator
+registers workers by `Role`; the worker serves them. They live here, in the
+base, so that no component imports another to speak to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvmesh.config import ClusterConfig
+from kvmesh.errors import InvalidInput
+from kvmesh.hashing import ExtraKeys
+from kvmesh.types import WorkerId
+
+Role = Literal["prefill", "decode", "both"]
+"""Which half of a request a worker serves: "both" (the default), or one half of disaggregation."""
+ROLES: tuple[Role, ...] = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker actor is built from: its id, role and the cluster config."""
+
+    worker_id: WorkerId
+    config: ClusterConfig = field(default_factory=ClusterConfig)
+    role: Role = "both"
+    torch_threads: int = 1
+    max_concurrent: int = 1  # requests computing at once; the others queue
+    page_delay_s: float = 0.0  # test hook: slow down every page this worker streams out
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise InvalidInput(f"worker_id must be a non-empty string, got {self.worker_id!r}")
+        if self.role not in ROLES:
+            raise InvalidInput(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.torch_threads < 1 or self.max_concurrent < 1:
+            raise InvalidInput("torch_threads and max_concurrent must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request as a worker receives it: tokens, answer length, tenant keys, route promise.
+
+    `promised_local` / `promised_pull` are what the route decision promised
+    (already clamped to what a worker can reuse: never the prompt's last
+    token); `peer_address` is the gRPC address of the worker holding the
+    pullable pages, None for no pull.
+
+    `timeout_s`: how long the caller waits for the answer; the worker stops the
+    request that long after it arrives (a remaining budget, not a time of day,
+    so that clocks of different nodes need not agree). `caller_job`: the
+    caller's Ray job id (hex), so that the worker stops the request when the
+    caller's process is gone. None: no limit / not watched.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    promised_local: int = 0
+    promised_pull: int = 0
+    peer_address: str | None = None
+    timeout_s: float | None = None
+    caller_job: str | None = None
+
+    @property
+    def extra_keys(self) -> ExtraKeys:
+        return ExtraKeys(lora_id=self.lora_id, cache_salt=self.cache_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What a prefill worker did for one request before handing it to a decode worker."""
+
+    request_id: str
+    worker_id: WorkerId
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    pages_pushed: int
+    prefill_ms: float
+    push_ms: float
+    push_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker's state and counters since it started."""
+
+    worker_id: WorkerId
+    role: str
+    address: str
+    incarnation: str
+    num_pages: int
+    pages_used: int
+    pages_free: int
+    cached_pages: int
+    running: int
+    waiting: int
+    requests: int
+    errors: int
+    prompt_pages: int
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    pages_pushed: int
+    batches_sent: int
+    snapshots_sent: int
+    last_seq: int
+    draining: bool
+    pulls_grpc: int = 0  # pulls delivered over gRPC (a dist fallback counts here too)
+    pulls_dist: int = 0  # pulls delivered over torch.distributed
+    pushes_grpc: int = 0
+    pushes_dist: int = 0
+    dist_fallbacks: int = 0  # torch.distributed transfers that failed and went over gRPC
+    links_opened: int = 0  # torch.distributed links this worker opened (client end)
+    links_served: int = 0  # torch.distributed links peers opened to this worker
+    requests_cancelled: int = 0  # stopped before answering: cancelled, deadline, caller gone
+
+    @property
+    def page_hit_ratio(self) -> float:
+        """Prompt pages served from this worker's own cache / all its prompt pages."""
+        return self.pages_hit_local / self.prompt_pages if self.prompt_pages else 0.0
+
+
+__all__ = ["ROLES", "GenerateRequest", "PrefillResult", "Role", "WorkerSpec", "WorkerStats"]
