@@ -36,14 +36,12 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvmesh import errors
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import (
@@ -55,7 +53,7 @@ from kvmesh.errors import (
     WorkerDied,
 )
 from kvmesh.hashing import ExtraKeys, PageHasher
-from kvmesh.requests import GenerateRequest, WorkerStats
+from kvmesh.requests import GenerateRequest, Role, WorkerStats
 from kvmesh.security import TenantPolicy
 from kvmesh.types import PageHash, WorkerId
 
@@ -64,8 +62,6 @@ T = TypeVar("T")
 Prompt = str | Sequence[int]
 
 DEFAULT_WORKER_CPUS = 0.5
-WORKER_START_TIMEOUT_S = 300.0
-"""How long `KVMesh.connect` waits for the workers it created to start and register."""
 """Ray CPUs per worker actor: small, so that 4 workers fit a 2-core laptop."""
 
 
@@ -273,10 +269,13 @@ class KVMesh:
             workers = _attach(ray.get(coordinator.workers.remote(), timeout=60))
             created: list[WorkerId] = []
             if not workers and num_workers + prefill + decode > 0:
-                plan: list[tuple[str, str]] = [(f"worker-{i}", "both") for i in range(num_workers)]
+                # Creating workers needs the worker's code: the launcher's job, not the client's.
+                from kvmesh.launch import start_workers
+
+                plan: list[tuple[str, Role]] = [(f"worker-{i}", "both") for i in range(num_workers)]
                 plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]
                 plan += [(f"decode-{i}", "decode") for i in range(decode)]
-                workers = _create_workers(
+                started = start_workers(
                     plan,
                     cfg,
                     coordinator,
@@ -284,6 +283,9 @@ class KVMesh:
                     worker_num_gpus,
                     worker_max_concurrency,
                 )
+                workers = {
+                    w.worker_id: _Worker(w.worker_id, w.role, w.address, w.actor) for w in started
+                }
                 created = list(workers)
             ray_address = ray.get_runtime_context().gcs_address
         except BaseException:
@@ -676,25 +678,6 @@ def _check_connect(
         raise ConfigError(f"request_timeout_s must be positive, got {timeout_s}")
 
 
-_REMOTE_KVMESH_ERROR = re.compile(r"^kvmesh\.errors\.(\w+): (.+)$", re.MULTILINE)
-
-
-def _start_error(exc: Exception) -> KVMeshError:
-    """A worker that failed in ``__init__`` (e.g. ``device='cuda'`` on a node without CUDA)
-    as one kvmesh error of the same class. Ray keeps only the text of the creation task's
-    traceback, whose last ``kvmesh.errors.<Class>: <message>`` line is the worker's error."""
-    found = _REMOTE_KVMESH_ERROR.findall(str(exc))
-    if found:
-        name, message = found[-1]
-        cls = getattr(errors, name, None)
-        if isinstance(cls, type) and issubclass(cls, KVMeshError):
-            with contextlib.suppress(TypeError):  # a class that is not built from a message
-                return cls(f"a worker could not start: {message}")
-            return ConfigError(f"a worker could not start: {message}")
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return NoWorkers(f"a worker could not start: {lines[-1] if lines else exc!r}")
-
-
 def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
     """Handles of registered workers whose Ray actors can be found by name."""
     import ray
@@ -709,66 +692,3 @@ def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
             continue
         out[info.worker_id] = _Worker(info.worker_id, info.role, info.address, actor)
     return out
-
-
-def _create_workers(
-    plan: Sequence[tuple[str, str]],
-    cfg: ClusterConfig,
-    coordinator: Any,
-    num_cpus: float,
-    num_gpus: float,
-    max_concurrency: int,
-) -> dict[WorkerId, _Worker]:
-    """Start one named worker actor per (id, role) and wait until each has registered."""
-    import ray
-
-    from kvmesh.requests import WorkerSpec
-    from kvmesh.worker.actor import WorkerActor, worker_actor_name
-
-    if not plan:
-        raise ConfigError("no workers to start: give num_workers (or prefill and decode workers)")
-    need_cpus = num_cpus * len(plan)
-    total_cpus = float(ray.cluster_resources().get("CPU", 0.0))
-    if need_cpus > total_cpus:
-        raise ConfigError(
-            f"{len(plan)} workers of {num_cpus:g} CPUs need {need_cpus:g} CPUs but the Ray "
-            f"cluster has {total_cpus:g}: start fewer workers, lower worker_num_cpus, or give "
-            "Ray more CPUs (num_cpus= for an embedded cluster)"
-        )
-    remote = ray.remote(WorkerActor)
-    handles = []
-    for wid, role in plan:
-        spec = WorkerSpec(WorkerId(wid), cfg, role)  # type: ignore[arg-type]
-        options: dict[str, Any] = {
-            "name": worker_actor_name(wid),
-            "namespace": cfg.coordinator.namespace,
-            "num_cpus": num_cpus,
-            "max_concurrency": max_concurrency,
-            "max_restarts": 0,
-        }
-        if num_gpus:
-            options["num_gpus"] = num_gpus
-        handles.append((wid, role, remote.options(**options).remote(spec, coordinator)))
-    try:
-        infos = ray.get(
-            [h.info.remote() for _, _, h in handles],  # type: ignore[attr-defined]
-            timeout=WORKER_START_TIMEOUT_S,
-        )
-    except ray.exceptions.GetTimeoutError:
-        for _, _, h in handles:
-            ray.kill(h, no_restart=True)  # type: ignore[arg-type]
-        free = float(ray.available_resources().get("CPU", 0.0))
-        raise NoWorkers(
-            f"{len(plan)} workers did not start within {WORKER_START_TIMEOUT_S:g}s; the Ray "
-            f"cluster has {free:g} CPUs free and they need {need_cpus:g} (worker_num_cpus="
-            f"{num_cpus:g}): other actors hold the rest, or the nodes are too slow to start"
-        ) from None
-    except ray.exceptions.RayActorError as exc:  # a worker's __init__ raised
-        for _, _, h in handles:
-            with contextlib.suppress(Exception):
-                ray.kill(h, no_restart=True)  # type: ignore[arg-type]
-        raise _start_error(exc) from None
-    return {
-        WorkerId(wid): _Worker(WorkerId(wid), role, info["address"], h)
-        for (wid, role, h), info in zip(handles, infos, strict=True)
-    }

@@ -406,7 +406,7 @@ class CoordinatorActor:
             return self._links
 
     def _host_link_store(self) -> LinkBook:
-        from kvmesh.worker.dist_transfer import host_link_store
+        from kvmesh.rendezvous import host_link_store
 
         host = self.config.rendezvous_host or ray.util.get_node_ip_address()
         self._link_store, book = host_link_store(host)

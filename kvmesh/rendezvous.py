@@ -1,7 +1,8 @@
 """Where torch.distributed groups of workers meet: addresses, ranks, store key prefixes.
 
-Pure (no torch, no Ray): the coordinator builds these and the workers join
-with them (`kvmesh.worker.dist_group.DistGroup.join`).
+Pure (no Ray; torch only inside `host_link_store`): the coordinator builds
+these and hosts the links' store, and the workers join with them
+(`kvmesh.worker.dist_group.DistGroup.join`).
 
 Two shapes of group:
 
@@ -22,8 +23,10 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
-from kvmesh.errors import InvalidInput, UnknownWorker
+from kvmesh.errors import InvalidInput, TransportError, UnknownWorker
 from kvmesh.types import WorkerId
 
 LINK_CLIENT_RANK = 0
@@ -147,11 +150,42 @@ class LinkBook:
             return dict(self._epochs)
 
 
+LINK_STORE_TIMEOUT_S = 30.0
+"""How long a wait on the links' store may take (the workers' groups time out alike)."""
+
+
+def host_link_store(host: str, timeout_s: float = LINK_STORE_TIMEOUT_S) -> tuple[Any, LinkBook]:
+    """Start a TCP store on a free port for links to meet at, and the `LinkBook` naming it.
+
+    The coordinator runs one for the whole cluster; keep the returned store
+    object alive as long as links may open. torch's store listens on every
+    interface; `host` is the address it is advertised at. torch is imported
+    here, on first use, so that the rest of this module stays light.
+    """
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(
+            host,
+            0,
+            None,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TransportError(f"cannot host the link store on {host}: {first[:300]}") from exc
+    return store, LinkBook(host, int(store.port))
+
+
 __all__ = [
     "LINK_CLIENT_RANK",
     "LINK_SERVER_RANK",
+    "LINK_STORE_TIMEOUT_S",
     "DistRendezvous",
     "LinkBook",
     "LinkEnd",
     "assign_ranks",
+    "host_link_store",
 ]

@@ -4,7 +4,7 @@ A `DistGroup` is its own process-group object over a prefixed TCP store,
 not torch's process-wide default group, so a process can be in many at once.
 In a cluster the groups are *links* of two (`kvmesh.rendezvous.LinkBook`):
 a worker that pulls from or pushes to a peer asks the coordinator, which
-hosts one store for all links (`host_link_store`), hands out the address,
+hosts one store for all links (`kvmesh.rendezvous.host_link_store`), hands out the address,
 the ranks (puller 0, peer 1) and a fresh key prefix, and asks the peer to
 join and serve the link (`kvmesh.worker.links`).
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from kvmesh.errors import ConfigError, InvalidInput, TransportError
-from kvmesh.rendezvous import DistRendezvous, LinkBook
+from kvmesh.rendezvous import DistRendezvous
 from kvmesh.types import WorkerId
 
 log = logging.getLogger(__name__)
@@ -47,27 +47,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def host_link_store(host: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, LinkBook]:
-    """Start a TCP store on a free port for links to meet at, and the `LinkBook` naming it.
-
-    The coordinator runs one for the whole cluster; keep the returned store
-    object alive as long as links may open. torch's store listens on every
-    interface; `host` is the address it is advertised at.
-    """
-    try:
-        store = dist.TCPStore(
-            host,
-            0,
-            None,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as exc:
-        raise TransportError(f"cannot host the link store on {host}: {first_line(exc)}") from exc
-    return store, LinkBook(host, int(store.port))
 
 
 # --------------------------------------------------------------------------- process group
@@ -345,5 +324,4 @@ __all__ = [
     "DistGroup",
     "first_line",
     "free_port",
-    "host_link_store",
 ]

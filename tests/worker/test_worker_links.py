@@ -31,11 +31,10 @@ from kvmesh.config import (
 )
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, TransportError, UnknownWorker
-from kvmesh.rendezvous import DistRendezvous, LinkBook
+from kvmesh.rendezvous import DistRendezvous, LinkBook, host_link_store
 from kvmesh.requests import WorkerSpec
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor
-from kvmesh.worker.dist_group import host_link_store
 from kvmesh.worker.model import TinyTransformer
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,0 +1,135 @@
+"""Components meet only in the base: no module of a component imports another component.
+
+Read from the source (ast), every import counted: top-level, inside a
+function (lazy) and under ``TYPE_CHECKING``. A component may import itself,
+the base (``kvmesh.<module>`` that is not a component) and ``kvmesh.proto``.
+The issue-14 rule that matters most, client/ and coordinator/ import nothing
+from worker/ and worker/ nothing from coordinator/, is never waived.
+`STILL_TO_MOVE` lists the edges left, each with what they use; a new edge
+fails, and so does a listed one that is gone (take it off the list).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPONENTS = ("client", "coordinator", "worker", "gateway")
+SHARED = ("proto",)  # generated wire types every component may speak
+NEVER = {("client", "worker"), ("coordinator", "worker"), ("worker", "coordinator")}
+
+STILL_TO_MOVE: dict[tuple[str, str], str] = {
+    ("client", "coordinator"): "get_or_create_coordinator, router_handles, policies.REGISTRY",
+    ("gateway", "coordinator"): "GlobalIndex, policies, canary, engine_subscriber",
+}
+
+
+def imported_modules(source: str, module: str) -> set[str]:
+    """Every module `source` (the text of `module`, dotted) imports, relative ones resolved."""
+    found: set[str] = set()
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            if component_of(base) is None:  # `from kvmesh import worker`: named through its parent
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def component_of(module: str) -> str | None:
+    """The component a dotted module belongs to, None for the base and anything else."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[0] == "kvmesh" and parts[1] in COMPONENTS:
+        return parts[1]
+    return None
+
+
+def foreign_imports(source: str, module: str) -> set[tuple[str, str]]:
+    """(imported component, imported module) for each import of another component."""
+    own = component_of(module)
+    out: set[tuple[str, str]] = set()
+    for name in imported_modules(source, module):
+        other = component_of(name)
+        if other is not None and other != own and other not in SHARED:
+            out.add((other, name))
+    return out
+
+
+def edges_in_tree() -> dict[tuple[str, str], set[str]]:
+    """(importer, imported) component -> the importing files and the modules they import."""
+    edges: dict[tuple[str, str], set[str]] = {}
+    for component in COMPONENTS:
+        for path in sorted((ROOT / component).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            module = "kvmesh." + ".".join(rel.parts)
+            for other, name in foreign_imports(path.read_text(encoding="utf-8"), module):
+                edges.setdefault((component, other), set()).add(f"{rel}.py -> {name}")
+    return edges
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        (
+            "kvmesh.client.mesh",
+            "def f():\n    from kvmesh.worker.actor import WorkerActor\n",
+            {("worker", "kvmesh.worker.actor")},
+        ),
+        (
+            "kvmesh.coordinator.actor",
+            "import kvmesh.worker.peers\n",
+            {("worker", "kvmesh.worker.peers")},
+        ),
+        (
+            "kvmesh.worker.links",
+            "from kvmesh import coordinator\n",
+            {("coordinator", "kvmesh.coordinator")},
+        ),
+        (
+            "kvmesh.worker.links",
+            "from ..coordinator import actor\n",
+            {("coordinator", "kvmesh.coordinator")},
+        ),
+        (
+            "kvmesh.worker.actor",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvmesh.gateway.app import App\n",
+            {("gateway", "kvmesh.gateway.app")},
+        ),
+    ],
+)
+def test_the_reader_sees_lazy_relative_and_type_only_imports_of_another_component(
+    module: str, source: str, expected: set[tuple[str, str]]
+) -> None:
+    assert expected <= foreign_imports(source, module)
+
+
+def test_the_base_its_own_component_and_proto_are_not_foreign() -> None:
+    source = (
+        "from kvmesh.requests import GenerateRequest\nfrom kvmesh.proto import kvmesh_pb2\n"
+        "from kvmesh.worker.page_pool import PagePool\nfrom . import serving\n"
+    )
+    assert foreign_imports(source, "kvmesh.worker.actor") == set()
+
+
+def test_client_and_coordinator_import_nothing_from_worker_nor_worker_from_coordinator() -> None:
+    edges = edges_in_tree()
+    broken = {edge: sorted(edges[edge]) for edge in NEVER if edge in edges}
+    assert not broken, f"components must meet only in the base (kvmesh/*.py): {broken}"
+
+
+def test_no_component_imports_another_beyond_the_edges_still_to_move() -> None:
+    edges = edges_in_tree()
+    new = {edge: sorted(files) for edge, files in edges.items() if edge not in STILL_TO_MOVE}
+    assert not new, f"a component imports another; move what they share to the base: {new}"
+    gone = sorted(edge for edge in STILL_TO_MOVE if edge not in edges)
+    assert not gone, f"these edges are gone: take them off STILL_TO_MOVE: {gone}"
