@@ -12,6 +12,10 @@ chosen worker actor with what the decision promised (local pages, and pages
 a peer could give), and then tells the coordinator what the worker really
 hit and pulled (`record_result`), so that predicted vs realized is counted.
 
+The client holds only handles: workers it must start (an embedded cluster,
+or a cluster without any) are created by `kvmesh.launch.start_workers`, so
+nothing here imports the worker's code (tests/test_layering.py).
+
 Failures: a worker that dies before answering is dropped from the
 coordinator and the request is routed again, up to `retries` times (default
 once); after that the caller gets `WorkerDied`. A request is never answered

@@ -117,7 +117,8 @@ def _start_error(exc: Exception) -> KVMeshError:
                 return cls(f"a worker could not start: {message}")
             return ConfigError(f"a worker could not start: {message}")
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return NoWorkers(f"a worker could not start: {lines[-1] if lines else exc!r}")
+    last = lines[-1] if lines else repr(exc)  # `!r` here would quote the line as well
+    return NoWorkers(f"a worker could not start: {last}")
 
 
 __all__ = ["WORKER_START_TIMEOUT_S", "StartedWorker", "start_workers"]
