@@ -15,7 +15,13 @@ holds, so cache affinity is never wrong, only sometimes missed:
   so routing gives it no affinity);
 - **gaps** are healed from the replay socket: the subscriber asks for every
   batch from the first missing seq on, and the index applies them and the
-  held ones in order;
+  held ones in order. Live batches that arrive meanwhile wait in the
+  subscriber (`SubscriberConfig.heal_backlog`), not in the index, so a long
+  replay cannot overflow the index's reorder window. vLLM pushes a whole
+  replay answer through its ROUTER at once and ZMQ drops what passes the
+  socket's high-water mark (the end marker with it), so an answer also ends
+  after `replay_idle_s` of quiet, and the subscriber asks again from where
+  it got to for as long as each answer makes progress;
 - **an uncovered gap** (replay no longer has the batch, answers nothing, or
   the engine has no replay socket) could have hidden removals: the engine's
   entries are dropped and the stream followed afresh from its newest batch;
@@ -25,7 +31,10 @@ holds, so cache affinity is never wrong, only sometimes missed:
 - **a restart** shows as a seq lower than one already seen (a new publisher
   counts from 0): a new incarnation replaces the old one's entries, and the
   new life's missed first batches are replayed like any gap. A subscriber
-  that joins an engine late replays from seq 0 the same way.
+  that joins an engine late replays from seq 0 the same way; when the
+  replay buffer no longer reaches back to the gap, the engine's entries are
+  dropped and rebuilt from the oldest batch it still has (a store in it is
+  held unless a later batch removes it, so the index stays a subset).
 
 A **quarantined** engine (a failed hash-parity canary) has its entries
 dropped and stays stale, receiving no affinity, until `release`.
@@ -50,8 +59,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import zmq
@@ -120,9 +130,11 @@ class EngineEventsEndpoint:
 
     `endpoint` and `replay_endpoint` are the addresses kvmesh attaches to
     (for an engine binding ``tcp://*:5557``, give its reachable address and
-    ``mode="connect"``). `data_parallel_ranks` are the engine's ranks; each
-    publishes on the endpoint offset by its rank. `mode` says whether kvmesh
-    binds or connects the events endpoint ("auto" mirrors vLLM's rule).
+    ``mode="connect"``). `topic` is the engine's ``topic`` (vLLM's default is
+    empty); an empty one accepts every topic, like ZMQ's empty subscription.
+    `data_parallel_ranks` are the engine's ranks; each publishes on the
+    endpoint offset by its rank. `mode` says whether kvmesh binds or
+    connects the events endpoint ("auto" mirrors vLLM's rule).
     """
 
     engine_id: str
@@ -172,13 +184,25 @@ class EngineEventsEndpoint:
 
 @dataclass(frozen=True, slots=True)
 class SubscriberConfig:
-    """`replay_timeout_s`: how long one replay may take before the gap counts as uncovered.
-    `replay_rounds`: replays tried for one gap while new gaps keep opening."""
+    """`replay_timeout_s`: how long to wait for a replay's first answer before the gap
+    counts as uncovered. `replay_idle_s`: the quiet after which an answer that has
+    started counts as ended (its tail and end marker were dropped on the way).
+    `replay_rounds`: replays in a row without progress tried for one gap.
+    `heal_backlog`: live batches kept while a replay runs (the oldest go first;
+    the replay brings them again)."""
 
     replay_timeout_s: float = 5.0
+    replay_idle_s: float = 0.5
     replay_rounds: int = 3
     kv_group: int = 0
     receive_hwm: int = 100_000
+    heal_backlog: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.replay_timeout_s <= 0 or self.replay_idle_s <= 0:
+            raise ConfigError("replay_timeout_s and replay_idle_s must be > 0 seconds")
+        if self.replay_rounds < 1 or self.heal_backlog < 1:
+            raise ConfigError("replay_rounds and heal_backlog must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +231,11 @@ class _Stream:
     heal_task: asyncio.Task[None] | None = None
     recv_task: asyncio.Task[None] | None = None
     quarantined: str | None = None
+    backlog: deque[EventBatch] = field(default_factory=deque)
+    """Live batches received while a replay heals a gap, in seq order."""
+
+    def healing(self) -> bool:
+        return self.heal_task is not None and not self.heal_task.done()
 
 
 class EngineSubscriber:
@@ -355,7 +384,7 @@ class EngineSubscriber:
             stream.incarnation,
             stream.last_seq,
             stale or stream.quarantined is not None,
-            stream.heal_task is not None and not stream.heal_task.done(),
+            stream.healing(),
             stream.quarantined,
         )
 
@@ -405,7 +434,7 @@ class EngineSubscriber:
             self._bad(stream, "frame", f"expected [topic, seq, payload], got {len(frames)} frames")
             return
         topic, seq_frame, payload = frames
-        if topic != stream.topic:
+        if stream.topic and topic != stream.topic:
             self._bad(stream, "topic", f"topic {topic[:40]!r} is not {stream.topic!r}")
             return
         try:
@@ -422,6 +451,9 @@ class EngineSubscriber:
         batch = self._decode(stream, incarnation, seq, payload)
         if batch is None:
             self._resync(stream)
+            return
+        if stream.healing() and stream.quarantined is None:
+            self._keep_for_heal(stream, batch)
             return
         result = self._apply(stream, batch)
         if result is ApplyResult.STALE and stream.quarantined is None:
@@ -467,6 +499,7 @@ class EngineSubscriber:
         if stream.heal_task is not None:
             stream.heal_task.cancel()
             stream.heal_task = None
+        stream.backlog.clear()
         incarnation = f"{stream.spec.worker_id}/{uuid.uuid4().hex[:12]}"
         stream.incarnation = incarnation
         stream.last_seq = -1
@@ -480,12 +513,16 @@ class EngineSubscriber:
                         stream.spec.worker_id, incarnation)  # fmt: skip
         return incarnation
 
-    def _resync(self, stream: _Stream) -> None:
-        """Drop the worker's entries and follow the stream afresh after its newest batch."""
+    def _resync(self, stream: _Stream, at: int | None = None) -> None:
+        """Drop the worker's entries and follow the stream afresh after seq `at`
+        (default: its newest batch, and the heal backlog goes too)."""
         if stream.incarnation is None:
             return
+        if at is None:
+            at = max(stream.last_seq, 0)
+            stream.backlog.clear()
         snapshot = EventBatch((), stream.spec.worker_id, stream.incarnation,
-                              max(stream.last_seq, 0), time.time(), True)  # fmt: skip
+                              at, time.time(), True)  # fmt: skip
         with self.lock:
             self.index.apply(snapshot)
             if stream.quarantined is not None:
@@ -494,67 +531,133 @@ class EngineSubscriber:
     # ------------------------------------------------------------------ healing
 
     def _start_healing(self, stream: _Stream) -> None:
-        if stream.heal_task is not None and not stream.heal_task.done():
+        if stream.healing():
             return
+        stream.backlog.clear()
         stream.heal_task = asyncio.get_running_loop().create_task(
             self._heal(stream, stream.incarnation or ""), name=f"kvmesh-replay-{stream.spec.worker_id}"
         )
 
+    def _keep_for_heal(self, stream: _Stream, batch: EventBatch) -> None:
+        """Hold a live batch until the replay reaches it; past `heal_backlog` of them the
+        replay cannot catch up, and the gap counts as uncovered."""
+        if len(stream.backlog) < self.config.heal_backlog:
+            stream.backlog.append(batch)
+            return
+        wid = stream.spec.worker_id
+        if stream.heal_task is not None:
+            stream.heal_task.cancel()
+            stream.heal_task = None
+        ENGINE_EVENT_GAPS.labels(wid, "uncovered").inc()
+        log.warning("engine stream %s: %d live batches arrived while a replay ran; "
+                    "dropping its entries and following afresh", wid, len(stream.backlog))  # fmt: skip
+        self._resync(stream)
+
+    def _applied_seq(self, stream: _Stream) -> int:
+        with self.lock:
+            return self.index.worker_state(stream.spec.worker_id).last_seq
+
+    def _feed_backlog(self, stream: _Stream) -> None:
+        """Apply the kept live batches that now follow on. At a gap (live frames lost too),
+        the index gets the next one to hold back, so it stays stale until the replay
+        fills the gap."""
+        backlog = stream.backlog
+        applied = self._applied_seq(stream)
+        while backlog and backlog[0].seq <= applied + 1:
+            batch = backlog.popleft()
+            if batch.seq == applied + 1:
+                self._apply(stream, batch)
+                applied = self._applied_seq(stream)
+        if backlog:
+            self._apply(stream, backlog.popleft())
+
     async def _heal(self, stream: _Stream, incarnation: str) -> None:
         wid = stream.spec.worker_id
-        for _ in range(self.config.replay_rounds):
-            with self.lock:
-                start = self.index.worker_state(wid).last_seq + 1
-            covered = await self._replay(stream, incarnation, start)
+        start = self._applied_seq(stream) + 1
+        fruitless = 0
+        rebuilt = False  # counted as uncovered already
+        while fruitless < self.config.replay_rounds:
+            start = self._applied_seq(stream) + 1
+            answered = await self._replay(stream, incarnation, start)
             if stream.incarnation != incarnation:
                 return  # a restart replaced this life while the replay ran
+            rebuilt = rebuilt or answered == "rebuilt"
+            self._feed_backlog(stream)
             with self.lock:
                 stale = self.index.is_stale(wid)
             if not stale:
-                ENGINE_EVENT_GAPS.labels(wid, "healed").inc()
+                if not rebuilt:
+                    ENGINE_EVENT_GAPS.labels(wid, "healed").inc()
                 return
-            if not covered:
+            if answered == "failed":
                 break
-        ENGINE_EVENT_GAPS.labels(wid, "uncovered").inc()
+            fruitless = 0 if self._applied_seq(stream) >= start else fruitless + 1
+        if not rebuilt:
+            ENGINE_EVENT_GAPS.labels(wid, "uncovered").inc()
         log.warning("engine stream %s: replay could not cover the gap from seq %d; "
                     "dropping its entries and following afresh", wid, start)  # fmt: skip
         self._resync(stream)
 
-    async def _replay(self, stream: _Stream, incarnation: str, start: int) -> bool:
-        """Apply the engine's buffered batches from `start` on; True if the first was `start`."""
+    async def _replay(
+        self, stream: _Stream, incarnation: str, start: int
+    ) -> Literal["answered", "rebuilt", "failed"]:
+        """Apply the engine's buffered batches from `start` on, in order, up to the first
+        one missing from the answer or the kept live batches.
+
+        "rebuilt": the buffer began after `start`, so the entries were dropped and
+        rebuilt from its oldest batch; "failed": no answer, or a bad one.
+        """
         if stream.spec.replay_endpoint is None or self._ctx is None:
-            return False
+            return "failed"
+        wid = stream.spec.worker_id
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        covered = False
-        first = True
+        sock.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+        outcome: Literal["answered", "rebuilt", "failed"] = "failed"
+        expected = start
         try:
             sock.connect(stream.spec.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(SEQ_BYTES, "big")])
-            deadline = asyncio.get_running_loop().time() + self.config.replay_timeout_s
+            wait = self.config.replay_timeout_s
             while True:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0 or not await sock.poll(left * 1000):
-                    log.warning("engine stream %s: replay from seq %d timed out",
-                                stream.spec.worker_id, start)  # fmt: skip
-                    return covered
+                if not await sock.poll(wait * 1000):
+                    log.warning("engine stream %s: replay from seq %d %s", wid, start,
+                                "timed out" if outcome == "failed" else
+                                f"went quiet after seq {expected - 1}")  # fmt: skip
+                    return outcome
                 frames = await sock.recv_multipart()
-                # vLLM answers [b"", topic, seq, payload], SGLang [b"", seq, payload].
+                # vLLM answers [b"", seq, payload] (some versions [b"", topic, seq, payload]).
                 if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != SEQ_BYTES:
                     self._bad(stream, "frame", f"replay sent {len(frames)} frames")
-                    return covered
+                    return "failed"
                 seq_frame, payload = frames[-2], frames[-1]
                 if seq_frame == END_SEQ:
-                    return covered
+                    return outcome  # "failed" when the buffer had nothing from `start` on
+                if outcome == "failed":
+                    outcome, wait = "answered", self.config.replay_idle_s
                 seq = int.from_bytes(seq_frame, "big")
                 if stream.incarnation != incarnation or seq > stream.last_seq:
                     continue  # a later life's batches, or ones the live stream will bring
-                if first:
-                    covered, first = seq <= start, False
+                if seq < expected:
+                    continue  # applied already
+                if seq > expected:
+                    if expected != start:
+                        return outcome  # one was dropped on the way: ask again from it
+                    ENGINE_EVENT_GAPS.labels(wid, "uncovered").inc()
+                    log.warning("engine stream %s: the replay buffer begins at seq %d, past "
+                                "the gap at %d; rebuilding its entries from there",
+                                wid, seq, start)  # fmt: skip
+                    self._resync(stream, at=seq - 1)
+                    outcome = "rebuilt"
                 batch = self._decode(stream, incarnation, seq, payload)
                 if batch is None:
-                    return False  # the same bad bytes: this gap cannot be healed
+                    return "failed"  # the same bad bytes: this gap cannot be healed
                 self._apply(stream, batch)
+                expected = self._applied_seq(stream) + 1  # held-back batches may follow on
+                if stream.backlog and expected >= stream.backlog[0].seq:
+                    return outcome  # the kept live batches take it from here
+                if expected > stream.last_seq:
+                    return outcome
         finally:
             sock.close(linger=0)
 

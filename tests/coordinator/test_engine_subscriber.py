@@ -179,6 +179,7 @@ def run_scenario(
     rank: int = 0,
     drop: Callable[[WorkerId, int], bool] | None = None,
     config: SubscriberConfig | None = None,
+    topic: str = "kv",
 ) -> None:
     """One subscriber bound on a fresh port, one publisher (of `rank`) connecting to it."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -188,7 +189,7 @@ def run_scenario(
     async def main() -> None:
         sub = EngineSubscriber(
             index,
-            [EngineEventsEndpoint(engine_id, endpoint, replay_at, "kv", (rank,))],
+            [EngineEventsEndpoint(engine_id, endpoint, replay_at, topic, (rank,))],
             config=config or SubscriberConfig(replay_timeout_s=2.0),
             drop_frame=drop,
         )
@@ -400,6 +401,125 @@ def test_a_subscriber_that_joins_late_replays_the_engines_history_from_seq_0() -
         assert pub.replay_requests == [0]
 
     run_scenario(scenario)
+
+
+class LiveTraffic:
+    """An engine that keeps serving: one batch (a new block, every third one evicting an
+    older block) every `period_s`, on a thread, while the test waits on the subscriber."""
+
+    def __init__(self, pub: Publisher, period_s: float = 0.002) -> None:
+        self.pub = pub
+        self.period_s = period_s
+        self.held: set[int] = set()
+        self.stored_at: dict[int, int] = {}  # block -> the seq of the batch that stored it
+        self.next_block = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def one(self, *, send: bool = True) -> int:
+        block = self.next_block
+        self.next_block += 1
+        events: list[dict[str, Any]] = [stored(block)]
+        self.held.add(block)
+        if block % 3 == 2:
+            events.append(removed(block - 2))
+            self.held.discard(block - 2)
+        self.stored_at[block] = self.pub.seq
+        return self.pub.publish(*events, send=send)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.period_s):
+            self.one()
+
+    def __enter__(self) -> LiveTraffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+
+
+def test_a_late_join_behind_a_long_history_and_live_traffic_reaches_affinity_again() -> None:
+    """vLLM answers a replay by pushing its whole buffer through a ROUTER at once (messages
+    past the socket's high-water mark are dropped, the end marker with them) and goes on
+    publishing meanwhile; a subscriber that joins after thousands of batches still ends up
+    holding exactly what the engine holds, with nothing held back."""
+
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        wid = WorkerId("engine-0")
+        engine = LiveTraffic(pub)
+        for _ in range(6000):  # before the join: only the replay buffer has them
+            engine.one(send=False)
+        with engine:
+            await until(lambda: sub.stream_state(wid).last_seq >= 6100, "live traffic")
+            await until(lambda: not index.is_stale(wid), "fresh again")
+        last = engine.pub.seq - 1
+        await until(fresh_at(index, last), "the last live batch")
+        assert index.worker_pages(wid) == {h(b) for b in engine.held}
+        assert index.worker_state(wid).pending_batches == 0
+
+    run_scenario(scenario)
+
+
+def test_more_live_batches_during_a_replay_than_the_heal_backlog_follow_afresh() -> None:
+    """A replay that cannot keep up gives up on the gap: the index drops the engine's
+    entries, holds only what the engine still holds, and follows the live stream."""
+
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        wid = WorkerId("engine-0")
+        before = counter("kvmesh_engine_event_gaps", engine="engine-0", outcome="uncovered")
+        pub.answer_replay = False  # the replay never catches up with the live stream
+        engine = LiveTraffic(pub)
+        for _ in range(100):
+            engine.one(send=False)
+        with engine:
+            await until(lambda: sub.stream_state(wid).last_seq >= 200, "live traffic")
+        await until(fresh_at(index, engine.pub.seq - 1), "the last live batch")
+        assert index.worker_pages(wid) <= {h(b) for b in engine.held}
+        assert h(engine.next_block - 1) in index.worker_pages(wid)
+        assert index.worker_state(wid).pending_batches == 0
+        assert counter("kvmesh_engine_event_gaps", engine="engine-0", outcome="uncovered") > before
+
+    run_scenario(scenario, config=SubscriberConfig(replay_timeout_s=5.0, heal_backlog=16))
+
+
+def test_a_late_join_behind_more_history_than_the_replay_buffer_rebuilds_from_its_oldest() -> None:
+    """The buffer has lost the first batches: the index holds what the engine announced
+    from the buffer's oldest batch on and still holds (a subset), and is fresh again."""
+
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        wid = WorkerId("engine-0")
+        engine = LiveTraffic(pub)
+        for _ in range(5000):
+            engine.one(send=False)
+        oldest = 3000
+        pub.forget_before(oldest)
+        with engine:
+            await until(lambda: sub.stream_state(wid).last_seq >= 5100, "live traffic")
+            await until(lambda: not index.is_stale(wid), "fresh again")
+        await until(fresh_at(index, engine.pub.seq - 1), "the last live batch")
+        announced = {b for b in engine.held if engine.stored_at[b] >= oldest}
+        assert index.worker_pages(wid) == {h(b) for b in announced}
+        assert index.worker_state(wid).pending_batches == 0
+
+    run_scenario(scenario)
+
+
+def test_subscriber_config_refuses_replay_settings_that_cannot_work() -> None:
+    with pytest.raises(ConfigError, match="replay_idle_s"):
+        SubscriberConfig(replay_idle_s=0)
+    with pytest.raises(ConfigError, match="heal_backlog"):
+        SubscriberConfig(heal_backlog=0)
+
+
+def test_an_empty_topic_follows_an_engine_publishing_on_any_topic() -> None:
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        pub.publish(stored(1))  # the publisher's topic is "kv"
+        await until(fresh_at(index, 0), "the batch")
+        assert index.worker_pages(WorkerId("engine-0")) == {h(1)}
+
+    run_scenario(scenario, topic="")
 
 
 def test_frames_dropped_by_the_fault_hook_are_healed_like_lost_ones() -> None:
