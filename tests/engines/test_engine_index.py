@@ -217,3 +217,51 @@ def test_a_restarted_engine_is_a_new_incarnation_with_only_its_new_blocks(
     wait_until(lambda: want <= followed.pages() and not followed.stale(), "the new life's blocks")
     assert followed.pages() == want
     assert counter("kvmesh_engine_restarts", engine=followed.engine.name) >= 1
+
+
+LATE_HISTORY = 2500  # batches the engine publishes before anyone follows it
+
+
+def test_a_subscriber_that_joins_after_thousands_of_batches_holds_every_block_again(
+    start_engine: StartEngine,
+) -> None:
+    """A gateway starting beside busy engines: the engine's replay answer for seq 0 passes
+    ZMQ's high-water marks and requests keep coming while it is replayed; the index still
+    ends up holding every block the engine holds (the cache is large enough that nothing
+    is evicted), fresh and with nothing held back."""
+    engine = start_engine(
+        EngineSpec(kv_cache_memory_bytes=1024 * 1024 * 1024), name="engine-late"
+    )
+    rng = random.Random(77)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, 1700) for _ in range(BLOCK + 1)]
+
+    def complete(tokens: list[int]) -> None:
+        response = httpx.post(
+            f"{engine.url}/v1/completions",
+            json={"model": engine.spec.served_model_name, "prompt": tokens, "max_tokens": 1},
+            timeout=BOUND_S,
+        )
+        assert response.status_code == 200, response.text
+
+    want: set[PageHash] = set()
+    for _ in range(LATE_HISTORY):  # nobody binds the events endpoint yet: PUB drops them
+        tokens = prompt()
+        complete(tokens)
+        want |= set(HASHER.hash_prompt(tokens))
+    index = GlobalIndex()
+    runner = EngineSubscriberThread(EngineSubscriber(index, [EngineEventsEndpoint.of_engine(engine)]))
+    runner.start()
+    followed = Followed(engine, index, runner)
+    try:
+        for _ in range(200):  # live traffic while the subscriber replays the history
+            tokens = prompt()
+            complete(tokens)
+            want |= set(HASHER.hash_prompt(tokens))
+        assert followed.subscriber.stream_state(followed.wid).last_seq >= LATE_HISTORY
+        wait_until(lambda: followed.pages() == want and not followed.stale(), "every block")
+        with followed.subscriber.lock:
+            assert index.worker_state(followed.wid).pending_batches == 0
+    finally:
+        runner.stop()
