@@ -244,7 +244,9 @@ class EngineSubscriber:
     `drop_frame(worker_id, seq)` (fault drills and tests) drops a received
     frame as if the network had lost it. Listeners get every decoded batch
     (live or replayed, duplicates included, a quarantined engine's too)
-    after the index saw it; they run on the subscriber's loop.
+    after the index saw it, or on arrival for a live batch kept aside while a
+    replay runs (so a canary is not held up by one); they run on the
+    subscriber's loop.
     """
 
     def __init__(
@@ -478,7 +480,9 @@ class EngineSubscriber:
         log.warning("engine stream %s: dropped a bad message (%s) %s",
                     stream.spec.worker_id, reason, detail)  # fmt: skip
 
-    def _apply(self, stream: _Stream, batch: EventBatch) -> ApplyResult | None:
+    def _apply(
+        self, stream: _Stream, batch: EventBatch, *, notify: bool = True
+    ) -> ApplyResult | None:
         wid = stream.spec.worker_id
         result: ApplyResult | None = None
         if stream.quarantined is not None:
@@ -488,12 +492,16 @@ class EngineSubscriber:
                 result = self.index.apply(batch)
             outcome = "held" if result is ApplyResult.STALE else result.value
             ENGINE_EVENT_BATCHES.labels(wid, outcome).inc()
+        if notify:
+            self._notify(wid, batch)
+        return result
+
+    def _notify(self, wid: WorkerId, batch: EventBatch) -> None:
         for listener in list(self._listeners):
             try:
                 listener(wid, batch)
             except Exception:
                 log.exception("engine event listener failed on %s seq %d", wid, batch.seq)
-        return result
 
     def _new_incarnation(self, stream: _Stream, *, restarted: bool) -> str:
         if stream.heal_task is not None:
@@ -541,6 +549,7 @@ class EngineSubscriber:
     def _keep_for_heal(self, stream: _Stream, batch: EventBatch) -> None:
         """Hold a live batch until the replay reaches it; past `heal_backlog` of them the
         replay cannot catch up, and the gap counts as uncovered."""
+        self._notify(stream.spec.worker_id, batch)
         if len(stream.backlog) < self.config.heal_backlog:
             stream.backlog.append(batch)
             return
@@ -566,14 +575,14 @@ class EngineSubscriber:
         while backlog and backlog[0].seq <= applied + 1:
             batch = backlog.popleft()
             if batch.seq == applied + 1:
-                self._apply(stream, batch)
+                self._apply(stream, batch, notify=False)  # listeners had it on arrival
                 applied = self._applied_seq(stream)
         if backlog:
-            self._apply(stream, backlog.popleft())
+            self._apply(stream, backlog.popleft(), notify=False)
 
     async def _heal(self, stream: _Stream, incarnation: str) -> None:
         wid = stream.spec.worker_id
-        start = self._applied_seq(stream) + 1
+        start = -1
         fruitless = 0
         rebuilt = False  # counted as uncovered already
         while fruitless < self.config.replay_rounds:

@@ -320,6 +320,22 @@ def test_listeners_see_each_decoded_batch() -> None:
 # ---------------------------------------------------------------- gaps
 
 
+def test_listeners_see_a_live_batch_kept_aside_during_a_replay_on_arrival() -> None:
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        wid = WorkerId("engine-0")
+        got: list[int] = []
+        sub.add_listener(lambda w, batch: got.append(batch.seq))
+        pub.answer_replay = False
+        pub.publish(stored(1), send=False)
+        pub.publish(stored(2))  # past a gap: a replay starts, and the engine stays silent
+        await until(lambda: sub.stream_state(wid).healing, "a replay")
+        pub.publish(stored(3))
+        await until(lambda: 2 in got, "the kept batch reaching the listener")
+        assert sub.stream_state(wid).healing and h(3) not in index  # the index waits for it
+
+    run_scenario(scenario, config=SubscriberConfig(replay_timeout_s=5.0))
+
+
 def test_a_lost_batch_is_healed_from_the_replay_socket() -> None:
     async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
         before = counter("kvmesh_engine_event_gaps", engine="engine-0", outcome="healed")
