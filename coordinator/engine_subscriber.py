@@ -588,8 +588,8 @@ class EngineSubscriber:
         while fruitless < self.config.replay_rounds:
             start = self._applied_seq(stream) + 1
             answered = await self._replay(stream, incarnation, start)
-            if stream.incarnation != incarnation:
-                return  # a restart replaced this life while the replay ran
+            if stream.incarnation != incarnation or stream.quarantined is not None:
+                return  # a restart replaced this life, or a quarantine began, meanwhile
             rebuilt = rebuilt or answered == "rebuilt"
             self._feed_backlog(stream)
             with self.lock:
@@ -635,6 +635,8 @@ class EngineSubscriber:
                                 f"went quiet after seq {expected - 1}")  # fmt: skip
                     return outcome
                 frames = await sock.recv_multipart()
+                if stream.quarantined is not None:
+                    return "failed"  # its batches no longer reach the index
                 # vLLM answers [b"", seq, payload] (some versions [b"", topic, seq, payload]).
                 if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != SEQ_BYTES:
                     self._bad(stream, "frame", f"replay sent {len(frames)} frames")

@@ -529,6 +529,23 @@ def test_subscriber_config_refuses_replay_settings_that_cannot_work() -> None:
         SubscriberConfig(heal_backlog=0)
 
 
+def test_an_engine_quarantined_during_a_replay_stays_without_entries() -> None:
+    async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
+        wid = WorkerId("engine-0")
+        uncovered = counter("kvmesh_engine_event_gaps", engine="engine-0", outcome="uncovered")
+        engine = LiveTraffic(pub)
+        for _ in range(6000):
+            engine.one(send=False)
+        engine.one()
+        await until(lambda: sub.stream_state(wid).healing, "a replay")
+        sub.quarantine("engine-0", "a failed canary")
+        await until(lambda: not sub.stream_state(wid).healing, "the replay giving up")
+        assert index.is_stale(wid) and index.worker_pages(wid) == frozenset()
+        assert counter("kvmesh_engine_event_gaps", engine="engine-0", outcome="uncovered") == uncovered
+
+    run_scenario(scenario)
+
+
 def test_an_empty_topic_follows_an_engine_publishing_on_any_topic() -> None:
     async def scenario(index: GlobalIndex, sub: EngineSubscriber, pub: Publisher) -> None:
         pub.publish(stored(1))  # the publisher's topic is "kv"
