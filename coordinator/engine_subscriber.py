@@ -22,9 +22,10 @@ holds, so cache affinity is never wrong, only sometimes missed:
   socket's high-water mark (the end marker with it), so an answer also ends
   after `replay_idle_s` of quiet, and the subscriber asks again from where
   it got to for as long as each answer makes progress;
-- **an uncovered gap** (replay no longer has the batch, answers nothing, or
-  the engine has no replay socket) could have hidden removals: the engine's
-  entries are dropped and the stream followed afresh from its newest batch;
+- **an uncovered gap** (replay answers nothing, cannot keep up with the
+  live stream, or the engine has no replay socket) could have hidden
+  removals: the engine's entries are dropped and the stream followed afresh
+  from its newest batch (when replay no longer has the batch, see below);
 - **a bad payload** is counted (``kvmesh_engine_bad_payloads``), logged and
   dropped, never half applied; it is handled as an uncovered gap, since it
   may have carried removals and replaying it would give the same bytes;
