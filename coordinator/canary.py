@@ -120,52 +120,53 @@ async def run_hash_parity_canary(
     blocks: int = 2,
     token_range: tuple[int, int] = (100, 1000),
     timeout_s: float = 30.0,
+    attempts: int = 3,
     rng: random.Random | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> CanaryResult:
     """Send the canary prompt to `engine_url` and check its events against `hasher`.
 
     Raises `HashParityError` on a mismatch (and quarantines the engine),
-    `DeadlineExceeded` when no events for the prompt arrive in `timeout_s`
-    (quarantined too: parity is unproven), `TransportError` when the
+    `DeadlineExceeded` when no events arrive for any of `attempts` fresh
+    prompts within `timeout_s` in all (quarantined too: parity is unproven), `TransportError` when the
     engine's HTTP API fails. A pass releases an engine quarantined before.
     The subscriber must be running and follow `engine_id`.
     """
     rng = rng or random.Random()  # fresh, not secret: the prompt must not be cached yet
     size = hasher.block_size
-    prompt = tuple(rng.randrange(*token_range) for _ in range(blocks * size + 1))
-    want = hasher.hash_prompt(prompt)
-    collector = _Collector(set(subscriber.worker_ids(engine_id)), prompt, size)
-    subscriber.add_listener(collector)
     own_client = client is None
     http = client or httpx.AsyncClient(timeout=timeout_s)
     try:
         try:
             name = model or await _model_of(http, engine_url)
-            response = await http.post(
-                f"{engine_url}/v1/completions",
-                json={"model": name, "prompt": list(prompt), "max_tokens": 1, "temperature": 0},
-            )
-            response.raise_for_status()
         except httpx.HTTPError as exc:
             raise TransportError(
                 f"canary request to engine {engine_id} at {engine_url} failed: {exc}"
             ) from exc
-        try:
-            await asyncio.wait_for(collector.done.wait(), timeout_s)
-        except TimeoutError:
-            ENGINE_CANARY.labels(engine_id, "timeout").inc()
-            reason = (
-                f"no KV events for the canary prompt from engine {engine_id} within {timeout_s} s "
-                f"({len(collector.hashes)}/{collector.blocks} blocks seen): check its "
-                "--kv-events-config endpoint, topic and that prefix caching is on"
-            )
-            subscriber.quarantine(engine_id, reason)
-            raise DeadlineExceeded(reason) from None
+        # A publisher that has only just connected to the subscriber drops what it sent
+        # before (ZMQ), and a lone lost batch shows no gap: a fresh prompt per attempt
+        # both arrives live and reveals the lost one, which replay then heals.
+        for attempt in range(attempts):
+            prompt = tuple(rng.randrange(*token_range) for _ in range(blocks * size + 1))
+            collector = _Collector(set(subscriber.worker_ids(engine_id)), prompt, size)
+            if await _send_and_collect(
+                subscriber, collector, http, engine_url, engine_id, name, timeout_s / attempts
+            ):
+                break
+            if attempt + 1 == attempts:
+                ENGINE_CANARY.labels(engine_id, "timeout").inc()
+                reason = (
+                    f"no KV events for {attempts} canary prompts from engine {engine_id} within "
+                    f"{timeout_s} s ({len(collector.hashes)}/{collector.blocks} blocks of the last "
+                    "seen): check its --kv-events-config endpoint, topic and that prefix "
+                    "caching is on"
+                )
+                subscriber.quarantine(engine_id, reason)
+                raise DeadlineExceeded(reason)
     finally:
-        subscriber.remove_listener(collector)
         if own_client:
             await http.aclose()
+    want = hasher.hash_prompt(prompt)
     if collector.wrong_size is not None:
         reason = (
             f"engine {engine_id} stores blocks of {collector.wrong_size} tokens, kvmesh hashes "
@@ -184,6 +185,42 @@ async def run_hash_parity_canary(
     subscriber.release(engine_id)
     worker = collector.worker if collector.worker is not None else WorkerId(engine_id)
     return CanaryResult(engine_id, prompt, tuple(want), worker)
+
+
+async def _send_and_collect(
+    subscriber: EngineSubscriber,
+    collector: _Collector,
+    http: httpx.AsyncClient,
+    engine_url: str,
+    engine_id: str,
+    model: str,
+    wait_s: float,
+) -> bool:
+    """Send one canary prompt; True once the events of all its full blocks arrived."""
+    subscriber.add_listener(collector)
+    try:
+        try:
+            response = await http.post(
+                f"{engine_url}/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": list(collector.prompt),
+                    "max_tokens": 1,
+                    "temperature": 0,
+                },
+            )
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise TransportError(
+                f"canary request to engine {engine_id} at {engine_url} failed: {exc}"
+            ) from exc
+        try:
+            await asyncio.wait_for(collector.done.wait(), wait_s)
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        subscriber.remove_listener(collector)
 
 
 def _fail(subscriber: EngineSubscriber, engine_id: str, reason: str) -> NoReturn:
