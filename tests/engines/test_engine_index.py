@@ -110,7 +110,15 @@ def followed(start_engine: StartEngine) -> Iterator[Followed]:
     runner = EngineSubscriberThread(subscriber)
     runner.start()
     try:
-        yield Followed(engine, index, runner, drop)
+        followed = Followed(engine, index, runner, drop)
+        # The engine's publisher connects to the subscriber after it binds, and drops what
+        # it sends before (ZMQ): the canary proves events flow, then the cache is emptied
+        # (AllBlocksCleared) so that every test starts from an empty index.
+        followed.canary(HASHER)
+        reset = httpx.post(f"{engine.url}/reset_prefix_cache", timeout=BOUND_S)
+        assert reset.status_code == 200, reset.text
+        wait_until(lambda: not followed.pages(), "the reset to clear the engine's entries")
+        yield followed
     finally:
         runner.stop()
 
