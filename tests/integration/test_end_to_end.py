@@ -126,7 +126,9 @@ def test_cache_salt_separates_tenants(mesh: KVMesh, model: TinyTransformer) -> N
     a2 = mesh.generate(prompt, max_tokens=3, cache_salt="tenant-a")
     assert a1.pages_hit_local == 0
     assert (b.pages_hit_local, b.pages_pulled) == (0, 0)  # no hit and no pull across salts
-    assert a2.pages_hit_local == 5  # the same tenant hits: caching is on
+    # The same tenant reuses all 5 pages (caching is on): a local hit, or a pull when the
+    # router weighs the holder's load against pulling to another worker.
+    assert a2.pages_hit_local + a2.pages_pulled == 5
     assert list(a1.tokens) == list(b.tokens) == list(a2.tokens) == model.generate(prompt, 3)
 
 
