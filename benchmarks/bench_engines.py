@@ -36,10 +36,10 @@ from pathlib import Path
 
 import httpx
 
+from kvmesh.app.simulate import percentile
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.gateway.tokenizer import PromptTokenizer
-from kvmesh.simulate import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
@@ -217,7 +217,7 @@ def start_gateway(
     engines: list[VLLMEngine], policy: str, block_tokens: int, engine_blocks: int, port: int
 ) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-m", "kvmesh.cli", "gateway",
+        sys.executable, "-m", "kvmesh.app.cli", "gateway",
         "--tokenizer", str(engine_model()),
         "--block-size", str(block_tokens),
         "--policy", policy,

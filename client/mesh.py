@@ -13,7 +13,7 @@ a peer could give), and then tells the coordinator what the worker really
 hit and pulled (`record_result`), so that predicted vs realized is counted.
 
 The client holds only handles: workers it must start (an embedded cluster,
-or a cluster without any) are created by `kvmesh.launch.start_workers`, so
+or a cluster without any) are created by `kvmesh.app.launch.start_workers`, so
 nothing here imports the worker's code (tests/test_layering.py).
 
 Failures: a worker that dies before answering is dropped from the
@@ -274,7 +274,7 @@ class KVMesh:
             created: list[WorkerId] = []
             if not workers and num_workers + prefill + decode > 0:
                 # Creating workers needs the worker's code: the launcher's job, not the client's.
-                from kvmesh.launch import start_workers
+                from kvmesh.app.launch import start_workers
 
                 plan: list[tuple[str, Role]] = [(f"worker-{i}", "both") for i in range(num_workers)]
                 plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]

@@ -1,6 +1,6 @@
 """The cluster's settings, read one way by every entry point.
 
-The CLI (`kvmesh.commands`), the Python API (`KVMesh.connect`) and the demo
+The CLI (`kvmesh.app.commands`), the Python API (`KVMesh.connect`) and the demo
 build their `ClusterConfig` with `load_cluster_config`: the defaults, then the
 ``KVMESH_*`` environment, then their explicit values (flags, arguments), so
 ``KVMESH_PROFILE``, ``KVMESH_AUTH_TOKEN``, ``KVMESH_TLS_*``, ``KVMESH_SEED``,

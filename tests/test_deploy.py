@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvmesh.cli import COMMANDS, build_parser
+from kvmesh.app.cli import COMMANDS, build_parser
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 YAMLS = ("ray-cluster.yaml", "kuberay/raycluster.yaml")

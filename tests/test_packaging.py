@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPONENTS = ("worker", "coordinator", "client", "gateway", "proto", "benchmarks")
+COMPONENTS = ("worker", "coordinator", "client", "gateway", "app", "proto", "benchmarks")
 
 PROBE = f"""
 import importlib.util, json, kvmesh, kvmesh.worker, kvmesh.coordinator, kvmesh.client, kvmesh.proto

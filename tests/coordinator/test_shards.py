@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvmesh.app.simulate import PreparedTrace, prepare_trace
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
 from kvmesh.coordinator.service import Coordinator, RouteView
@@ -22,7 +23,6 @@ from kvmesh.coordinator.shards import (
 )
 from kvmesh.errors import InvalidInput, InvalidSetting, NoWorkers
 from kvmesh.events import encode_batch, make_batch
-from kvmesh.simulate import PreparedTrace, prepare_trace
 from kvmesh.trace import load_trace
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.page_pool import PagePool

@@ -62,7 +62,7 @@ def front(start_engine) -> Iterator[Front]:  # type: ignore[no-untyped-def]
     engines = [start_engine(name="engine-0"), start_engine(name="engine-1")]
     port = free_port()
     cmd = [
-        sys.executable, "-m", "kvmesh.cli", "gateway",
+        sys.executable, "-m", "kvmesh.app.cli", "gateway",
         "--tokenizer", str(engine_model()), "--block-size", str(BLOCK),
         "--events-topic", engines[0].spec.topic, "--port", str(port),
         "--health-interval", "0.3", "--request-timeout", "120", "--log-level", "warning",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import build_parser, main
+from kvmesh.app.cli import build_parser, main
 from kvmesh.gateway.command import build_gateway, describe
 from kvmesh.gateway.routing import HistoryRouter, IndexRouter
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.app.cli import COMMANDS, main
 from kvmesh.benchmarks.cli import BENCHES
-from kvmesh.cli import COMMANDS, main
 
-CLI = [sys.executable, "-m", "kvmesh.cli"]
+CLI = [sys.executable, "-m", "kvmesh.app.cli"]
 # An explicit --address never sends Ray's token unless asked (Ray's rule); the local
 # cluster `kvmesh start` creates uses token authentication when Ray offers it.
 ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_DEDUP_LOGS": "0"}
@@ -250,7 +250,7 @@ def test_unset_flags_keep_the_environment_and_set_flags_override_it(
 ) -> None:
     import argparse
 
-    from kvmesh.commands import cluster_config, configure_status
+    from kvmesh.app.commands import cluster_config, configure_status
 
     monkeypatch.setenv("KVMESH_POLICY", "round_robin")
     monkeypatch.setenv("KVMESH_ALLOW_REMOTE", "1")

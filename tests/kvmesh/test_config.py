@@ -170,7 +170,7 @@ def test_the_cli_reads_the_model_seed_and_device_like_the_python_api(
 ) -> None:
     import argparse
 
-    from kvmesh.commands import cluster_config, configure_status
+    from kvmesh.app.commands import cluster_config, configure_status
     from kvmesh.settings import load_cluster_config
 
     monkeypatch.setenv("KVMESH_MODEL_SEED", "7")

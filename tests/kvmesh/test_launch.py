@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.app.launch import _start_error, start_workers
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import ConfigError, DeadlineExceeded, NoWorkers
-from kvmesh.launch import _start_error, start_workers
 
 
 def test_an_empty_plan_is_refused_before_anything_starts() -> None:

@@ -9,18 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import main
-from kvmesh.config import CoordinatorConfig
-from kvmesh.coordinator.policies import (
-    REGISTRY,
-    RouteDecision,
-    RouteRequest,
-    WorkerLoad,
-    make_policy,
-)
-from kvmesh.errors import ConfigError, InvalidInput
-from kvmesh.hashing import PageHasher
-from kvmesh.simulate import (
+from kvmesh.app.cli import main
+from kvmesh.app.simulate import (
     REPORT_KEYS,
     PreparedTrace,
     RequestTiming,
@@ -33,6 +23,16 @@ from kvmesh.simulate import (
     simulate,
     summarize,
 )
+from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.policies import (
+    REGISTRY,
+    RouteDecision,
+    RouteRequest,
+    WorkerLoad,
+    make_policy,
+)
+from kvmesh.errors import ConfigError, InvalidInput
+from kvmesh.hashing import PageHasher
 from kvmesh.trace import TraceRequest, load_trace, request_tokens
 from kvmesh.types import WorkerId
 

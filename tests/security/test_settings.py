@@ -22,7 +22,7 @@ import pytest
 import ray
 import torch
 
-from kvmesh.cli import main
+from kvmesh.app.cli import main
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, TransferConfig
 from kvmesh.errors import ConfigError, InvalidInput, InvalidSetting, Unauthenticated

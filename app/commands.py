@@ -1,9 +1,9 @@
 """`kvmesh start | status | generate | replay`: the cluster from the command line.
 
 Each subcommand is a ``configure_<name>(parser)`` / ``run_<name>(args)`` pair
-(see `kvmesh.cli`). Ray, torch and the client are imported inside ``run_*``
+(see `kvmesh.app.cli`). Ray, torch and the client are imported inside ``run_*``
 only, so ``kvmesh --help`` stays fast. Bad arguments raise a `KVMeshError`
-subclass, which `kvmesh.cli.main` prints as one line with exit status 2.
+subclass, which `kvmesh.app.cli.main` prints as one line with exit status 2.
 
 Without ``--address`` a command starts an embedded local cluster for its own
 run; with one (``auto``, ``HOST:PORT``) it joins a cluster and uses the
@@ -368,7 +368,7 @@ def run_replay(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--time-scale must be >= 0, got {args.time_scale}")
     for flag in ("limit", "pages_per_block", "concurrency", "max_tokens"):
         _positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    from kvmesh.demo import ReplaySpec, print_reports, replay, trace_prompts
+    from kvmesh.app.demo import ReplaySpec, print_reports, replay, trace_prompts
     from kvmesh.trace import load_trace
 
     reqs = load_trace(path, limit=args.limit)

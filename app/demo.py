@@ -413,8 +413,8 @@ def _check(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     policies = _check(args)
+    from kvmesh.app.commands import _console, transfer_summary
     from kvmesh.client import KVMesh
-    from kvmesh.commands import _console, transfer_summary
     from kvmesh.settings import load_cluster_config
     from kvmesh.trace import load_trace
 

@@ -2,7 +2,7 @@
 
 The client only talks to workers (it is handed their handles); creating them
 needs the worker's code, so it lives here, beside the CLI, and `KVMesh.connect`
-reaches it through `kvmesh.launch.start_workers` only when it must start
+reaches it through `kvmesh.app.launch.start_workers` only when it must start
 workers itself. Nothing under ``kvmesh/client/`` imports ``kvmesh.worker``.
 """
 

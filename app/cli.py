@@ -17,13 +17,19 @@ from typing import NoReturn
 from kvmesh.errors import KVMeshError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvmesh.demo", "the main job: embedded cluster, trace slice, kv_aware vs round_robin"),
-    "start": ("kvmesh.commands", "start an embedded cluster or join one with --address"),
-    "status": ("kvmesh.commands", "workers, pages used/free and hit ratio of a running cluster"),
-    "generate": ("kvmesh.commands", "run one prompt through the cluster"),
-    "replay": ("kvmesh.commands", "replay a trace through a real cluster"),
+    "demo": (
+        "kvmesh.app.demo",
+        "the main job: embedded cluster, trace slice, kv_aware vs round_robin",
+    ),
+    "start": ("kvmesh.app.commands", "start an embedded cluster or join one with --address"),
+    "status": (
+        "kvmesh.app.commands",
+        "workers, pages used/free and hit ratio of a running cluster",
+    ),
+    "generate": ("kvmesh.app.commands", "run one prompt through the cluster"),
+    "replay": ("kvmesh.app.commands", "replay a trace through a real cluster"),
     "simulate": (
-        "kvmesh.simulate",
+        "kvmesh.app.simulate",
         "replay a trace offline against simulated workers and policies",
     ),
     "bench": ("kvmesh.benchmarks.cli", "benchmarks: pool, router, transfer, load"),
