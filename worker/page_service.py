@@ -44,14 +44,15 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from kvmesh.errors import HashMismatch, InvalidInput, PermissionDenied, PoolExhausted
-from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
-from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.events import KVEvent
+from kvmesh.hashing import PageHasher
 from kvmesh.metrics import TRANSFER_REFUSED
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_proofs import NO_PROOFS, EvictionBudget, PageProof, ProofBook, PushGrants
+from kvmesh.worker.page_tokens import PageTokens
 
 MAX_HASH_BYTES = 64
 
@@ -158,9 +159,7 @@ class PageService:
             evictions if evictions is not None else EvictionBudget(pool.num_pages // 2, 10.0)
         )
         self.name = name  # the worker's id, for metrics
-        # Token ids of cached pages, learnt from PagesStored events and inserts,
-        # so that a sender can prove a page's chain. Bounded by `_prune_tokens`.
-        self._tokens: dict[PageHash, tuple[int, ...]] = {}
+        self._tokens = PageTokens(hasher, pool.num_pages)
 
     @property
     def lock(self) -> AbstractContextManager[object]:
@@ -234,22 +233,8 @@ class PageService:
             held = page.ref_cnt > 0
         if key is None or not held:
             raise InvalidInput(f"page {page_id} is not a pinned cached page; pin it first")
-        if tokens and not self._proves(key, parent, tokens, lora):
-            tokens = None  # salted / multimodal page: extra keys unknown, cannot prove
-        return PageInfo(page_id, key, parent, tokens or (), lora, self.pool.medium)
-
-    def _proves(
-        self,
-        page_hash: PageHash,
-        parent: PageHash | None,
-        tokens: Sequence[int],
-        lora_id: int | None,
-    ) -> bool:
-        extra = ExtraKeys(lora_id=lora_id).for_page(0, self.hasher.page_size)
-        try:
-            return self.hasher.hash_page(parent, tokens, extra) == page_hash
-        except InvalidInput:
-            return False
+        tokens = self._tokens.provable(key, parent, tokens, lora)
+        return PageInfo(page_id, key, parent, tokens, lora, self.pool.medium)
 
     # ---------------------------------------------------------------- insert
 
@@ -367,7 +352,7 @@ class PageService:
             for i, slot in zip(todo, slots, strict=True):
                 key, proof = pages[i].page_hash, checked[i]
                 self.pool.cache_page(slot, key, proof.parent_hash, proof.token_ids, proof.lora_id)
-                self._tokens[key] = proof.token_ids
+                self._tokens.remember(key, proof.token_ids)
             self.pool.free_pages(reversed(slots))
         inserted = [False] * len(pages)
         for i in todo:
@@ -444,7 +429,7 @@ class PageService:
                 self.pool.cache_page(
                     res.page, key, proof.parent_hash, proof.token_ids, proof.lora_id
                 )
-                self._tokens[key] = proof.token_ids
+                self._tokens.remember(key, proof.token_ids)
                 cached[n] = True
             self._release_locked([*(res for res, _ in passed), *failed])
         return cached
@@ -486,26 +471,7 @@ class PageService:
             self._observe(events)
 
     def _observe(self, events: Iterable[KVEvent]) -> None:
-        tokens = self._tokens
-        size = self.pool.page_size
-        for ev in events:
-            if isinstance(ev, PagesStored):
-                if len(ev.token_ids) == size * len(ev.page_hashes):
-                    for i, h in enumerate(ev.page_hashes):
-                        tokens[h] = tuple(ev.token_ids[i * size : (i + 1) * size])
-            elif isinstance(ev, PagesRemoved):
-                for h in ev.page_hashes:
-                    tokens.pop(h, None)
-            elif isinstance(ev, AllPagesCleared):
-                tokens.clear()
-        if len(tokens) > 2 * self.pool.num_pages:
-            self._prune_tokens()
-
-    def _prune_tokens(self) -> None:
-        """Drop token ids of hashes no longer cached (events drained elsewhere missed them)."""
-        cached = self.pool.cached_hashes()
-        for h in [h for h in self._tokens if h not in cached]:
-            del self._tokens[h]
+        self._tokens.learn(events, self.pool.cached_hashes)
 
     # ------------------------------------------------------------- inspection
 
