@@ -5,10 +5,11 @@ fresh ``bytes`` (two copies) and `h2` hands DATA payloads over after three
 copies and a hex ``repr`` of every frame, then the page is copied once more
 into the KV tensor; on a machine where sender and receiver share the cores
 those copies are the bound (measured in the issue 14 note). This reader
-speaks the same call to the same standard grpc server, parses each
-``PageChunk``'s small fields as they arrive and ``recv_into``'s the page
-bytes straight into the destination the caller names: per byte, the kernel's
-copy and the caller's checksum.
+speaks the same call to the same standard grpc server, hands the stream of
+DATA bytes to `kvmesh.worker.chunk_reader` (which parses each ``PageChunk``'s
+small fields as they arrive) and ``recv_into``'s the page bytes straight
+into the destination the caller names: per byte, the kernel's copy and the
+caller's checksum.
 
 Scope, on purpose small: unary-stream calls, one at a time per connection
 (`WireChannel`, kept for reuse by `kvmesh.worker.wire_pool`); plaintext or TLS
@@ -40,15 +41,13 @@ import hpack
 from kvmesh.config import TransferConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.worker import h2_frames as h2
+from kvmesh.worker.chunk_reader import read_chunk_message
 from kvmesh.worker.h2_frames import ChunkSink, WireStatus
-from kvmesh.worker.page_codec import encode_varint
 
 READ_BUFFER_BYTES = 1 << 20
 """Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
 WINDOW_TOP_UP = 1 << 30
 """Consumed DATA bytes after which both windows are topped up again."""
-
-_DATA_KEY = (15 << 3) | 2  # PageChunk.data, length-delimited
 
 
 class WireChannel:
@@ -123,7 +122,8 @@ class WireChannel:
         if sock is not None:
             sock.close()
 
-    def _fail(self, code: grpc.StatusCode, details: str) -> WireStatus:
+    def fail(self, code: grpc.StatusCode, details: str) -> WireStatus:
+        """The error a failed call raises; the connection is never reused after it."""
         self.broken = True
         if self._cancelled:
             return WireStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
@@ -135,11 +135,11 @@ class WireChannel:
         try:
             sock = socket.create_connection((host, int(port)), timeout=timeout)
         except TimeoutError:
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"connecting to {self.address} timed out"
             ) from None
         except (OSError, ValueError) as exc:
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.address}: {exc}"
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -149,7 +149,7 @@ class WireChannel:
                 sock = self._tls.wrap_socket(sock, server_hostname=name)
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
-                raise self._fail(
+                raise self.fail(
                     grpc.StatusCode.UNAVAILABLE, f"TLS handshake with {self.address} failed: {exc}"
                 ) from None
         return sock
@@ -160,7 +160,7 @@ class WireChannel:
         with self._lock:
             if self._cancelled:
                 sock.close()
-                raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+                raise self.fail(grpc.StatusCode.CANCELLED, "cancelled")
             self._sock = sock
         settings = struct.pack(
             ">HIHIHI",
@@ -231,19 +231,19 @@ class WireChannel:
             if sock is None:
                 sock = self._open(self._remaining())
             if self._next_stream > h2.MAX_STREAM_ID:
-                raise self._fail(grpc.StatusCode.UNAVAILABLE, "connection out of stream ids")
+                raise self.fail(grpc.StatusCode.UNAVAILABLE, "connection out of stream ids")
             self._new_stream(self._next_stream)
             self._next_stream += 2
             self._send_request(sock, request, self._remaining())
-            while self._message(sink):
+            while read_chunk_message(self, sink, self._max_message):
                 pass
             self._finish()
         except TimeoutError:
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply from {self.address} in time"
             ) from None
         except (ConnectionError, ssl.SSLError, OSError) as exc:
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.UNAVAILABLE, f"connection to {self.address} lost: {exc}"
             ) from None
         except WireStatus:
@@ -301,14 +301,14 @@ class WireChannel:
         while min(self._send_frame, self._send_conn, self._send_stream) <= 0 and not self._ended:
             length, kind, flags, stream = self._frame_header()
             if kind == h2.DATA:
-                raise self._fail(grpc.StatusCode.INTERNAL, "DATA before the request was sent")
+                raise self.fail(grpc.StatusCode.INTERNAL, "DATA before the request was sent")
             self._control(kind, flags, stream, self._payload(length))
 
     def _finish(self) -> None:
         trailers = self._trailers if self._trailers is not None else self._headers
         status = dict(trailers).get("grpc-status")
         if status is None:
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.UNKNOWN,
                 f"{self.address} ended FetchPages without a gRPC status "
                 f"(HTTP status {dict(self._headers).get(':status', '?')})",
@@ -318,87 +318,10 @@ class WireChannel:
             details = urllib.parse.unquote(dict(trailers).get("grpc-message", ""))
             raise WireStatus(code, details, [(k, v) for k, v in trailers if not k.startswith(":")])
 
-    # ------------------------------------------------------------ gRPC messages
+    # ------------------------------------------------------------ the DataStream of chunk_reader
 
-    def _message(self, sink: ChunkSink) -> bool:
-        """Read one length-prefixed message into `sink`; False at the end of the stream."""
-        prefix = self._read(5, at_boundary=True)
-        if prefix is None:
-            return False
-        if prefix[0] != 0:
-            raise self._fail(grpc.StatusCode.INTERNAL, "compressed messages are not accepted")
-        length = int.from_bytes(prefix[1:5], "big")
-        if length > self._max_message:
-            raise self._fail(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"a message of {length} bytes is over the limit of {self._max_message}",
-            )
-        meta = bytearray()
-        left = length
-        while left:
-            key, n = self._varint()
-            left -= n
-            if key == _DATA_KEY:
-                size, n = self._varint()
-                left -= n
-                if size > left:
-                    raise self._fail(
-                        grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end"
-                    )
-                if left != size:  # data is the last field of every protobuf encoder's output
-                    raise self._fail(
-                        grpc.StatusCode.INTERNAL, "PageChunk data is not the message's last field"
-                    )
-                chunk = self._parse(meta)
-                dst = sink.target(chunk, size)
-                self._read_into(dst)
-                sink.landed(chunk, dst)
-                return True
-            meta += encode_varint(key)
-            kind = key & 7
-            if kind == 0:
-                value, n = self._varint()
-                meta += encode_varint(value)
-            elif kind == 2:
-                size, n = self._varint()
-                meta += encode_varint(size)
-                if size > left - n:
-                    raise self._fail(
-                        grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end"
-                    )
-                meta += self._need_bytes(size)
-                n += size
-            elif kind in (1, 5):
-                n = 8 if kind == 1 else 4
-                meta += self._need_bytes(n)
-            else:
-                raise self._fail(grpc.StatusCode.INTERNAL, f"PageChunk has wire type {kind}")
-            left -= n
-            if left < 0:
-                raise self._fail(grpc.StatusCode.INTERNAL, "a PageChunk field runs past its end")
-        chunk = self._parse(meta)
-        sink.landed(chunk, sink.target(chunk, 0))
-        return True
-
-    def _parse(self, meta: bytearray) -> pb.PageChunk:
-        try:
-            return pb.PageChunk.FromString(bytes(meta))
-        except Exception as exc:  # protobuf's DecodeError
-            raise self._fail(grpc.StatusCode.INTERNAL, f"malformed PageChunk: {exc}") from None
-
-    def _varint(self) -> tuple[int, int]:
-        result = shift = n = 0
-        while True:
-            b = self._need_bytes(1)[0]
-            n += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result, n
-            shift += 7
-            if shift > 63:
-                raise self._fail(grpc.StatusCode.INTERNAL, "overlong varint in a PageChunk")
-
-    def _need_bytes(self, n: int) -> bytes:
+    def read_bytes(self, n: int) -> bytes:
+        """Exactly `n` DATA bytes inside a message (small fields: copied out of the buffer)."""
         if n <= self._frame_left and n <= self._end - self._start:  # the common case
             out = bytes(self._view[self._start : self._start + n])
             self._start += n
@@ -408,20 +331,11 @@ class WireChannel:
                 self._pad_left = 0
                 self._ended = self._ended or self._frame_ends
             return out
-        got = self._read(n, at_boundary=False)
-        if got is None:  # pragma: no cover - _read raises inside a message
-            raise self._fail(grpc.StatusCode.INTERNAL, "stream ended inside a message")
-        return got
+        slow = bytearray(n)
+        self.read_into(memoryview(slow))
+        return bytes(slow)
 
-    def _read(self, n: int, *, at_boundary: bool) -> bytes | None:
-        out = bytearray(n)
-        if not self._read_into(memoryview(out), at_boundary=at_boundary):
-            return None
-        return bytes(out)
-
-    # ------------------------------------------------------------ HTTP/2
-
-    def _read_into(self, dst: memoryview, *, at_boundary: bool = False) -> bool:
+    def read_into(self, dst: memoryview, *, at_boundary: bool = False) -> bool:
         """Fill `dst` with the stream's DATA bytes; False if the stream ended first (only at
         a message boundary: elsewhere that is an error)."""
         pos, n = 0, len(dst)
@@ -429,7 +343,7 @@ class WireChannel:
         while pos < n:
             if self._frame_left == 0 and not self._next_data_frame():
                 if pos or not at_boundary:
-                    raise self._fail(
+                    raise self.fail(
                         grpc.StatusCode.INTERNAL,
                         f"{self.address} ended the stream inside a message",
                     )
@@ -442,7 +356,7 @@ class WireChannel:
                 self._start += k
             else:  # straight from the socket into the destination
                 if sock is None:
-                    raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+                    raise self.fail(grpc.StatusCode.CANCELLED, "cancelled")
                 sock.settimeout(self._remaining())
                 k = sock.recv_into(dst[pos : pos + take])
                 if k == 0:
@@ -456,6 +370,8 @@ class WireChannel:
                     self._ended = True
         return True
 
+    # ------------------------------------------------------------ HTTP/2
+
     def _remaining(self) -> float:
         left = self._end_time - time.monotonic()
         if left <= 0:
@@ -467,14 +383,14 @@ class WireChannel:
         if self._end - self._start >= n:
             return
         if n > READ_BUFFER_BYTES:
-            raise self._fail(grpc.StatusCode.INTERNAL, f"a {n}-byte frame is over the read buffer")
+            raise self.fail(grpc.StatusCode.INTERNAL, f"a {n}-byte frame is over the read buffer")
         if self._start:
             kept = self._end - self._start
             self._view[:kept] = self._view[self._start : self._end]
             self._start, self._end = 0, kept
         sock = self._sock
         if sock is None:
-            raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+            raise self.fail(grpc.StatusCode.CANCELLED, "cancelled")
         while self._end - self._start < n:
             sock.settimeout(self._remaining())
             got = sock.recv_into(self._view[self._end :])
@@ -513,10 +429,10 @@ class WireChannel:
                     pad = self._payload(1)[0]
                     length -= 1 + pad
                     if length < 0:
-                        raise self._fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
+                        raise self.fail(grpc.StatusCode.INTERNAL, "DATA padding over its length")
                 self._account(length + pad + (1 if flags & h2.PADDED else 0))
                 if stream != self._stream:
-                    raise self._fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
+                    raise self.fail(grpc.StatusCode.INTERNAL, f"DATA on unknown stream {stream}")
                 self._frame_left, self._pad_left = length, pad
                 self._frame_ends = bool(flags & h2.END_STREAM)
                 if length:
@@ -549,7 +465,7 @@ class WireChannel:
     def _control(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         sock = self._sock
         if sock is None:
-            raise self._fail(grpc.StatusCode.CANCELLED, "cancelled")
+            raise self.fail(grpc.StatusCode.CANCELLED, "cancelled")
         if kind == h2.SETTINGS and not flags & h2.ACK:
             for i in range(0, len(payload) - 5, 6):
                 key, value = struct.unpack_from(">HI", payload, i)
@@ -571,7 +487,7 @@ class WireChannel:
             self._header_block(flags, stream, payload)
         elif kind == h2.RST_STREAM and stream == self._stream and stream:
             code = int.from_bytes(payload[:4], "big") if len(payload) >= 4 else 0
-            raise self._fail(
+            raise self.fail(
                 grpc.StatusCode.CANCELLED if code == 8 else grpc.StatusCode.UNAVAILABLE,
                 f"{self.address} reset the stream (HTTP/2 error {code})",
             )
@@ -579,9 +495,9 @@ class WireChannel:
             last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF if len(payload) >= 4 else 0
             self._going_away = True  # no new call on this connection
             if last < self._stream:
-                raise self._fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
+                raise self.fail(grpc.StatusCode.UNAVAILABLE, f"{self.address} is going away")
         elif kind == h2.PUSH_PROMISE:
-            raise self._fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
+            raise self.fail(grpc.StatusCode.INTERNAL, "server push was refused in SETTINGS")
         # PRIORITY, unknown types: nothing to do for a reader
 
     def _header_block(self, flags: int, stream: int, payload: bytes) -> None:
@@ -596,19 +512,19 @@ class WireChannel:
             head = bytes(self._view[self._start : self._start + 9])
             self._start += 9
             if head[3] != h2.CONTINUATION:
-                raise self._fail(grpc.StatusCode.INTERNAL, "header block without CONTINUATION")
+                raise self.fail(grpc.StatusCode.INTERNAL, "header block without CONTINUATION")
             flags = (flags & h2.END_STREAM) | head[4]
             block += self._payload(int.from_bytes(head[:3], "big"))
         try:
             fields = [(str(k), str(v)) for k, v in self._decoder.decode(block)]
         except hpack.HPACKError as exc:
-            raise self._fail(grpc.StatusCode.INTERNAL, f"bad header block: {exc}") from None
+            raise self.fail(grpc.StatusCode.INTERNAL, f"bad header block: {exc}") from None
         if stream != self._stream or not stream:
             return
         if not self._headers:
             self._headers = fields
             if dict(fields).get(":status", "200") != "200":
-                raise self._fail(
+                raise self.fail(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{self.address} answered HTTP {dict(fields).get(':status')}",
                 )
