@@ -12,7 +12,7 @@ One row per page, its "ordinal"; rows are reused once freed::
 Invariants, and why:
 
 - a digest has at most one row, found through an open-addressing table of
-  row numbers (int32 slots, linear probing, at most a third full, tombstones
+  row numbers (int32 slots, linear probing, at most half full, tombstones
   for deleted rows) placed by its compact key: the first 8 bytes as a uint64,
   spread by Fibonacci hashing. A slot holds only the row; the probe compares
   the row's whole digest and length, so two digests sharing their first 8
@@ -81,7 +81,7 @@ _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
 _MIN_SLOTS = 1 << 12
-_LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
+_LOAD_DIVISOR = 2  # slots in use (tombstones included) stay under a half
 
 
 class PageStore:
@@ -116,12 +116,16 @@ class PageStore:
         cap = len(self._length)
         if need <= cap:
             return
-        new = max(need, cap + cap // 2, _MIN_ROWS)
-        self._digest = np.concatenate([self._digest, np.zeros((new - cap, self._words), np.uint64)])
-        self._length = np.concatenate([self._length, np.zeros(new - cap, np.uint8)])
-        self._holders = np.concatenate([self._holders, np.zeros(new - cap, np.int32)])
-        self._parent = np.concatenate([self._parent, np.full(new - cap, -1, np.int32)])
-        self._kids = np.concatenate([self._kids, np.zeros(new - cap, np.int32)])
+        new = max(need, cap + cap // 4, _MIN_ROWS)
+        # In place (realloc: mremap for large columns), not concatenate: a copy frees the
+        # old column, and glibc then keeps freed heap the size of the old columns resident.
+        # The new rows come zeroed; the arrays hold no views (refcheck guards it).
+        self._digest.resize((new, self._words))
+        self._length.resize(new)
+        self._holders.resize(new)
+        self._parent.resize(new)
+        self._parent[cap:] = -1
+        self._kids.resize(new)
 
     def _widen(self, words: int) -> None:
         if words > self._words:
@@ -177,7 +181,7 @@ class PageStore:
         if (self._slots_used + more) * _LOAD_DIVISOR <= len(self._table):
             return False
         rows = self._table[self._table >= 0].astype(np.int64)
-        # The next power of two past the load limit: 3-6 slots, 12-24 bytes, a page.
+        # The next power of two past the load limit: 2-4 slots, 8-16 bytes, a page.
         size = max(self._min_slots, (len(rows) + more) * _LOAD_DIVISOR + 1)
         self._new_table(size)
         if len(rows):
@@ -677,6 +681,10 @@ class PageStore:
             raise InvariantViolation(f"{len(placed)} table slots name {len(used)} rows")
         if (self._table != _EMPTY).sum() != self._slots_used:
             raise InvariantViolation(f"{self._slots_used} slots counted as used")
+        if self._slots_used * _LOAD_DIVISOR > len(self._table):
+            raise InvariantViolation(
+                f"{self._slots_used} of {len(self._table)} lookup slots used: past the load limit"
+            )
         ids = self._holders[used]
         held = int((ids != 0).sum())
         if held != self._held:

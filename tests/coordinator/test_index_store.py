@@ -1,0 +1,64 @@
+"""The columnar page store's growth: columns grow in place, the lookup table stays half empty."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvmesh.coordinator.index_store import PageStore
+from kvmesh.types import PageHash
+
+
+def _h(i: int) -> PageHash:
+    return PageHash(hashlib.sha256(i.to_bytes(8, "little")).digest())
+
+
+def _chain(start: int, n: int) -> list[PageHash]:
+    return [_h(start + k) for k in range(n)]
+
+
+def test_pages_survive_the_columns_growing_in_place() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    first = _chain(0, 700)
+    store.store([(first, None)], 0, 1)
+    rows_before = len(store._length)
+    later = _chain(10_000, 5_000)  # forces several rounds of growth
+    store.store([(later, first[-1])], 0, 1)
+    assert len(store._length) > rows_before
+    assert store.holder_ids(first + later) == [store.holder_ids(first[:1])[0]] * 5_700
+    assert store.parent(later[0]) == first[-1]
+    assert store.parent(first[0]) is None
+    store.check_invariants([0])
+
+
+def test_new_rows_after_growth_have_no_parent_and_no_holder() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    store.store([(_chain(0, 3_000), None)], 0, 1)
+    top = store._top
+    assert (store._parent[top:] == -1).all()
+    assert (store._holders[top:] == 0).all()
+    assert (store._kids[top:] == 0).all()
+
+
+def test_the_lookup_table_is_at_most_half_full_and_at_least_a_quarter() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    for k in range(20):
+        store.store([(_chain(k * 1_000, 1_000), None)], 0, 1)
+        used = int((store._table >= 0).sum())
+        assert used * 2 <= len(store._table)
+    assert used * 4 >= len(store._table)  # 2-4 slots a page once grown past the minimum
+    store.check_invariants([0])
+
+
+def test_the_arrays_cost_at_most_70_bytes_per_32_byte_page() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    pages = 50_000
+    for k in range(0, pages, 500):
+        store.store([(_chain(k, 500), None)], 0, 1)
+    columns = (store._digest, store._length, store._holders, store._parent, store._kids)
+    used = sum(c.nbytes for c in columns) + store._table.nbytes + store.extra_bytes()
+    assert len(store) == pages
+    assert used / pages <= 70
