@@ -59,6 +59,7 @@ from typing import Any
 import msgpack
 
 from kvmesh.coordinator.index_store import PageStore
+from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
 from kvmesh.events import (
     AllPagesCleared,
@@ -78,8 +79,11 @@ _WORKER_BITS = 0b1111
 _MEDIUM_ALIASES: dict[str, int] = {
     "gpu": 0,
     "cuda": 0,
+    "device": 0,
     "cpu": 1,
+    "host": 1,
     "disk": 2,
+    "storage": 2,  # vLLM's MEDIUM_STORAGE
     "localdisk": 2,
     "ssd": 2,
 }
@@ -516,6 +520,45 @@ class GlobalIndex:
                     tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
                 bits ^= low
         return MatchResult(pages, tier_names, len(hashes))
+
+    def tier_pages(
+        self, hashes: Sequence[PageHash], matched: MatchResult
+    ) -> dict[WorkerId, TierPages]:
+        """Per worker of `matched` (a `match` of `hashes`) with pages off the device tier: how
+        many of its matched pages sit in each tier (`coordinator.tiers`).
+
+        Workers whose matched prefix is all on the device are left out, so a cluster without
+        lower tiers pays nothing beyond `match`; otherwise one pass over the longest such
+        prefix, a Python step per run of pages with the same holders per tiered worker.
+        """
+        tiered = [
+            (wid, n)
+            for wid, n in matched.pages.items()
+            if matched.tiers.get(wid, ("gpu",)) != ("gpu",) and wid in self._workers
+        ]
+        if not tiered:
+            return {}
+        longest = max(n for _, n in tiered)
+        shifts = [(wid, n, self._workers[wid].shift) for wid, n in tiered]
+        counts = {wid: [0, 0, 0, 0] for wid, _ in tiered}
+        masks = self._store.masks
+        runs: list[tuple[int, int]] = []  # (mask id, pages) in prompt order
+        for mid in self._store.holder_ids(hashes[:longest]):
+            if runs and runs[-1][0] == mid:
+                runs[-1] = (mid, runs[-1][1] + 1)
+            else:
+                runs.append((mid, 1))
+        start = 0
+        for mid, length in runs:
+            m = masks[mid]
+            for wid, n, shift in shifts:
+                if start >= n:
+                    continue
+                bits = m >> shift & _WORKER_BITS
+                if bits:  # the cheapest tier holding it: a page mid-move is usable where it is
+                    counts[wid][(bits & -bits).bit_length() - 1] += min(length, n - start)
+            start += length
+        return {wid: TierPages(*c) for wid, c in counts.items()}
 
     def holders(self, page_hash: PageHash) -> dict[WorkerId, tuple[str, ...]]:
         """Who holds one page, and in which tiers."""

@@ -25,12 +25,13 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 import xxhash
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordinator.tiers import TierCosts, TierPages
 from kvmesh.errors import ConfigError, InvalidInput, NoWorkers
 from kvmesh.load import WorkerLoad  # re-exported: callers still import it from here
 from kvmesh.types import PageHash, WorkerId
@@ -79,6 +80,8 @@ class RouteDecision:
     policy: str
     cost: float = 0.0
     degraded: bool = False
+    promote_pages: int = 0
+    """Pages of `local_pages` in the worker's host or disk tier, to promote (`kv_aware`)."""
 
 
 class RoutingPolicy(Protocol):
@@ -93,6 +96,7 @@ class RoutingPolicy(Protocol):
         request: RouteRequest,
         overlaps: Mapping[WorkerId, int],
         loads: Sequence[WorkerLoad],
+        tiers: Mapping[WorkerId, TierPages] | None = None,
     ) -> RouteDecision: ...
 
 
@@ -219,7 +223,10 @@ class CandidatePolicy(ABC):
         request: RouteRequest,
         overlaps: Mapping[WorkerId, int],
         loads: Sequence[WorkerLoad],
+        tiers: Mapping[WorkerId, TierPages] | None = None,
     ) -> RouteDecision:
+        """`tiers`: `GlobalIndex.tier_pages` (workers absent hold their prefix on the device);
+        only `kv_aware` weighs it."""
         cands = candidates(request, overlaps, loads)
         i, cost = self.pick(request, cands)
         return decide(self.name, request, cands, i, cost)
@@ -237,7 +244,11 @@ class KVAwarePolicy(CandidatePolicy):
 
     `pages_to_prefill` is the prompt's pages minus the worker's held prefix;
     with `request.allow_pull`, pages a peer holds beyond it count `pull_cost`
-    each instead of 1. The queued prefill term is what makes a worker that
+    each instead of 1. Held pages in the worker's host or disk tier (`tiers`,
+    from `GlobalIndex.tier_pages`) count `host_hit_cost` / `disk_hit_cost`
+    each (`coordinator.tiers.TierCosts`), so route, promotion, pull and
+    recomputation are weighed in one cost; the decision names the pages to
+    promote. The queued prefill term is what makes a worker that
     holds the prefix but has a long queue lose to an idle one: the cost is,
     in pages, the prefill work the request waits for. `max_load_ratio` > 0
     additionally skips workers whose queued prefill plus this request's
@@ -257,11 +268,35 @@ class KVAwarePolicy(CandidatePolicy):
         self.temperature = config.temperature
         self.pull_cost = config.pull_cost
         self.max_load_ratio = config.max_load_ratio
+        self.tier_costs = TierCosts.from_config(config)
         self.rng = rng
 
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+        tiers: Mapping[WorkerId, TierPages] | None = None,
+    ) -> RouteDecision:
+        cands = candidates(request, overlaps, loads)
+        i, cost = self._pick(request, cands, tiers)
+        decision = decide(self.name, request, cands, i, cost)
+        held = tiers.get(decision.worker_id) if tiers else None
+        if held is None or not held.lower or not decision.local_pages:
+            return decision
+        return replace(decision, promote_pages=min(held.lower, decision.local_pages))
+
     def pick(self, request: RouteRequest, cands: Candidates) -> tuple[int, float]:
+        return self._pick(request, cands, None)
+
+    def _pick(
+        self,
+        request: RouteRequest,
+        cands: Candidates,
+        tiers: Mapping[WorkerId, TierPages] | None,
+    ) -> tuple[int, float]:
         peer_n = best_peer(cands, request.page_size)[1] if request.allow_pull else 0
-        costs = self.costs(request, cands, peer_n)
+        costs = self.costs(request, cands, peer_n, tiers)
         keys = costs
         if self.max_load_ratio > 0:
             allowed = self._bounded(request, cands)
@@ -270,12 +305,21 @@ class KVAwarePolicy(CandidatePolicy):
         i = self._sample(keys) if sample else _pick_min(keys, cands.loads, self.rng)
         return i, costs[i]
 
-    def costs(self, request: RouteRequest, cands: Candidates, peer_n: int = 0) -> list[float]:
-        """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls)."""
+    def costs(
+        self,
+        request: RouteRequest,
+        cands: Candidates,
+        peer_n: int = 0,
+        tiers: Mapping[WorkerId, TierPages] | None = None,
+    ) -> list[float]:
+        """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls);
+        `tiers`: where each worker's held prefix lives (absent: on the device)."""
         size = request.page_size
         total = request.num_pages
         w, dw, saved = self.overlap_weight, self.decode_weight, 1.0 - self.pull_cost
         qw = self.queue_weight / size
+        if tiers:
+            return self._tiered_costs(request, cands, peer_n, tiers)
         if peer_n <= 0:  # the common case, without pulls: one comprehension
             return [
                 w * (total - local + qw * load.active_prefill_tokens)
@@ -285,6 +329,35 @@ class KVAwarePolicy(CandidatePolicy):
         out: list[float] = []
         for load, local in zip(cands.loads, cands.overlaps, strict=True):
             prefill = float(total - local)
+            if peer_n > local:
+                prefill -= (peer_n - local) * saved
+            out.append(
+                w * (prefill + qw * load.active_prefill_tokens) + dw * load.active_decode_pages
+            )
+        return out
+
+    def _tiered_costs(
+        self,
+        request: RouteRequest,
+        cands: Candidates,
+        peer_n: int,
+        tiers: Mapping[WorkerId, TierPages],
+    ) -> list[float]:
+        """`costs` when some worker holds part of its prefix in a lower tier.
+
+        A worker whose count covers more than the overlap it may claim (stale, or a match
+        clamped) is charged its lower-tier pages in proportion.
+        """
+        total = request.num_pages
+        w, dw, saved = self.overlap_weight, self.decode_weight, self.tier_costs.pull_saves
+        qw = self.queue_weight / request.page_size
+        prefix_cost = self.tier_costs.prefix_cost
+        out: list[float] = []
+        for load, local in zip(cands.loads, cands.overlaps, strict=True):
+            prefill = float(total - local)
+            held = tiers.get(load.worker_id)
+            if held is not None and local > 0 and held.total > 0:
+                prefill += prefix_cost(held) * min(1.0, local / held.total)
             if peer_n > local:
                 prefill -= (peer_n - local) * saved
             out.append(

@@ -381,8 +381,11 @@ class Coordinator:
         request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
         with self._lock:
             t0 = time.perf_counter_ns()
-            overlaps = self.index.match(request.hashes).pages
-            decision = self._policy(policy).choose(request, overlaps, self._current_loads(role))
+            matched = self.index.match(request.hashes)
+            tiers = self.index.tier_pages(request.hashes, matched)
+            decision = self._policy(policy).choose(
+                request, matched.pages, self._current_loads(role), tiers
+            )
             self._route_ns += time.perf_counter_ns() - t0
             c = self._counts
             c["routes"] += 1

@@ -277,6 +277,13 @@ class CoordinatorConfig:
     decode_weight: float = 0.0
     queue_weight: float = 1.0
     pull_cost: float = 0.16  # pulling a page / computing it (6.4 ms vs ~41 ms per 512 tokens)
+    # kv_aware by tier (coordinator/tiers.py): promoting a held page from host memory / disk, as
+    # a fraction of recomputing it (capped at 1); the simulator's time model derives its own
+    host_hit_cost: float = 0.06  # 64 MB page over PCIe (~25 GB/s, 2.6 ms) vs ~41 ms of prefill
+    disk_hit_cost: float = 0.31  # 64 MB page from NVMe (~5 GB/s, 12.8 ms) vs ~41 ms of prefill
+    # fair share of the cluster's pages per tenant: "tenant=weight,..." (kvmesh.tenants); a
+    # tenant not named weighs 1
+    tenant_weights: str = ""
     max_load_ratio: float = 0.0  # kv_aware bounded load: skip workers above ratio * mean (0: off)
     consistent_hash_pages: int = 4  # leading pages that form the affinity key
     consistent_hash_vnodes: int = 64
@@ -327,6 +334,8 @@ class CoordinatorConfig:
                 "decode_weight",
                 "queue_weight",
                 "max_load_ratio",
+                "host_hit_cost",
+                "disk_hit_cost",
                 "balance_abs_threshold",
                 "balance_rel_threshold",
                 "seed",
