@@ -10,12 +10,16 @@ Wire format (msgpack, arrays, the field order of vLLM's KV event schema so
 that batches from a real vLLM engine decode with the same code)::
 
     batch  = [ts, [event, ...], data_parallel_rank, worker_id, incarnation, seq, snapshot]
-    event  = ["BlockStored", hashes, parent_hash, token_ids, page_size, lora_id, medium]
-           | ["BlockRemoved", hashes, medium]
+    event  = ["BlockStored", hashes, parent_hash, token_ids, page_size, lora_id, medium, tenant]
+           | ["BlockRemoved", hashes, medium, tenant]
            | ["AllBlocksCleared"]
 
 A vLLM batch stops after `data_parallel_rank`; its worker id and sequence
 number come from the ZMQ frame instead and are passed to `decode_batch`.
+`tenant` is kvmesh's own trailing field (read only in kvmesh batches, since
+vLLM puts other fields there, and optional, so batches without it decode):
+the tenant the pages count against (`kvmesh.tenants.tenant_of`), one tenant
+per event; nil is the default tenant.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class PagesStored:
     page_size: int
     lora_id: int | None = None
     medium: str | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class PagesRemoved:
 
     page_hashes: tuple[PageHash, ...]
     medium: str | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +102,10 @@ def _encode_event(ev: KVEvent) -> list[Any]:
             ev.page_size,
             ev.lora_id,
             ev.medium,
+            ev.tenant,
         ]
     if isinstance(ev, PagesRemoved):
-        return ["BlockRemoved", list(ev.page_hashes), ev.medium]
+        return ["BlockRemoved", list(ev.page_hashes), ev.medium, ev.tenant]
     return ["AllBlocksCleared"]
 
 
@@ -138,7 +145,8 @@ def _opt(value: Any, kind: type, where: str) -> Any:
     raise EventDecodeError(f"{where}: expected {kind.__name__} or nil, got {type(value).__name__}")
 
 
-def _decode_event(raw: Any, i: int) -> KVEvent:
+def _decode_event(raw: Any, i: int, kvmesh_fields: bool = False) -> KVEvent:
+    """`kvmesh_fields`: the batch is kvmesh's own, so trailing kvmesh fields (tenant) are read."""
     where = f"event {i}"
     if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
         raise EventDecodeError(f"{where}: an event must be a tagged array")
@@ -161,13 +169,21 @@ def _decode_event(raw: Any, i: int) -> KVEvent:
                 f"{where}: {len(hashes)} pages of {size} tokens need {size * len(hashes)} "
                 f"token ids, got {len(tokens)}"
             )
+        tenant = _opt(raw[7], str, where) if kvmesh_fields and len(raw) > 7 else None
         return PagesStored(
-            hashes, parent, tuple(tokens), size, _opt(raw[5], int, where), _opt(raw[6], str, where)
+            hashes,
+            parent,
+            tuple(tokens),
+            size,
+            _opt(raw[5], int, where),
+            _opt(raw[6], str, where),
+            tenant,
         )
     if tag == "BlockRemoved":
         if len(raw) < 3:
             raise EventDecodeError(f"{where}: BlockRemoved needs 2 fields, got {len(raw) - 1}")
-        return PagesRemoved(_hashes(raw[1], where), _opt(raw[2], str, where))
+        tenant = _opt(raw[3], str, where) if kvmesh_fields and len(raw) > 3 else None
+        return PagesRemoved(_hashes(raw[1], where), _opt(raw[2], str, where), tenant)
     if tag == "AllBlocksCleared":
         return AllPagesCleared()
     raise EventDecodeError(f"{where}: unknown event type {tag!r}")
@@ -221,7 +237,8 @@ def decode_batch(
             raise EventDecodeError(
                 "a vLLM-style batch carries no worker id or sequence number: pass them to decode_batch"
             )
-    decoded = tuple(_decode_event(e, i) for i, e in enumerate(events))
+    kvmesh_batch = len(raw) >= 6
+    decoded = tuple(_decode_event(e, i, kvmesh_batch) for i, e in enumerate(events))
     return EventBatch(decoded, worker_id, incarnation, seq, float(ts), snap, dp_rank)
 
 

@@ -45,8 +45,8 @@ def test_round_trip_is_exact() -> None:
 
 def test_wire_layout_follows_vllm_field_order() -> None:
     raw = msgpack.unpackb(encode_batch(_batch()))
-    assert raw[1][0] == ["BlockStored", [H1, H2], None, list(range(8)), 4, 7, "gpu"]
-    assert raw[1][1] == ["BlockRemoved", [H1], "gpu"]
+    assert raw[1][0] == ["BlockStored", [H1, H2], None, list(range(8)), 4, 7, "gpu", None]
+    assert raw[1][1] == ["BlockRemoved", [H1], "gpu", None]
     assert raw[1][2] == ["AllBlocksCleared"]
     assert raw[3:6] == ["worker-0", "inc-1", 5]
 
@@ -61,6 +61,22 @@ def test_a_vllm_engine_batch_decodes_with_the_worker_and_seq_given() -> None:
     assert isinstance(ev, PagesStored) and len(ev.page_hashes) == 2
     with pytest.raises(EventDecodeError, match="pass them"):
         decode_batch(vllm_batch)
+
+
+def test_the_tenant_travels_in_kvmesh_batches_and_is_never_read_from_vllm_fields() -> None:
+    events = (
+        PagesStored((H1,), None, (), 4, None, "cpu", "t-quiet"),
+        PagesRemoved((H1,), "gpu", "t-quiet"),
+    )
+    b = decode_batch(encode_batch(make_batch(events, WorkerId("w"), "i", 0)))
+    assert b.events == events
+    vllm_batch = msgpack.packb(  # vLLM's lora_name sits where kvmesh keeps the tenant
+        [1.5, [["BlockStored", [1], None, [1, 2, 3, 4], 4, None, "GPU", "my-lora"]], 0]
+    )
+    ev = decode_batch(vllm_batch, worker_id=WorkerId("vllm-0"), seq=0).events[0]
+    assert isinstance(ev, PagesStored) and ev.tenant is None
+    with pytest.raises(EventDecodeError, match="expected str or nil"):
+        decode_batch(msgpack.packb([1.0, [["BlockRemoved", [H1], None, 5]], None, "w", "i", 0]))
 
 
 BAD = [
