@@ -35,8 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+
+from kvmesh.app.report import SHARED_ROWS, Row, plot_comparison, print_comparison
 from kvmesh.config import ClusterConfig, ModelConfig
 from kvmesh.errors import ConfigError, KVMeshError
+from kvmesh.stats import mean, percentiles
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens
 
 if TYPE_CHECKING:
@@ -155,22 +159,13 @@ class PolicyReport:
         return dataclasses.asdict(self)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile `q` in [0, 100] of `values` (0.0 for none)."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(s)))
-    return s[min(rank, len(s)) - 1]
-
-
 def replay(
     mesh: KVMesh,
     prompts: Sequence[TracePrompt],
     spec: ReplaySpec,
     *,
     label: str,
-    console: Any | None = None,
+    console: Console | None = None,
     progress: bool = True,
 ) -> PolicyReport:
     """Send `prompts` through `mesh` as `spec` says and measure them.
@@ -186,7 +181,7 @@ async def _replay(
     prompts: Sequence[TracePrompt],
     spec: ReplaySpec,
     label: str,
-    console: Any | None,
+    console: Console | None,
     show: bool,
 ) -> PolicyReport:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -241,6 +236,7 @@ async def _replay(
     hits = sum(r.pages_hit_local for r in results)
     pulled = sum(r.pages_pulled for r in results)
     ttfts = [r.timings.ttft_ms for r in results]
+    p50, p99 = percentiles(ttfts, (50, 99))
     return PolicyReport(
         policy=label,
         requests=len(results),
@@ -249,91 +245,30 @@ async def _replay(
         page_hit_ratio=hits / pages if pages else 0.0,
         pulled_pages=pulled,
         reuse_ratio=(hits + pulled) / pages if pages else 0.0,
-        ttft_mean_ms=sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        ttft_p50_ms=percentile(ttfts, 50),
-        ttft_p99_ms=percentile(ttfts, 99),
-        latency_mean_ms=sum(latencies) / len(latencies) if latencies else 0.0,
+        ttft_mean_ms=mean(ttfts),
+        ttft_p50_ms=p50,
+        ttft_p99_ms=p99,
+        latency_mean_ms=mean(latencies),
         requests_per_s=len(results) / wall if wall > 0 else 0.0,
         wall_s=wall,
         mismatches=(await mesh.astats()).mismatches - before,
     )
 
 
-_ROWS: tuple[tuple[str, str, str], ...] = (
-    ("requests", "requests", "{}"),
-    ("errors", "errors", "{}"),
-    ("page hit ratio", "page_hit_ratio", "{:.3f}"),
-    ("pulled pages", "pulled_pages", "{}"),
-    ("reuse ratio (hit + pulled)", "reuse_ratio", "{:.3f}"),
-    ("TTFT mean (ms)", "ttft_mean_ms", "{:.1f}"),
-    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
-    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-    ("latency mean (ms, client)", "latency_mean_ms", "{:.1f}"),
-    ("requests / s", "requests_per_s", "{:.2f}"),
-    ("predicted/realized mismatches", "mismatches", "{}"),
+DEMO_ROWS: tuple[Row, ...] = (
+    Row("requests", "requests"),
+    Row("errors", "errors"),
+    *SHARED_ROWS,
+    Row("latency mean (ms, client)", "latency_mean_ms", "{:.1f}"),
+    Row("requests / s", "requests_per_s", "{:.2f}"),
+    Row("predicted/realized mismatches", "mismatches"),
 )
+"""The table's rows: the demo's counts, the figures the simulator shows too, its own."""
 
 
-def print_reports(reports: Sequence[PolicyReport], console: Any | None = None) -> None:
-    """One rich table: a row per metric, a column per policy."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    table = Table(title="kvmesh: measured per routing policy")
-    table.add_column("metric")
-    for r in reports:
-        table.add_column(r.policy, justify="right")
-    dicts = [r.to_dict() for r in reports]
-    for title, key, fmt in _ROWS:
-        table.add_row(title, *(fmt.format(d[key]) for d in dicts))
-    console.print(table)
-
-
-def plot_reports(
-    reports: Sequence[PolicyReport], path: Path, title: str, bound: float | None = None
-) -> Path:
-    """A PNG: TTFT mean / p50 / p99 (log scale), pages reused (local + pulled, with the
-    slice's bound) and requests per second, one group per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.policy for r in reports]
-    xs = list(range(len(reports)))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
-    width = 0.26
-    for k, (key, label) in enumerate(
-        (("ttft_mean_ms", "mean"), ("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"))
-    ):
-        values = [max(getattr(r, key), 1e-3) for r in reports]
-        bars = axes[0].bar([x + (k - 1) * width for x in xs], values, width, label=label)
-        axes[0].bar_label(bars, fmt="%.0f", fontsize=7)
-    axes[0].set_yscale("log")
-    axes[0].set_title("TTFT (ms, measured by the workers)")
-    axes[0].legend()
-    local = [r.page_hit_ratio for r in reports]
-    pulled = [r.reuse_ratio - r.page_hit_ratio for r in reports]
-    axes[1].bar(xs, local, 0.5, label="local hits")
-    axes[1].bar(xs, pulled, 0.5, bottom=local, label="pulled from peers")
-    if bound is not None:
-        axes[1].axhline(bound, color="grey", linestyle="--", label=f"bound {bound:.2f}")
-    axes[1].set_ylim(0, 1)
-    axes[1].set_title("prompt pages reused")
-    axes[1].legend(loc="upper right", fontsize=8)
-    bars = axes[2].bar(xs, [r.requests_per_s for r in reports], 0.5, color="tab:green")
-    axes[2].bar_label(bars, fmt="%.2f", fontsize=8)
-    axes[2].set_title("requests / s")
-    for ax in axes:
-        ax.set_xticks(xs)
-        ax.set_xticklabels(names)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def print_reports(reports: Sequence[PolicyReport], console: Console | None = None) -> None:
+    """The demo's table (`kvmesh.app.report`): a row per figure, a column per policy."""
+    print_comparison(reports, DEMO_ROWS, "kvmesh: measured per routing policy", console)
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -478,12 +413,13 @@ def run(args: argparse.Namespace) -> int:
             f"p99 {rr.ttft_p99_ms / kv.ttft_p99_ms:.2f}x)"
         )
         console.print(summary, highlight=False)
-    path = plot_reports(
+    path = plot_comparison(
         reports,
         args.plot,
         f"kvmesh demo: {len(prompts)} trace requests, {num_workers} workers"
         + (f"\n{summary}" if summary else ""),
-        bound,
+        own=Row("requests / s", "requests_per_s"),
+        bound=bound,
     )
     console.print(f"report written to {path.resolve()}", highlight=False, soft_wrap=True)
     console.print(f"demo took {time.perf_counter() - started:.1f}s in all", highlight=False)

@@ -1,70 +1,37 @@
 """`kvmesh simulate`: replay a trace offline against simulated workers and routing policies.
 
-Everything that decides what is cached and where a request goes is the real
-code: each simulated worker runs a real `PagePool` under a real
-`KVCacheManager`, its KV events flow as `EventBatch`es (per-worker sequence
-numbers) into a real `GlobalIndex`, and a real policy from
-`kvmesh.coordinator.policies.REGISTRY` routes every request on the index's
-overlaps and the workers' loads. Only time is modelled (`TimeModel`)::
-
-    arrival ─► route (index.match + policy.choose) ─► worker's prefill queue (FIFO)
-    prefill start: local hit (get_computed_pages), [--pull: peer pages], allocate
-    prefill end  = start + 5 ms + 80 us x computed tokens (+ 6.4 ms x pulled pages)
-                   -> cache the prompt's full pages (events -> index), first token
-    decode end   = prefill end + 25 ms x output tokens -> free pages tail-first
-
-A worker computes one prefill at a time; decode is batched, so it only holds
-pages (load). TTFT = queue wait + prefill (+ pulls). A prefill that cannot get
-its pages waits until a decode on its worker frees some.
-
-The trace's block ids are pages (512 tokens): a block's tokens come from
-`kvmesh.trace.block_tokens` and the page hashes from the real `PageHasher`,
-computed once per distinct (parent, block) before the replay. A partial last
-block is a page that is computed but never cached (only full pages are
-hashed), and the page holding the last prompt token is never a hit (it is
-recomputed for its logits). The pools' events leave out token ids: only the
-index reads them, and it keys on hashes.
+The replay is `kvmesh.app.sim_engine`'s (real pools, cache managers, index and
+policies; modelled time); this module is the command around it: the flags,
+one replay per policy, the figures of each (`summarize`) and their table,
+JSON lines and plot (`kvmesh.app.report`, shared with the demo).
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
-import math
 import random
 import sys
 import time
-from array import array
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+from kvmesh.app.report import SHARED_ROWS, Row, plot_comparison, print_comparison
+from kvmesh.app.sim_engine import (
+    PreparedTrace,
+    SimResult,
+    SimSettings,
+    Simulation,
+    TimeModel,
+    prepare_trace,
+)
 from kvmesh.config import CoordinatorConfig, from_env
-from kvmesh.coordinator.index import ApplyResult, GlobalIndex
-from kvmesh.coordinator.policies import (
-    REGISTRY,
-    RouteDecision,
-    RouteRequest,
-    RoutingPolicy,
-    WorkerLoad,
-    make_policy,
-)
-from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
-from kvmesh.events import EventBatch
-from kvmesh.hashing import PageHasher, RequestHashes
-from kvmesh.trace import (
-    TRACE_BLOCK_TOKENS,
-    TraceRequest,
-    block_tokens,
-    infinite_cache_hit_ratio,
-    load_trace,
-)
-from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.cache_manager import KVCacheManager, Request
-from kvmesh.worker.page_pool import PagePool
+from kvmesh.coordinator.policies import REGISTRY, make_policy
+from kvmesh.errors import ConfigError
+from kvmesh.stats import mean, percentiles
+from kvmesh.trace import TRACE_BLOCK_TOKENS, load_trace
 
 REPORT_KEYS: tuple[str, ...] = (
     "policy",
@@ -81,512 +48,14 @@ REPORT_KEYS: tuple[str, ...] = (
 )
 """The keys of one `--json` line, in order."""
 
-
-@dataclass(frozen=True, slots=True)
-class TimeModel:
-    """The modelled costs (about one H100 serving an 8B model).
-
-    A pulled page is 64 MB of KV moved at 10 GB/s: 6.4 ms, against 41 ms to
-    compute its 512 tokens, so pulling normally wins.
-    """
-
-    prefill_base_ms: float = 5.0
-    prefill_token_us: float = 80.0
-    decode_token_ms: float = 25.0
-    pull_page_ms: float = 6.4
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"time model {f.name} must be a finite number >= 0, got {value}")
-
-    def prefill_ms(self, computed_tokens: int, pulled_pages: int = 0) -> float:
-        """Prefill duration: fixed cost, computed tokens, pulled pages."""
-        return (
-            self.prefill_base_ms
-            + computed_tokens * self.prefill_token_us / 1000.0
-            + pulled_pages * self.pull_page_ms
-        )
-
-    def work_tokens(self, computed_tokens: int, pulled_pages: int = 0) -> int:
-        """A prefill's work as a worker reports it: computed tokens, plus the
-        tokens its pull time would have computed (pulls hold the prefill slot too)."""
-        if pulled_pages <= 0 or self.prefill_token_us <= 0:
-            return computed_tokens
-        return computed_tokens + round(
-            pulled_pages * self.pull_page_ms * 1000.0 / self.prefill_token_us
-        )
-
-    def pull_pays(self, page_size: int) -> bool:
-        """Whether pulling a full page is cheaper than computing it."""
-        return self.pull_page_ms < page_size * self.prefill_token_us / 1000.0
-
-
-@dataclass(frozen=True, slots=True)
-class SimSettings:
-    """The simulated cluster: workers, pages per worker, pulls, costs."""
-
-    workers: int = 8
-    capacity_pages: int = 10_000
-    pull: bool = False
-    time: TimeModel = field(default_factory=TimeModel)
-    page_size: int = TRACE_BLOCK_TOKENS
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ConfigError(f"workers (--workers) must be at least 1, got {self.workers}")
-        if self.capacity_pages < 1:
-            raise ConfigError(
-                f"capacity_pages (--capacity-pages) must be at least 1, got {self.capacity_pages}"
-            )
-
-
-# --------------------------------------------------------------------- the trace
-
-
-@dataclass(frozen=True, slots=True)
-class SimRequest:
-    """One trace request ready to replay.
-
-    `num_pages` counts every prompt block (a partial last one too);
-    `page_hashes` are the chained hashes of the full pages only, as
-    `RequestHashes` would compute them.
-    """
-
-    request_id: str
-    arrival_ms: float
-    input_tokens: int
-    output_tokens: int
-    block_ids: tuple[int, ...]
-    page_hashes: tuple[PageHash, ...]
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.block_ids)
-
-
-class PreparedTrace:
-    """A trace with its page hashes computed, and the tokens of its blocks.
-
-    This is the slow part of a run (the bundled trace: 182,790 distinct
-    blocks, ~0.07 ms of `block_tokens` and ~0.01 ms of hashing each), so it
-    happens once and every policy replays the same prepared trace. A block's
-    tokens are kept as a packed uint32 array (2 KiB per distinct block) to
-    rebuild a prompt's token ids.
-    """
-
-    __slots__ = ("_tokens", "bound_hit_ratio", "hasher", "requests")
-
-    def __init__(self, trace: Sequence[TraceRequest], hasher: PageHasher) -> None:
-        size = hasher.page_size
-        memo: dict[tuple[PageHash | None, int], PageHash] = {}
-        tokens: dict[int, array[int]] = {}
-        out: list[SimRequest] = []
-        for i, req in enumerate(trace):
-            n = len(req.hash_ids)
-            if n != -(-req.input_length // size):
-                raise InvalidInput(
-                    f"trace request {i}: {req.input_length} input tokens need "
-                    f"{-(-req.input_length // size)} blocks of {size}, got {n} hash_ids"
-                )
-            full = req.input_length // size
-            hashes: list[PageHash] = []
-            parent: PageHash | None = None
-            for j, block in enumerate(req.hash_ids):
-                toks = tokens.get(block)
-                if toks is None:
-                    toks = tokens[block] = array("I", block_tokens(block, size))
-                if j >= full:
-                    break
-                key = (parent, block)
-                h = memo.get(key)
-                if h is None:
-                    h = memo[key] = hasher.hash_page(parent, toks)
-                hashes.append(h)
-                parent = h
-            out.append(
-                SimRequest(
-                    f"req-{i}",
-                    float(req.timestamp_ms),
-                    req.input_length,
-                    req.output_length,
-                    req.hash_ids,
-                    tuple(hashes),
-                )
-            )
-        self.hasher = hasher
-        self.requests = out
-        self._tokens = tokens
-        self.bound_hit_ratio = infinite_cache_hit_ratio(trace)
-
-    def token_ids(self, req: SimRequest) -> array[int]:
-        """The request's prompt tokens (its blocks' tokens, cut to its input length), packed."""
-        out: array[int] = array("I")
-        extend = out.extend
-        tokens = self._tokens
-        for block in req.block_ids:
-            extend(tokens[block])
-        del out[req.input_tokens :]
-        return out
-
-    def request_hashes(self, req: SimRequest) -> RequestHashes:
-        """`RequestHashes` of the request, filled from the precomputed chain (no rehash).
-
-        The token ids stay a packed uint32 array rather than a list of ints:
-        the cache manager and pool only take its length and slices, and
-        building 12,000-int lists per request was half of a replay's time.
-        """
-        rh = RequestHashes(self.hasher)
-        rh.token_ids = cast(list[int], self.token_ids(req))
-        rh.hashes = list(req.page_hashes)
-        return rh
-
-    @property
-    def max_pages(self) -> int:
-        return max((r.num_pages for r in self.requests), default=0)
-
-
-def prepare_trace(
-    trace: Sequence[TraceRequest], page_size: int = TRACE_BLOCK_TOKENS
-) -> PreparedTrace:
-    """Hash a trace's pages with the real `PageHasher` (default seed and algorithm)."""
-    return PreparedTrace(trace, PageHasher(page_size))
-
-
-# ------------------------------------------------------------------ the replay
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTiming:
-    """What happened to one request."""
-
-    request_id: str
-    worker_id: WorkerId
-    arrival_ms: float
-    start_ms: float
-    first_token_ms: float
-    num_pages: int
-    hit_pages: int
-    pulled_pages: int
-    computed_tokens: int
-
-    @property
-    def ttft_ms(self) -> float:
-        return self.first_token_ms - self.arrival_ms
-
-
-@dataclass(slots=True)
-class _Job:
-    """A request from routing to the end of its decode (mutable bookkeeping)."""
-
-    req: SimRequest
-    decision: RouteDecision
-    est_tokens: int
-    cm_request: Request | None = None
-    start_ms: float = 0.0
-    end_ms: float = 0.0
-    hit_pages: int = 0
-    pulled_pages: int = 0
-    computed_tokens: int = 0
-    work_tokens: int = 0
-    held_pages: int = 0
-
-
-class SimWorker:
-    """One simulated worker: a real pool and cache manager, a prefill queue, its load."""
-
-    __slots__ = (
-        "active_requests",
-        "busy_ms",
-        "decode_pages",
-        "incarnation",
-        "manager",
-        "pool",
-        "prefill_tokens",
-        "queue",
-        "running",
-        "seq",
-        "worker_id",
-    )
-
-    def __init__(self, worker_id: WorkerId, capacity_pages: int, page_size: int) -> None:
-        self.worker_id = worker_id
-        self.incarnation = f"{worker_id}-sim"
-        # Only the index reads the events here, and it keys on hashes alone.
-        self.pool = PagePool(
-            capacity_pages + 1, page_size=page_size, medium="gpu", event_token_ids=False
-        )
-        self.manager = KVCacheManager(self.pool, page_size)
-        self.queue: deque[_Job] = deque()
-        self.running: _Job | None = None
-        self.seq = 0
-        self.busy_ms = 0.0
-        self.prefill_tokens = 0
-        self.decode_pages = 0
-        self.active_requests = 0
-
-    def load(self, capacity_pages: int, now_ms: float) -> WorkerLoad:
-        """The load a heartbeat would report at `now_ms`.
-
-        Active prefill tokens are the queued requests' uncached tokens plus
-        the part of the running prefill not computed yet (linear in time);
-        pulls count as the tokens their time would compute
-        (`TimeModel.work_tokens`).
-        """
-        tokens = self.prefill_tokens
-        job = self.running
-        if job is not None and job.end_ms > job.start_ms:
-            done = (now_ms - job.start_ms) / (job.end_ms - job.start_ms)
-            tokens -= int(job.work_tokens * min(max(done, 0.0), 1.0))
-        return WorkerLoad(
-            self.worker_id,
-            tokens,
-            self.decode_pages,
-            self.pool.get_num_free_pages(),
-            capacity_pages,
-            active_requests=self.active_requests,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class SimResult:
-    """A finished replay of one policy."""
-
-    policy: str
-    timings: tuple[RequestTiming, ...]
-    busy_ms: tuple[float, ...]
-    route_s: float
-    bound_hit_ratio: float
-    total_tokens: int
-
-
-_DECODE_END, _PREFILL_END = 0, 1
-"""Event kinds; at equal times frees come first, then prefill ends, then arrivals."""
-
-
-class Simulation:
-    """One replay of a prepared trace under one policy (fresh pools and index).
-
-    `timer` measures the routing decisions (wall time, seconds); everything
-    else runs on simulated time.
-    """
-
-    def __init__(
-        self,
-        trace: PreparedTrace,
-        policy: RoutingPolicy,
-        settings: SimSettings,
-        *,
-        timer: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        if settings.page_size != trace.hasher.page_size:
-            raise ConfigError(
-                f"settings page_size {settings.page_size} differs from the trace's "
-                f"{trace.hasher.page_size}"
-            )
-        if trace.max_pages > settings.capacity_pages:
-            raise ConfigError(
-                f"--capacity-pages {settings.capacity_pages} cannot hold the trace's longest "
-                f"prompt ({trace.max_pages} pages); raise it to at least {trace.max_pages}"
-            )
-        self.trace = trace
-        self.policy = policy
-        self.settings = settings
-        self.timer = timer
-        self.index = GlobalIndex()
-        self.workers = [
-            SimWorker(WorkerId(f"worker-{i}"), settings.capacity_pages, settings.page_size)
-            for i in range(settings.workers)
-        ]
-        self._by_id = {w.worker_id: w for w in self.workers}
-        for w in self.workers:
-            self.index.register_worker(w.worker_id, w.incarnation)
-        self._heap: list[tuple[float, int, int, SimWorker, _Job]] = []
-        self._order = 0
-        self._now = 0.0
-        self._timings: list[RequestTiming] = []
-        self._route_s = 0.0
-        self._ran = False
-        self._pull = settings.pull and settings.time.pull_pays(settings.page_size)
-
-    # ------------------------------------------------------------------ driver
-
-    def run(self) -> SimResult:
-        """Replay every request in arrival order; returns the timings and busy times."""
-        if self._ran:
-            raise InvalidInput("a Simulation replays once; build a new one for another run")
-        self._ran = True
-        heap = self._heap
-        for req in sorted(self.trace.requests, key=lambda r: r.arrival_ms):
-            while heap and heap[0][0] <= req.arrival_ms:
-                self._step()
-            self._now = req.arrival_ms
-            self._arrive(req)
-        while heap:
-            self._step()
-        for w in self.workers:
-            if w.queue or w.running is not None:
-                raise InvariantViolation(
-                    f"{w.worker_id} ended with {len(w.queue)} queued requests "
-                    f"and running={w.running is not None}"
-                )
-        return SimResult(
-            getattr(self.policy, "name", type(self.policy).__name__),
-            tuple(self._timings),
-            tuple(w.busy_ms for w in self.workers),
-            self._route_s,
-            self.trace.bound_hit_ratio,
-            sum(r.input_tokens for r in self.trace.requests),
-        )
-
-    def _push(self, at: float, kind: int, worker: SimWorker, job: _Job) -> None:
-        self._order += 1
-        heapq.heappush(self._heap, (at, kind, self._order, worker, job))
-
-    def _step(self) -> None:
-        at, kind, _, worker, job = heapq.heappop(self._heap)
-        self._now = at
-        if kind == _PREFILL_END:
-            self._end_prefill(worker, job)
-        else:
-            self._end_decode(worker, job)
-
-    def _flush(self, w: SimWorker) -> None:
-        """Send the worker's pending KV events to the index as its next batch."""
-        events = w.pool.take_events()
-        if not events:
-            return
-        batch = EventBatch(tuple(events), w.worker_id, w.incarnation, w.seq, self._now / 1000.0)
-        w.seq += 1
-        result = self.index.apply(batch)
-        if result is not ApplyResult.APPLIED:
-            raise InvariantViolation(
-                f"index answered {result.value} to batch {batch.seq} of {w.worker_id}"
-            )
-
-    # ----------------------------------------------------------------- routing
-
-    def _arrive(self, req: SimRequest) -> None:
-        cap = self.settings.capacity_pages
-        loads = [w.load(cap, self._now) for w in self.workers]
-        size = self.settings.page_size
-        t0 = self.timer()
-        route = RouteRequest(req.page_hashes, req.input_tokens, size, self._pull, req.request_id)
-        overlaps = self.index.match(req.page_hashes).pages
-        decision = self.policy.choose(route, overlaps, loads)
-        self._route_s += self.timer() - t0
-        worker = self._by_id.get(decision.worker_id)
-        if worker is None:
-            raise InvariantViolation(f"policy chose unknown worker {decision.worker_id!r}")
-        max_hit = self._max_hit_pages(req)
-        local = min(decision.local_pages, max_hit)
-        pulls = (
-            min(decision.local_pages + decision.peer_pages, max_hit) - local if self._pull else 0
-        )
-        est = self.settings.time.work_tokens(req.input_tokens - (local + pulls) * size, pulls)
-        job = _Job(req, decision, est)
-        worker.queue.append(job)
-        worker.prefill_tokens += est
-        worker.active_requests += 1
-        if worker.running is None:
-            self._start_prefill(worker)
-
-    def _max_hit_pages(self, req: SimRequest) -> int:
-        """Pages a prefix hit may cover: never the last token (as `get_computed_pages`)."""
-        return (req.input_tokens - 1) // self.settings.page_size if req.input_tokens else 0
-
-    # ------------------------------------------------------------------ worker
-
-    def _start_prefill(self, w: SimWorker) -> None:
-        """Start the head of `w`'s queue if its pages fit; otherwise wait for a free."""
-        if w.running is not None or not w.queue:
-            return
-        job = w.queue[0]
-        req = job.req
-        size = self.settings.page_size
-        if job.cm_request is None:
-            job.cm_request = Request(req.request_id, self.trace.request_hashes(req))
-        cm_req = job.cm_request
-        hits, hit_tokens = w.manager.get_computed_pages(cm_req)
-        h = len(hits)
-        peer_pages: list[Any] = []
-        peer: SimWorker | None = None
-        if self._pull and job.decision.peer_id is not None:
-            peer = self._by_id[job.decision.peer_id]
-            found = peer.pool.match_prefix(req.page_hashes, self._max_hit_pages(req))
-            peer_pages = found[h:]
-        pulled = len(peer_pages)
-        new = w.manager.allocate_slots(
-            cm_req,
-            req.input_tokens - hit_tokens,
-            hit_tokens,
-            hits,
-            delay_caching=True,
-        )
-        if new is None:
-            if w.active_requests - len(w.queue) == 0:
-                raise InvariantViolation(
-                    f"{w.worker_id}: {req.request_id} ({req.num_pages} pages) does not fit "
-                    f"in an idle pool of {self.settings.capacity_pages} pages"
-                )
-            return  # retried when a decode on this worker frees pages
-        w.queue.popleft()
-        if peer is not None and peer_pages:
-            # The peer pins the pages while it streams them out, then unpins.
-            peer.pool.touch(peer_pages)
-            peer.pool.free_pages(reversed(peer_pages))
-        computed = req.input_tokens - (h + pulled) * size
-        duration = self.settings.time.prefill_ms(computed, pulled)
-        job.start_ms = self._now
-        job.end_ms = self._now + duration
-        job.hit_pages = h
-        job.pulled_pages = pulled
-        job.computed_tokens = computed
-        job.work_tokens = self.settings.time.work_tokens(computed, pulled)
-        job.held_pages = len(w.manager.get_pages(req.request_id))
-        w.running = job
-        w.busy_ms += duration
-        w.prefill_tokens += job.work_tokens - job.est_tokens
-        self._push(self._now + duration, _PREFILL_END, w, job)
-        self._flush(w)
-
-    def _end_prefill(self, w: SimWorker, job: _Job) -> None:
-        req = job.req
-        if job.cm_request is None:
-            raise InvariantViolation(f"{req.request_id} ended a prefill it never started")
-        w.manager.cache_pages(job.cm_request, req.input_tokens)
-        self._flush(w)
-        w.running = None
-        w.prefill_tokens -= job.work_tokens
-        w.decode_pages += job.held_pages
-        self._timings.append(
-            RequestTiming(
-                req.request_id,
-                w.worker_id,
-                req.arrival_ms,
-                job.start_ms,
-                self._now,
-                req.num_pages,
-                job.hit_pages,
-                job.pulled_pages,
-                job.computed_tokens,
-            )
-        )
-        decode_ms = req.output_tokens * self.settings.time.decode_token_ms
-        self._push(self._now + decode_ms, _DECODE_END, w, job)
-        self._start_prefill(w)
-
-    def _end_decode(self, w: SimWorker, job: _Job) -> None:
-        w.manager.free(job.req.request_id)
-        w.decode_pages -= job.held_pages
-        w.active_requests -= 1
-        self._flush(w)
-        if w.running is None:
-            self._start_prefill(w)
-
-
-# ------------------------------------------------------------------- reporting
+SIM_ROWS: tuple[Row, ...] = (
+    *SHARED_ROWS,
+    Row("token hit ratio", "token_hit_ratio", "{:.3f}"),
+    Row("bound hit ratio (infinite cache)", "bound_hit_ratio", "{:.3f}"),
+    Row("load imbalance (max / mean busy)", "load_imbalance", "{:.3f}"),
+    Row("route ms (mean, wall)", "route_ms_mean", "{:.3f}"),
+)
+"""The table's rows: the figures the demo shows too, then the simulator's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -609,17 +78,6 @@ class PolicyReport:
         return asdict(self)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of `values`, q in [0, 100]."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyReport:
     """The figures of one replay."""
     timings = result.timings
@@ -628,7 +86,8 @@ def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyR
     pulled = sum(t.pulled_pages for t in timings)
     ttft = [t.ttft_ms for t in timings]
     busy = result.busy_ms
-    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    mean_busy = mean(busy)
+    p50, p99 = percentiles(ttft, (50, 99))
     return PolicyReport(
         policy=result.policy,
         page_hit_ratio=hits / pages,
@@ -637,9 +96,9 @@ def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyR
         token_hit_ratio=hits * page_size / result.total_tokens if result.total_tokens else 0.0,
         bound_hit_ratio=result.bound_hit_ratio,
         load_imbalance=max(busy) / mean_busy if mean_busy > 0 else 1.0,
-        ttft_mean_ms=sum(ttft) / len(ttft) if ttft else 0.0,
-        ttft_p50_ms=percentile(ttft, 50),
-        ttft_p99_ms=percentile(ttft, 99),
+        ttft_mean_ms=mean(ttft),
+        ttft_p50_ms=p50,
+        ttft_p99_ms=p99,
         route_ms_mean=result.route_s * 1000.0 / len(timings) if timings else 0.0,
     )
 
@@ -672,41 +131,6 @@ def policy_names(spec: str) -> list[str]:
             f"choose 'all' or some of {', '.join(REGISTRY)}"
         )
     return names
-
-
-def write_plot(reports: Sequence[PolicyReport], path: Path, title: str) -> None:
-    """A PNG comparing policies: hit/reuse ratio, TTFT mean and p99, load imbalance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.policy for r in reports]
-    x = list(range(len(names)))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    ax = axes[0]
-    ax.bar([i - 0.2 for i in x], [r.page_hit_ratio for r in reports], 0.4, label="local hits")
-    ax.bar([i + 0.2 for i in x], [r.reuse_ratio for r in reports], 0.4, label="hits + pulls")
-    ax.axhline(reports[0].bound_hit_ratio, color="k", ls="--", lw=1, label="bound")
-    ax.set_title("prompt pages reused")
-    ax.legend(fontsize=8, loc="lower right")
-    ax = axes[1]
-    ax.bar([i - 0.2 for i in x], [r.ttft_mean_ms for r in reports], 0.4, label="mean")
-    ax.bar([i + 0.2 for i in x], [r.ttft_p99_ms for r in reports], 0.4, label="p99")
-    ax.set_yscale("log")
-    ax.set_title("TTFT (ms)")
-    ax.legend(fontsize=8)
-    ax = axes[2]
-    ax.bar(x, [r.load_imbalance for r in reports], 0.6)
-    ax.axhline(1.0, color="k", ls="--", lw=1)
-    ax.set_title("load imbalance (max / mean busy)")
-    for ax in axes:
-        ax.set_xticks(x)
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ------------------------------------------------------------------------- CLI
@@ -776,45 +200,6 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SimSettings, Coordinat
     return settings, config
 
 
-def _print_table(reports: Sequence[PolicyReport], heading: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=heading)
-    for key, label in (
-        ("policy", "policy"),
-        ("page_hit_ratio", "page hit"),
-        ("pulled_pages", "pulled"),
-        ("reuse_ratio", "reuse"),
-        ("token_hit_ratio", "token hit"),
-        ("bound_hit_ratio", "bound"),
-        ("load_imbalance", "imbalance"),
-        ("ttft_mean_ms", "TTFT mean ms"),
-        ("ttft_p50_ms", "TTFT p50 ms"),
-        ("ttft_p99_ms", "TTFT p99 ms"),
-        ("route_ms_mean", "route ms"),
-    ):
-        table.add_column(label, justify="left" if key == "policy" else "right")
-    for r in reports:
-        table.add_row(
-            r.policy,
-            f"{r.page_hit_ratio:.3f}",
-            str(r.pulled_pages),
-            f"{r.reuse_ratio:.3f}",
-            f"{r.token_hit_ratio:.3f}",
-            f"{r.bound_hit_ratio:.3f}",
-            f"{r.load_imbalance:.3f}",
-            f"{r.ttft_mean_ms:.1f}",
-            f"{r.ttft_p50_ms:.1f}",
-            f"{r.ttft_p99_ms:.1f}",
-            f"{r.route_ms_mean:.3f}",
-        )
-    console = Console()
-    if console.width < 150:  # a pipe or a narrow terminal would truncate the columns
-        console = Console(width=150)
-    console.print(table)
-
-
 def run(args: argparse.Namespace) -> int:
     settings, config = settings_from_args(args)
     names = policy_names(args.policy)
@@ -833,9 +218,16 @@ def run(args: argparse.Namespace) -> int:
         f"{settings.capacity_pages} pages{', pulls' if settings.pull else ''}"
     )
     if not args.json:
-        _print_table(reports, heading)
+        print_comparison(reports, SIM_ROWS, heading)
     if args.plot is not None:
-        write_plot(reports, args.plot, heading)
+        plot_comparison(
+            reports,
+            args.plot,
+            heading,
+            own=Row("load imbalance (max / mean busy)", "load_imbalance"),
+            own_line=1.0,
+            bound=reports[0].bound_hit_ratio,
+        )
         if not args.json:
             print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
@@ -843,22 +235,12 @@ def run(args: argparse.Namespace) -> int:
 
 __all__ = [
     "REPORT_KEYS",
+    "SIM_ROWS",
     "PolicyReport",
-    "PreparedTrace",
-    "RequestTiming",
-    "SimRequest",
-    "SimResult",
-    "SimSettings",
-    "SimWorker",
-    "Simulation",
-    "TimeModel",
     "configure",
-    "percentile",
     "policy_names",
-    "prepare_trace",
     "run",
     "settings_from_args",
     "simulate",
     "summarize",
-    "write_plot",
 ]

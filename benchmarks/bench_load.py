@@ -35,9 +35,11 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvmesh.stats import percentile
 
 PAGE_SIZE = 16
 MiB = 1024 * 1024
@@ -225,14 +227,6 @@ class Prompts:
         return prefix + [rng.randrange(self.vocab) for _ in range(self.suffix)]
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[k]
-
-
 async def _drive(
     clients: int, seconds: float, call: Callable[[random.Random], Awaitable[Any]], seed: int
 ) -> Phase:
@@ -262,8 +256,8 @@ async def _drive(
         requests=len(latencies),
         errors=errors,
         requests_per_s=len(latencies) / elapsed if elapsed > 0 else 0.0,
-        latency_p50_ms=_percentile(latencies, 0.50),
-        latency_p99_ms=_percentile(latencies, 0.99),
+        latency_p50_ms=percentile(latencies, 50),
+        latency_p99_ms=percentile(latencies, 99),
         error_kinds=kinds,
     )
 

@@ -67,6 +67,7 @@ from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.events import PagesRemoved, PagesStored, decode_batch, encode_batch, make_batch
+from kvmesh.stats import percentile
 from kvmesh.types import PageHash, WorkerId
 
 CONV_PAGES = 32
@@ -232,11 +233,6 @@ class _NaiveIndex:
         return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def _ingest(wl: _Workload, coord: Coordinator, naive: _NaiveIndex) -> dict[str, Any]:
     """Stored then removal batches through `Coordinator.report`; the naive sets as baseline."""
     for w in wl.worker_ids:
@@ -307,15 +303,15 @@ def _routing(
         match_us.append((time.perf_counter_ns() - t) / 1e3)
     stats = coord.stats()
     return {
-        "route_p50_ms": round(_pct(ours, 0.50), 4),
-        "route_p99_ms": round(_pct(ours, 0.99), 4),
+        "route_p50_ms": round(percentile(ours, 50), 4),
+        "route_p99_ms": round(percentile(ours, 99), 4),
         "route_mean_ms": round(statistics.fmean(ours), 4),
-        "route_cpu_p50_ms": round(_pct(ours_cpu, 0.50), 4),
-        "route_cpu_p99_ms": round(_pct(ours_cpu, 0.99), 4),
-        "match_p50_us": round(_pct(match_us, 0.50), 1),
-        "naive_route_p50_ms": round(_pct(theirs, 0.50), 4),
-        "naive_route_p99_ms": round(_pct(theirs, 0.99), 4),
-        "route_p99_speedup_vs_naive": round(_pct(theirs, 0.99) / _pct(ours, 0.99), 2),
+        "route_cpu_p50_ms": round(percentile(ours_cpu, 50), 4),
+        "route_cpu_p99_ms": round(percentile(ours_cpu, 99), 4),
+        "match_p50_us": round(percentile(match_us, 50), 1),
+        "naive_route_p50_ms": round(percentile(theirs, 50), 4),
+        "naive_route_p99_ms": round(percentile(theirs, 99), 4),
+        "route_p99_speedup_vs_naive": round(percentile(theirs, 99) / percentile(ours, 99), 2),
         "index_pages_after_removals": stats.indexed_pages,
         "index_entries_after_removals": stats.index_entries,
     }
@@ -518,8 +514,8 @@ def _sharded_in_process(
     route_cpu = time.process_time() - c0
     ops = wl.stored_events + len(prompts)
     return {
-        "route_p50_ms": round(_pct(times, 0.50), 4),
-        "route_p99_ms": round(_pct(times, 0.99), 4),
+        "route_p50_ms": round(percentile(times, 50), 4),
+        "route_p99_ms": round(percentile(times, 99), 4),
         "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
         "index_ops_per_s": round(ops / (ingest_s + sum(times) / 1e3)),
         "cpu_s_per_million_ops": round((ingest_cpu + route_cpu) / ops * 1e6, 3),
@@ -603,8 +599,8 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
     _ray_routes(r0, prompts[:100])  # warm the handles
     times = _ray_routes(r0, prompts)
     out: dict[str, Any] = {
-        "ray_route_p50_ms": round(_pct(times, 0.50), 3),
-        "ray_route_p99_ms": round(_pct(times, 0.99), 3),
+        "ray_route_p50_ms": round(percentile(times, 50), 3),
+        "ray_route_p99_ms": round(percentile(times, 99), 3),
         "ray_indexed_pages": wl.distinct_pages,
     }
     if replicas > 1:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.app.simulate import PreparedTrace, prepare_trace
+from kvmesh.app.sim_engine import PreparedTrace, prepare_trace
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
 from kvmesh.coordinator.service import Coordinator, RouteView

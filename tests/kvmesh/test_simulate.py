@@ -10,19 +10,15 @@ from pathlib import Path
 import pytest
 
 from kvmesh.app.cli import main
-from kvmesh.app.simulate import (
-    REPORT_KEYS,
+from kvmesh.app.sim_engine import (
     PreparedTrace,
     RequestTiming,
     SimSettings,
     Simulation,
     TimeModel,
-    percentile,
-    policy_names,
     prepare_trace,
-    simulate,
-    summarize,
 )
+from kvmesh.app.simulate import REPORT_KEYS, policy_names, simulate, summarize
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -201,12 +197,6 @@ def test_a_pool_smaller_than_the_longest_prompt_is_refused() -> None:
 def test_a_trace_line_whose_blocks_do_not_cover_its_input_is_refused() -> None:
     with pytest.raises(InvalidInput, match="need 2 blocks"):
         prepare_trace([TraceRequest(0, P + 1, 1, (1,))])
-
-
-def test_percentile_interpolates_like_numpy() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
-    assert percentile([5.0], 99) == 5.0
-    assert percentile([], 50) == 0.0
 
 
 # --------------------------------------------------------------- real replays
