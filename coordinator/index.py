@@ -54,7 +54,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -143,6 +143,20 @@ class WorkerIndexState:
     stale: bool
     num_pages: int
     pending_batches: int
+
+
+class IndexObserver(Protocol):
+    """Sees what the index applies, in the order it applies it (e.g. per-tenant page counts).
+
+    `events_applied` gets each batch's events once they are applied (held-back batches when
+    their gap fills, never ignored ones); `worker_dropped` comes whenever the index drops
+    everything of a worker (a snapshot, a new incarnation, removal) before anything new.
+    A `restore` is not seen: observers start over with the workers' next snapshots.
+    """
+
+    def events_applied(self, worker_id: WorkerId, events: Sequence[KVEvent]) -> None: ...
+
+    def worker_dropped(self, worker_id: WorkerId) -> None: ...
 
 
 class _Worker:
@@ -268,6 +282,11 @@ class GlobalIndex:
         self._by_slot: list[WorkerId | None] = []
         self._free_slots: list[int] = []
         self._ones = 0  # bit 0 of every live worker's nibble
+        self._observers: list[IndexObserver] = []
+
+    def add_observer(self, observer: IndexObserver) -> None:
+        """Tell `observer` of every batch applied and every worker dropped from now on."""
+        self._observers.append(observer)
 
     # ------------------------------------------------------------------ workers
 
@@ -457,6 +476,8 @@ class GlobalIndex:
                 self._flush(slot, stored, removed, bits)
                 store.drop_slot(slot)
         self._flush(slot, stored, removed, bits)
+        for observer in self._observers:
+            observer.events_applied(w.worker_id, tuple(events))
 
     def _flush(
         self,
@@ -474,6 +495,8 @@ class GlobalIndex:
             removed.clear()
 
     def _drop_all(self, w: _Worker) -> int:
+        for observer in self._observers:
+            observer.worker_dropped(w.worker_id)
         return self._store.drop_slot(w.shift // _BITS)
 
     # ------------------------------------------------------------------ lookups
