@@ -28,9 +28,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvmesh.config import CoordinatorConfig
@@ -44,10 +43,30 @@ from kvmesh.coordinator.policies import (
     make_policy,
 )
 from kvmesh.coordinator.registry import WorkerInfo, WorkerRegistry
+from kvmesh.coordinator.tenant_shares import TenantShare, TenantShares
+from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import EventDecodeError, InvalidInput, KVMeshError, UnknownWorker
 from kvmesh.events import EventBatch, decode_batch
+from kvmesh.metrics import (
+    COORDINATOR_ERRORS,
+    COORDINATOR_NAMES,
+    DEGRADED_ROUTES,
+    EVENT_BATCHES,
+    EVENT_GAPS,
+    EVENT_LAG,
+    INDEXED_PAGES,
+    LINKS_OPENED,
+    PREDICTED_PAGES,
+    REALIZED_PAGES,
+    ROUTE_RESULTS,
+    ROUTE_SECONDS,
+    ROUTES,
+    WORKERS,
+    WORKERS_EXPIRED,
+)
 from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
 from kvmesh.requests import Role
+from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, WorkerId
 
 
@@ -86,7 +105,8 @@ class RebuildResult:
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorStats:
-    """Counters since start (`as_dict` for JSON / Prometheus)."""
+    """State and counters since start, read from the coordinator's metrics (`as_dict` for
+    JSON)."""
 
     workers: int
     stale_workers: int
@@ -125,13 +145,17 @@ class RouteView:
 
     overlaps: dict[WorkerId, int]
     loads: tuple[WorkerLoad, ...]
+    tiers: dict[WorkerId, TierPages] = field(default_factory=dict)
+    """`GlobalIndex.tier_pages` of the overlaps: workers holding part of theirs off the device."""
 
 
 class Coordinator:
     """Thread-safe coordinator core; see the module docstring for the worker side.
 
     `clock` (monotonic seconds) drives heartbeat expiry; `rng` drives every
-    random choice of the policies, so a seeded run is repeatable.
+    random choice of the policies, so a seeded run is repeatable. `name`
+    labels its metrics (``coordinator``; default the actor name); a second
+    live coordinator of one name in a process counts as ``name#2``.
     """
 
     def __init__(
@@ -140,8 +164,10 @@ class Coordinator:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        name: str | None = None,
     ) -> None:
         self.config = config or CoordinatorConfig()
+        self.name = COORDINATOR_NAMES.claim(self, name or self.config.actor_name)
         self.clock = clock
         self._rng = rng if rng is not None else random.Random(self.config.seed)
         self._lock = threading.RLock()
@@ -150,14 +176,17 @@ class Coordinator:
             default_tier=self.config.default_tier,
             reorder_window=self.config.reorder_window,
         )
+        self.tenant_shares = TenantShares(
+            TenantWeights.parse(self.config.tenant_weights), default_tier=self.config.default_tier
+        )
+        self.index.add_observer(self.tenant_shares)
         self.registry = WorkerRegistry(clock)
         self._policies: dict[str, RoutingPolicy] = {
             self.config.policy: make_policy(self.config.policy, self.config, self._rng)
         }
         self._loads: dict[Role | None, list[WorkerLoad]] = {}
-        self._counts: Counter[str] = Counter()
-        self._by_worker: Counter[str] = Counter()
-        self._route_ns = 0
+        self._workers_gauges = {s: WORKERS.labels(self.name, s) for s in ("all", "stale", "draining")}
+        self._indexed_pages = INDEXED_PAGES.labels(self.name)
 
     # ---------------------------------------------------------------- workers
 
@@ -185,6 +214,7 @@ class Coordinator:
             )
             self.index.register_worker(worker_id, incarnation)
             self._loads.clear()
+            self._export_gauges()
             state = self.index.worker_state(worker_id)
             return Registration(
                 worker_id,
@@ -217,21 +247,41 @@ class Coordinator:
                         f"worker {worker_id!r} reported a batch of {batch.worker_id!r}"
                     )
                 decoded.append(batch)
-        except EventDecodeError:
+        except EventDecodeError as exc:
             with self._lock:
-                self._counts["batches_rejected"] += len(encoded_batches)
+                # an unregistered id is not a label: anyone reaching the API could mint them
+                who = worker_id if worker_id in self.registry else "unregistered"
+            EVENT_BATCHES.labels(self.name, who, "rejected").inc(len(encoded_batches))
+            COORDINATOR_ERRORS.labels(self.name, type(exc).__name__).inc()
             raise
         with self._lock:
             info = self.registry.heartbeat(worker_id, load)
             results: list[ApplyResult] = []
+            now = time.time()
             for batch in decoded:
                 if batch.incarnation != info.incarnation:
                     results.append(ApplyResult.IGNORED)
                 else:
                     results.append(self.index.apply(batch))
-                self._counts[f"batches_{results[-1].value}"] += 1
+                    if batch.ts > 0:  # stamped by its sender (wall clock)
+                        EVENT_LAG.labels(self.name, worker_id).observe(max(0.0, now - batch.ts))
+                self._count_batch(worker_id, results[-1])
             self._loads.clear()
+            self._export_gauges()
             return ReportResult(tuple(results), self.index.is_stale(worker_id))
+
+    def _count_batch(self, worker_id: WorkerId, result: ApplyResult) -> None:
+        EVENT_BATCHES.labels(self.name, worker_id, result.value).inc()
+        if result is ApplyResult.STALE:
+            EVENT_GAPS.labels(self.name, worker_id).inc()
+
+    def _export_gauges(self) -> None:
+        """Refresh the worker and index gauges (under the lock, after a change)."""
+        infos = self.registry.workers()
+        self._workers_gauges["all"].set(len(infos))
+        self._workers_gauges["stale"].set(len(self.index.stale_workers()))
+        self._workers_gauges["draining"].set(sum(1 for i in infos if i.draining))
+        self._indexed_pages.set(len(self.index))
 
     def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
         """A report without events."""
@@ -241,6 +291,7 @@ class Coordinator:
         with self._lock:
             self.registry.drain(worker_id, draining)
             self._loads.clear()
+            self._export_gauges()
 
     def remove_worker(self, worker_id: WorkerId) -> bool:
         """Forget a worker and drop its index entries; False if it was not known."""
@@ -249,6 +300,7 @@ class Coordinator:
             dropped = worker_id in self.index.workers()
             self.index.remove_worker(worker_id)
             self._loads.clear()
+            self._export_gauges()
             return known or dropped
 
     def expire(self, now: float | None = None) -> list[WorkerId]:
@@ -258,8 +310,9 @@ class Coordinator:
             for w in dead:
                 self.index.remove_worker(w)
             if dead:
-                self._counts["workers_expired"] += len(dead)
+                WORKERS_EXPIRED.labels(self.name).inc(len(dead))
                 self._loads.clear()
+                self._export_gauges()
             return dead
 
     def workers(self, role: Role | None = None) -> list[WorkerInfo]:
@@ -299,8 +352,9 @@ class Coordinator:
                             f"registered is {info.incarnation!r}"
                         )
                     applied[wid] = self.index.apply(batch)
-                    self._counts[f"batches_{applied[wid].value}"] += 1
+                    self._count_batch(wid, applied[wid])
                     self._loads.clear()
+                    self._export_gauges()
             except KVMeshError as exc:
                 failed[wid] = f"{type(exc).__name__}: {exc}"
         return RebuildResult(applied, failed)
@@ -331,6 +385,7 @@ class Coordinator:
             for info in self.registry.workers():
                 self.index.register_worker(info.worker_id, info.incarnation)
             self._loads.clear()
+            self._export_gauges()
 
     # ---------------------------------------------------------------- routing
 
@@ -355,14 +410,21 @@ class Coordinator:
             self._policies[key] = policy
         return policy
 
+    def tenant_share_view(self) -> dict[str, TenantShare]:
+        """Each tenant's pages across the cluster against its fair share (from the events)."""
+        with self._lock:
+            return self.tenant_shares.shares()
+
     def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         with self._lock:
             return self.index.match(hashes)
 
     def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
-        """The index's overlaps for `hashes` and the loads of the workers serving `role`."""
+        """The index's overlaps (and their tiers) for `hashes` and the loads of the workers serving `role`."""
         with self._lock:
-            return RouteView(self.index.match(hashes).pages, tuple(self._current_loads(role)))
+            matched = self.index.match(hashes)
+            tiers = self.index.tier_pages(hashes, matched)
+            return RouteView(matched.pages, tuple(self._current_loads(role)), tiers)
 
     def route(
         self,
@@ -386,14 +448,16 @@ class Coordinator:
             decision = self._policy(policy).choose(
                 request, matched.pages, self._current_loads(role), tiers
             )
-            self._route_ns += time.perf_counter_ns() - t0
-            c = self._counts
-            c["routes"] += 1
-            c["degraded_routes"] += decision.degraded
-            c["promised_local_pages"] += decision.local_pages
-            c["promised_pull_pages"] += decision.peer_pages if allow_pull else 0
-            self._by_worker[decision.worker_id] += 1
-            return decision
+            elapsed_s = (time.perf_counter_ns() - t0) / 1e9
+        name, policy_name = self.name, policy or self.config.policy
+        ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
+        ROUTES.labels(name, policy_name, decision.worker_id).inc()
+        if decision.degraded:
+            DEGRADED_ROUTES.labels(name).inc()
+        PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
+        if allow_pull:
+            PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
+        return decision
 
     def record_result(
         self,
@@ -417,43 +481,50 @@ class Coordinator:
             if type(v) is not int or v < 0:
                 raise InvalidInput(f"{name} must be a non-negative int, got {v!r}")
         mismatch = (promised_local, promised_pull) != (realized_local, realized_pull)
-        with self._lock:
-            c = self._counts
-            c["results_recorded"] += 1
-            c["realized_local_pages"] += realized_local
-            c["realized_pull_pages"] += realized_pull
-            c["mismatches"] += mismatch
+        REALIZED_PAGES.labels(self.name, "local").inc(realized_local)
+        REALIZED_PAGES.labels(self.name, "pull").inc(realized_pull)
+        ROUTE_RESULTS.labels(self.name, "mismatch" if mismatch else "kept").inc()
         return mismatch
 
     def stats(self) -> CoordinatorStats:
+        """The coordinator's state now and its counters, read from its metrics."""
+        me = {"coordinator": self.name}
+
+        def count(metric: Any, **labels: str) -> int:
+            return int(metric.value(**me, **labels))
+
         with self._lock:
-            c = self._counts
             infos = self.registry.workers()
-            routes = c["routes"]
-            return CoordinatorStats(
-                workers=len(infos),
-                stale_workers=len(self.index.stale_workers()),
-                draining_workers=sum(1 for i in infos if i.draining),
-                indexed_pages=len(self.index),
-                index_entries=self.index.num_entries(),
-                routes=routes,
-                route_time_mean_us=self._route_ns / routes / 1e3 if routes else 0.0,
-                degraded_routes=c["degraded_routes"],
-                routes_by_worker=dict(self._by_worker),
-                batches_applied=c["batches_applied"],
-                batches_replaced=c["batches_replaced"],
-                batches_ignored=c["batches_ignored"],
-                batches_stale=c["batches_stale"],
-                batches_rejected=c["batches_rejected"],
-                workers_expired=c["workers_expired"],
-                promised_local_pages=c["promised_local_pages"],
-                promised_pull_pages=c["promised_pull_pages"],
-                realized_local_pages=c["realized_local_pages"],
-                realized_pull_pages=c["realized_pull_pages"],
-                results_recorded=c["results_recorded"],
-                mismatches=c["mismatches"],
-                links_opened=c["links_opened"],
-            )
+            workers = len(infos)
+            stale = len(self.index.stale_workers())
+            draining = sum(1 for i in infos if i.draining)
+            indexed, entries = len(self.index), self.index.num_entries()
+        routes = count(ROUTES)
+        route_s = ROUTE_SECONDS.histogram_sum(**me)
+        return CoordinatorStats(
+            workers=workers,
+            stale_workers=stale,
+            draining_workers=draining,
+            indexed_pages=indexed,
+            index_entries=entries,
+            routes=routes,
+            route_time_mean_us=route_s / routes * 1e6 if routes else 0.0,
+            degraded_routes=count(DEGRADED_ROUTES),
+            routes_by_worker={w: int(v) for w, v in ROUTES.values_by("worker", **me).items()},
+            batches_applied=count(EVENT_BATCHES, outcome="applied"),
+            batches_replaced=count(EVENT_BATCHES, outcome="replaced"),
+            batches_ignored=count(EVENT_BATCHES, outcome="ignored"),
+            batches_stale=count(EVENT_BATCHES, outcome="stale"),
+            batches_rejected=count(EVENT_BATCHES, outcome="rejected"),
+            workers_expired=count(WORKERS_EXPIRED),
+            promised_local_pages=count(PREDICTED_PAGES, kind="local"),
+            promised_pull_pages=count(PREDICTED_PAGES, kind="pull"),
+            realized_local_pages=count(REALIZED_PAGES, kind="local"),
+            realized_pull_pages=count(REALIZED_PAGES, kind="pull"),
+            results_recorded=count(ROUTE_RESULTS),
+            mismatches=count(ROUTE_RESULTS, outcome="mismatch"),
+            links_opened=count(LINKS_OPENED),
+        )
 
     def registry_info(self, worker_id: WorkerId) -> WorkerInfo:
         """The worker's registry entry; raises `UnknownWorker`."""
@@ -484,6 +555,5 @@ class Coordinator:
             LinkEnd(client.worker_id, client.incarnation),
             LinkEnd(server.worker_id, server.incarnation),
         )
-        with self._lock:
-            self._counts["links_opened"] += 1
+        LINKS_OPENED.labels(self.name).inc()
         return rdv, server

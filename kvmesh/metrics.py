@@ -1,37 +1,366 @@
-"""kvmesh's metrics as named prometheus-client objects, in one place.
+"""kvmesh's metrics: one definition per metric, exported the way the process is run.
 
-Every counter a component bumps is declared here once, with its labels, so
-that names follow one convention (``kvmesh_`` prefix, ``_total`` on
-counters) and a test can read them with ``REGISTRY.get_sample_value``. A
-process outside Ray serves them with prometheus-client's exposition; the
-operations work bridges actors' metrics to Ray's metrics endpoint.
+Every metric is declared here once (`Metric`: kind, name, help, label names),
+so names never fork between backends: ``kvmesh_`` prefix, ``_total`` on
+counters, ``_seconds`` / ``_bytes`` for units. A recording goes to
+
+- this process's prometheus-client registry, always: a process outside Ray
+  (``kvmesh start``, the gateway) serves it on ``/metrics``
+  (`serve_metrics`), and `Metric.value` reads it back, which is how
+  ``WorkerStats`` and ``CoordinatorStats`` are filled (one source, no
+  counters mirrored by hand);
+- Ray's metrics API (``ray.util.metrics``) too when the process is a Ray
+  actor, as Ray Serve does: Ray's metrics agent exports it on the node's
+  Prometheus endpoint (``ray.init(_metrics_export_port=...)``, ``ray start
+  --metrics-export-port``), where Ray prefixes every name with ``ray_``
+  (``ray_kvmesh_routes_total``).
+
+Labels: ``worker`` (a kvmesh worker's id), ``engine`` (a real engine's index
+id), ``coordinator`` (the coordinator or shard actor's name), ``tenant``
+(`kvmesh.worker.tenant_share.tenant_of`, never the cache salt itself: a
+salt is a secret). Recording is a dictionary lookup and an add; nothing
+here runs per page.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import Counter as _PromCounter
+from prometheus_client import Gauge as _PromGauge
+from prometheus_client import Histogram as _PromHistogram
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+ALL_METRICS: dict[str, Metric] = {}
+"""Every metric defined, by name (the dashboard's test reads it)."""
+
+RAY_PREFIX = "ray_"
+"""What Ray's exporter puts before every application metric's name."""
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROUTE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1)
+LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_ray_actor: bool = False  # set once this process is seen to be a Ray actor
+
+
+def in_ray_actor() -> bool:
+    """True in a Ray actor's process (where Ray's metrics API exports), False elsewhere.
+
+    A process that never imported Ray is not an actor; the answer is kept
+    once true (a process does not stop being an actor).
+    """
+    global _ray_actor
+    if _ray_actor:
+        return True
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    _ray_actor = ray.get_runtime_context().get_actor_id() is not None
+    return _ray_actor
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDef:
+    """A metric's definition: what both backends are built from."""
+
+    kind: MetricKind
+    name: str
+    help: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def sample_name(self) -> str:
+        """The exposition name of its main sample (``_total`` / ``_count`` added)."""
+        return self.name + {"counter": "_total", "gauge": "", "histogram": "_count"}[self.kind]
+
+
+class Metric:
+    """One metric, recorded into prometheus-client and, in a Ray actor, Ray's metrics API.
+
+    Use it like a prometheus-client metric: ``ROUTES.labels(coordinator, policy,
+    worker).inc()``; `labels` takes the values positionally or by name and
+    refuses missing or unknown ones (`ValueError`, as prometheus-client does).
+    """
+
+    def __init__(
+        self,
+        kind: MetricKind,
+        name: str,
+        help: str,
+        labels: Iterable[str] = (),
+        *,
+        buckets: Iterable[float] = (),
+        registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        self.definition = MetricDef(kind, name, help, tuple(labels), tuple(buckets))
+        d = self.definition
+        self._local: Any
+        if kind == "counter":
+            self._local = _PromCounter(name, help, d.labels, registry=registry)
+        elif kind == "gauge":
+            self._local = _PromGauge(name, help, d.labels, registry=registry)
+        else:
+            self._local = _PromHistogram(name, help, d.labels, buckets=d.buckets, registry=registry)
+        self._ray: Any = None
+        self._ray_lock = threading.Lock()
+        ALL_METRICS[name] = self
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def labels(self, *values: str, **named: str) -> MetricChild:
+        """The child for one set of label values (kept; cheap to call again)."""
+        names = self.definition.labels
+        if values and named:
+            raise ValueError(f"{self.name}: pass label values by position or by name, not both")
+        if named:
+            if set(named) != set(names):
+                raise ValueError(f"{self.name}: labels are {names}, got {sorted(named)}")
+            values = tuple(str(named[n]) for n in names)
+        elif len(values) != len(names):
+            raise ValueError(f"{self.name}: labels are {names}, got {len(values)} values")
+        tags = dict(zip(names, (str(v) for v in values), strict=True))
+        return MetricChild(self, self._local.labels(*tags.values()), tags)
+
+    def value(self, **labels: str) -> float:
+        """This process's value summed over the series that match `labels` (a subset of
+        the metric's labels): a counter's total, a gauge's value, a histogram's count."""
+        return self._sum(self.definition.sample_name, labels)
+
+    def histogram_sum(self, **labels: str) -> float:
+        """A histogram's sum of observations over the series that match `labels`."""
+        return self._sum(self.name + "_sum", labels)
+
+    def values_by(self, label: str, **labels: str) -> dict[str, float]:
+        """This process's value per value of `label`, over the series that match `labels`."""
+        out: dict[str, float] = {}
+        for sample in self._samples(self.definition.sample_name, labels):
+            key = sample.labels[label]
+            out[key] = out.get(key, 0.0) + sample.value
+        return out
+
+    def forget(self, **labels: str) -> None:
+        """Drop this process's series that match `labels` (their holder is gone)."""
+        names = self.definition.labels
+        for sample in list(self._samples(self.definition.sample_name, labels)):
+            if all(n in sample.labels for n in names):
+                self._local.remove(*(sample.labels[n] for n in names))
+
+    def _sum(self, sample_name: str, labels: Mapping[str, str]) -> float:
+        return sum(s.value for s in self._samples(sample_name, labels))
+
+    def _samples(self, sample_name: str, labels: Mapping[str, str]) -> Iterable[Any]:
+        for family in self._local.collect():
+            for sample in family.samples:
+                if sample.name == sample_name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    yield sample
+
+    def _ray_metric(self) -> Any:
+        """Ray's object for this metric, built on first use in a Ray actor; else None."""
+        if self._ray is not None or not in_ray_actor():
+            return self._ray
+        with self._ray_lock:
+            if self._ray is None:
+                from ray.util import metrics as ray_metrics
+
+                d = self.definition
+                if d.kind == "counter":
+                    self._ray = ray_metrics.Counter(d.name, d.help, tag_keys=d.labels)
+                elif d.kind == "gauge":
+                    self._ray = ray_metrics.Gauge(d.name, d.help, tag_keys=d.labels)
+                else:
+                    self._ray = ray_metrics.Histogram(
+                        d.name, d.help, boundaries=list(d.buckets), tag_keys=d.labels
+                    )
+        return self._ray
+
+
+class MetricChild:
+    """One labelled series of a `Metric`; records into every backend of the process."""
+
+    __slots__ = ("_local", "_metric", "_tags")
+
+    def __init__(self, metric: Metric, local: Any, tags: dict[str, str]) -> None:
+        self._metric = metric
+        self._local = local
+        self._tags = tags
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._local.inc(amount)
+        ray_metric = self._metric._ray_metric()
+        if ray_metric is not None:
+            if self._metric.definition.kind == "counter":
+                ray_metric.inc(amount, tags=self._tags)
+            else:
+                ray_metric.set(self._local._value.get(), tags=self._tags)
+
+    def dec(self, amount: float = 1.0) -> None:
+        """Gauges only."""
+        self._local.dec(amount)
+        ray_metric = self._metric._ray_metric()
+        if ray_metric is not None:
+            ray_metric.set(self._local._value.get(), tags=self._tags)
+
+    def set(self, value: float) -> None:
+        """Gauges only."""
+        self._local.set(value)
+        ray_metric = self._metric._ray_metric()
+        if ray_metric is not None:
+            ray_metric.set(value, tags=self._tags)
+
+    def observe(self, value: float) -> None:
+        """Histograms only."""
+        self._local.observe(value)
+        ray_metric = self._metric._ray_metric()
+        if ray_metric is not None:
+            ray_metric.observe(value, tags=self._tags)
+
+    def set_function(self, fn: Callable[[], float]) -> None:
+        """A gauge read at scrape time; prometheus-client only (Ray has no callback gauge),
+        so it is for processes outside Ray, such as the gateway."""
+        self._local.set_function(fn)
+
+
+class Counter(Metric):
+    def __init__(self, name: str, help: str, labels: Iterable[str] = (), **kw: Any) -> None:
+        super().__init__("counter", name, help, labels, **kw)
+
+
+class Gauge(Metric):
+    def __init__(self, name: str, help: str, labels: Iterable[str] = (), **kw: Any) -> None:
+        super().__init__("gauge", name, help, labels, **kw)
+
+
+class Histogram(Metric):
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        labels: Iterable[str] = (),
+        buckets: Iterable[float] = LATENCY_BUCKETS,
+        **kw: Any,
+    ) -> None:
+        super().__init__("histogram", name, help, labels, buckets=buckets, **kw)
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+    """Serve this process's metrics on ``http://host:port/metrics`` from a daemon thread
+    (prometheus-client's server); returns the port bound (`port` 0: a free one)."""
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_port)
+
+
+class InstanceNames:
+    """Label values for objects that count under a name of their own, unique while alive.
+
+    A coordinator labels its series with its actor name; two live in one
+    process (index shards, tests) would add into each other's series, so the
+    second gets ``name#2``. A name is free again once its holder is gone, and
+    its series go with it, so a later holder starts from zero.
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._lock = threading.Lock()
+        self._live: set[str] = set()
+
+    def claim(self, owner: object, name: str) -> str:
+        with self._lock:
+            label, n = name, 1
+            while label in self._live:
+                n += 1
+                label = f"{name}#{n}"
+            self._live.add(label)
+        weakref.finalize(owner, self._release, label)
+        return label
+
+    def _release(self, label: str) -> None:
+        with self._lock:
+            self._live.discard(label)
+        for metric in list(ALL_METRICS.values()):
+            if self.label in metric.definition.labels:
+                metric.forget(**{self.label: label})
+
+
+COORDINATOR_NAMES = InstanceNames("coordinator")
+
+
+# ---------------------------------------------------------------- workers (label `worker`)
+
+WORKER_REQUESTS = Counter(
+    "kvmesh_worker_requests",
+    "Requests a worker answered",
+    ["worker"],
+)
+WORKER_ERRORS = Counter(
+    "kvmesh_worker_errors",
+    "Requests a worker failed, by kind (the KVMeshError subclass: InvalidInput, PoolExhausted, "
+    "...); cancelled requests count in kvmesh_requests_cancelled_total instead",
+    ["worker", "kind"],
+)
+PROMPT_PAGES = Counter(
+    "kvmesh_prompt_pages",
+    "Full prompt pages of the requests a worker answered, by where each came from: local (a "
+    "hit in its own pool), pulled (from a peer), computed",
+    ["worker", "source"],
+)
+PAGES_PUSHED = Counter(
+    "kvmesh_pages_pushed",
+    "Pages a prefill worker pushed to decode workers (disaggregation)",
+    ["worker"],
+)
+POOL_PAGES = Gauge(
+    "kvmesh_pool_pages",
+    "A worker's pages per tier, by state: used (held by requests or cached), free, cached "
+    "(hittable now); updated every heartbeat",
+    ["worker", "tier", "state"],
+)
+EVICTIONS = Counter(
+    "kvmesh_evictions",
+    "Cached pages a worker's tier lost (evicted for reuse or dropped), from its KV events",
+    ["worker", "tier"],
+)
+TRANSFER_BYTES = Counter(
+    "kvmesh_transfer_bytes",
+    "Page bytes a worker received (pull) or sent (push) from or to a peer, by transport",
+    ["worker", "direction", "transport"],
+)
+TRANSFER_SECONDS = Histogram(
+    "kvmesh_transfer_seconds",
+    "Time of one pull or push with a peer, by the transport that delivered it",
+    ["worker", "direction", "transport"],
+    buckets=LATENCY_BUCKETS,
+)
 TRANSFER_REFUSED = Counter(
     "kvmesh_transfer_refused",
     "Transfer work a worker refused or cut short, by reason (no grant, hash proof, "
     "pin cap, stream deadline, idle stream, push eviction cap, ...)",
     ["worker", "reason"],
 )
-
 FETCH_PINNED_PAGES = Gauge(
     "kvmesh_fetch_pinned_pages",
     "Page references FetchPages streams hold on a worker's pool now (capped by "
     "TransferConfig.fetch_pin_fraction of the pool)",
     ["worker"],
 )
-
 REQUESTS_CANCELLED = Counter(
     "kvmesh_requests_cancelled",
     "Requests a worker stopped before answering, by reason: the caller cancelled it "
     "(ray.cancel), its deadline passed, or the caller's process went away",
     ["worker", "reason"],
 )
-
 PEER_TRANSFERS = Counter(
     "kvmesh_peer_transfers",
     "Pulls and pushes a worker made with a peer, by the transport that carried them (a "
@@ -50,7 +379,88 @@ DIST_LINKS = Counter(
     ["worker", "end"],
 )
 
-# -- the gateway (kvmesh.gateway) in front of real engines; `engine` is the engine's name
+# ------------------------------------------------ the coordinator (label `coordinator`)
+
+ROUTES = Counter(
+    "kvmesh_routes",
+    "Route decisions, by policy and the worker chosen",
+    ["coordinator", "policy", "worker"],
+)
+ROUTE_SECONDS = Histogram(
+    "kvmesh_route_seconds",
+    "Time of one route decision (index walk and policy), by policy",
+    ["coordinator", "policy"],
+    buckets=ROUTE_BUCKETS,
+)
+DEGRADED_ROUTES = Counter(
+    "kvmesh_degraded_routes",
+    "Route decisions made without a fresh view (every candidate stale or draining)",
+    ["coordinator"],
+)
+PREDICTED_PAGES = Counter(
+    "kvmesh_predicted_pages",
+    "Prompt pages route decisions promised, by kind: local (a hit on the chosen worker) or "
+    "pull (from the peer named)",
+    ["coordinator", "kind"],
+)
+REALIZED_PAGES = Counter(
+    "kvmesh_realized_pages",
+    "Prompt pages workers really hit (local) or pulled (pull), as reported back",
+    ["coordinator", "kind"],
+)
+ROUTE_RESULTS = Counter(
+    "kvmesh_route_results",
+    "Route results reported back, by outcome: kept (realized as promised) or mismatch (a "
+    "hashing or tokenization disagreement between router and worker shows here)",
+    ["coordinator", "outcome"],
+)
+EVENT_BATCHES = Counter(
+    "kvmesh_event_batches",
+    "Worker KV event batches, by worker and what the index did with them (applied, "
+    "replaced, ignored, stale: a gap; rejected: undecodable)",
+    ["coordinator", "worker", "outcome"],
+)
+EVENT_GAPS = Counter(
+    "kvmesh_event_gaps",
+    "Gaps in a worker's event sequence (the worker is stale until a snapshot)",
+    ["coordinator", "worker"],
+)
+EVENT_LAG = Histogram(
+    "kvmesh_event_lag_seconds",
+    "From a worker stamping an event batch to the coordinator applying it (wall clocks of two "
+    "processes: a skew shows here)",
+    ["coordinator", "worker"],
+    buckets=LAG_BUCKETS,
+)
+WORKERS = Gauge(
+    "kvmesh_workers",
+    "Workers registered with a coordinator, by state: all, stale (an event gap not yet "
+    "healed), draining",
+    ["coordinator", "state"],
+)
+INDEXED_PAGES = Gauge(
+    "kvmesh_indexed_pages",
+    "Distinct pages in a coordinator's index",
+    ["coordinator"],
+)
+WORKERS_EXPIRED = Counter(
+    "kvmesh_workers_expired",
+    "Workers a coordinator dropped for missing heartbeats",
+    ["coordinator"],
+)
+LINKS_OPENED = Counter(
+    "kvmesh_coordinator_links",
+    "torch.distributed links a coordinator handed out rendezvous for",
+    ["coordinator"],
+)
+COORDINATOR_ERRORS = Counter(
+    "kvmesh_coordinator_errors",
+    "Calls a coordinator refused, by kind (the KVMeshError subclass)",
+    ["coordinator", "kind"],
+)
+
+# ---------------------------------------------------------------- the gateway
+# (kvmesh.gateway) (kvmesh.gateway) in front of real engines; `engine` is the engine's name
 
 GATEWAY_REQUESTS = Counter(
     "kvmesh_gateway_requests",
@@ -143,8 +553,56 @@ REPLICA_FAILOVERS = Counter(
     ["reason"],
 )
 
+# -- a worker's tiers (kvmesh.worker.tiered_cache): tier is gpu (device), cpu (host) or disk;
+# tenant is kvmesh.worker.tenant_share.tenant_of(cache_salt), never the salt itself
+
+TIER_PAGES = Gauge(
+    "kvmesh_tier_pages",
+    "Cached pages a tenant holds in one tier of a worker now",
+    ["worker", "tier", "tenant"],
+)
+TIER_EVICTIONS = Counter(
+    "kvmesh_tier_evictions",
+    "Pages a tier dropped for room (to the tier below, or gone from the bottom tier), "
+    "by the tenant that lost them",
+    ["worker", "tier", "tenant"],
+)
+TIER_SPILLS = Counter(
+    "kvmesh_tier_spills",
+    "Pages that moved down into a tier (device -> cpu, cpu -> disk)",
+    ["worker", "tier"],
+)
+TIER_PROMOTIONS = Counter(
+    "kvmesh_tier_promotions",
+    "Pages a hit brought back from a lower tier into the device pool, by the tier they "
+    "came from",
+    ["worker", "tier"],
+)
+DISK_PAGES_DROPPED = Counter(
+    "kvmesh_disk_pages_dropped",
+    "Disk-tier page files deleted unserved, by reason (corrupt, truncated, format: another "
+    "model's page, stray: a temp file of an interrupted write)",
+    ["worker", "reason"],
+)
+
+# -- the cluster's pages per tenant, as the coordinator counts them from the workers' events
+# (kvmesh.coordinator.tenant_shares); tenant is kvmesh.tenants.tenant_of(cache_salt)
+
+TENANT_CLUSTER_PAGES = Gauge(
+    "kvmesh_tenant_cluster_pages",
+    "Pages a tenant holds across the cluster in one tier (gpu, cpu, disk, other), "
+    "counted from the workers' KV events",
+    ["tier", "tenant"],
+)
+TENANT_SHARE_PAGES = Gauge(
+    "kvmesh_tenant_share_pages",
+    "A tenant's fair share of the pages the cluster caches now (all tiers), by weight "
+    "among the tenants holding pages",
+    ["tenant"],
+)
+
 
 def counter_value(name: str, **labels: str) -> int:
-    """The value of counter `name` (without ``_total``) for `labels` in this process; 0
-    before its first increment."""
+    """The value of counter `name` (without ``_total``) for exactly `labels` in this
+    process; 0 before its first increment."""
     return int(REGISTRY.get_sample_value(f"{name}_total", labels) or 0)

@@ -49,6 +49,15 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
 from kvmesh.hashing import PageHasher
 from kvmesh.load import WorkerLoad
+from kvmesh.metrics import (
+    PAGES_PUSHED,
+    POOL_PAGES,
+    PROMPT_PAGES,
+    TRANSFER_BYTES,
+    TRANSFER_SECONDS,
+    WORKER_ERRORS,
+    WORKER_REQUESTS,
+)
 from kvmesh.requests import GenerateRequest, PrefillResult, Role, WorkerSpec, WorkerStats
 from kvmesh.security import check_bind_address
 from kvmesh.types import PageHash, WorkerId
@@ -77,9 +86,9 @@ def worker_actor_name(worker_id: str) -> str:
     return WORKER_ACTOR_PREFIX + worker_id
 
 
-@dataclass(slots=True)
-class _Counters:
-    """What the worker's requests came to (transfers are counted by `Peers`)."""
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """What a worker's requests came to, read back from its metrics (`kvmesh.metrics`)."""
 
     requests: int = 0
     errors: int = 0
@@ -88,6 +97,29 @@ class _Counters:
     pages_pulled: int = 0
     pages_computed: int = 0
     pages_pushed: int = 0
+
+    @classmethod
+    def read(cls, worker: str) -> RequestCounts:
+        """This process's totals for `worker` (since the process started)."""
+
+        def pages(source: str) -> int:
+            return int(PROMPT_PAGES.value(worker=worker, source=source))
+
+        local, pulled, computed = pages("local"), pages("pulled"), pages("computed")
+        return cls(
+            int(WORKER_REQUESTS.value(worker=worker)),
+            int(WORKER_ERRORS.value(worker=worker)),
+            local + pulled + computed,
+            local,
+            pulled,
+            computed,
+            int(PAGES_PUSHED.value(worker=worker)),
+        )
+
+    def since(self, base: RequestCounts) -> RequestCounts:
+        return RequestCounts(
+            *(getattr(self, f.name) - getattr(base, f.name) for f in dataclasses.fields(self))
+        )
 
 
 class WorkerActor:
@@ -176,8 +208,12 @@ class WorkerActor:
             host=self._bind_host(),
         )
         self.peers = Peers(cfg.transfer, links=self.links, worker=self.worker_id)
-        self._counters = _Counters()
-        self._counters_lock = threading.Lock()
+        # the metrics count since the process started; stats count since start or reset_cache
+        self._counts_base = RequestCounts.read(self.worker_id)
+        self._pages_metrics = {
+            state: POOL_PAGES.labels(self.worker_id, cfg.pool.medium, state)
+            for state in ("used", "free", "cached")
+        }
         self._draining = False
         self._callers = CallerWatch(ray_job_is_dead)
         self.reporter = EventReporter(
@@ -237,19 +273,16 @@ class WorkerActor:
             except RequestCancelled as exc:
                 count_cancelled(self.worker_id, signals.reason(exc))
                 raise
-            except KVMeshError:
-                with self._counters_lock:
-                    self._counters.errors += 1
+            except KVMeshError as exc:
+                WORKER_ERRORS.labels(self.worker_id, type(exc).__name__).inc()
                 raise
             finally:
                 self.reporter.flush_quietly()
-        with self._counters_lock:
-            c = self._counters
-            c.requests += 1
-            c.pages_hit_local += result.pages_hit_local
-            c.pages_pulled += result.pages_pulled
-            c.pages_computed += result.pages_computed
-            c.prompt_pages += result.pages_hit_local + result.pages_pulled + result.pages_computed
+        wid = self.worker_id
+        WORKER_REQUESTS.labels(wid).inc()
+        PROMPT_PAGES.labels(wid, "local").inc(result.pages_hit_local)
+        PROMPT_PAGES.labels(wid, "pulled").inc(result.pages_pulled)
+        PROMPT_PAGES.labels(wid, "computed").inc(result.pages_computed)
         return result
 
     def expect_push(self, request: GenerateRequest) -> bytes:
@@ -287,8 +320,7 @@ class WorkerActor:
         except KVMeshError as exc:
             push_error = f"{type(exc).__name__}: {exc}"
             log.warning("push to %s failed; the decode worker will compute: %s", push_to, exc)
-        with self._counters_lock:
-            self._counters.pages_pushed += pushed
+        PAGES_PUSHED.labels(self.worker_id).inc(pushed)
         return PrefillResult(
             request.request_id,
             self.worker_id,
@@ -311,7 +343,10 @@ class WorkerActor:
         """The engine's `pull_fn`: the peer's pages for `ask`, each checked and proven
         against the request being served as it enters the pool."""
         receiver = self.pages.receiving(ask.proofs(self.hasher.page_size))
-        return self.peers.get(ask.peer).pull_into(receiver, ask.page_hashes)
+        t0 = time.perf_counter()
+        outcome = self.peers.get(ask.peer).pull_into(receiver, ask.page_hashes)
+        self._count_transfer("pull", outcome.transport, outcome.inserted, t0)
+        return outcome
 
     def _push(self, address: str, hashes: Sequence[PageHash], ticket: bytes) -> int:
         """Push the cached prefix of `hashes` to the worker at `address` under its grant
@@ -320,7 +355,18 @@ class WorkerActor:
         held = self.pages.prefix_length(hashes)
         if not held:
             return 0
-        return self.peers.get(address).push(self.pages, hashes[:held], ticket).stored
+        t0 = time.perf_counter()
+        outcome = self.peers.get(address).push(self.pages, hashes[:held], ticket)
+        self._count_transfer("push", outcome.transport, outcome.sent, t0)
+        return outcome.stored
+
+    def _count_transfer(self, direction: str, transport: str, pages: int, t0: float) -> None:
+        TRANSFER_SECONDS.labels(self.worker_id, direction, transport).observe(
+            time.perf_counter() - t0
+        )
+        TRANSFER_BYTES.labels(self.worker_id, direction, transport).inc(
+            pages * self.store.page_nbytes
+        )
 
     def _open_link(self, address: str) -> Any:
         """The coordinator's rendezvous for a link from this worker to `address`."""
@@ -337,7 +383,13 @@ class WorkerActor:
     # ---------------------------------------------------------------- events
 
     def _load(self, extra_prefill_tokens: int = 0) -> WorkerLoad:
+        """The load to report (every heartbeat and request), which also refreshes the
+        pool's page gauges."""
         load = self.engine.load()
+        used = max(0, load.num_pages - 1 - load.free_pages)
+        self._pages_metrics["used"].set(used)
+        self._pages_metrics["free"].set(load.free_pages)
+        self._pages_metrics["cached"].set(self.pool.num_cached_hashes())
         return WorkerLoad(
             self.worker_id,
             active_prefill_tokens=load.prefill_tokens + extra_prefill_tokens,
@@ -392,8 +444,7 @@ class WorkerActor:
         load = self.engine.load()
         with self._lock:
             cached = len(self.pool.cached_hashes())
-        with self._counters_lock:
-            requests = dataclasses.replace(self._counters)
+        requests = RequestCounts.read(self.worker_id).since(self._counts_base)
         return WorkerStats(
             worker_id=self.worker_id,
             role=self.role,
@@ -424,8 +475,7 @@ class WorkerActor:
         """
         with self._lock:
             self.cache_manager.reset_prefix_cache()
-        with self._counters_lock:
-            self._counters = _Counters()
+        self._counts_base = RequestCounts.read(self.worker_id)
         self.peers.reset_counts()
         self.links.reset_counts()
         self.flush()
