@@ -42,6 +42,7 @@ for SHA-256): one 64-byte digest would widen every row.
 from __future__ import annotations
 
 import array
+import mmap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -74,6 +75,30 @@ def _distinct(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     keep[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
     return ordered[keep]
+
+
+def _zeros(shape: int | tuple[int, int], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    """A zeroed array in its own anonymous memory map.
+
+    A column or lookup table lives as long as the index and is replaced by a
+    larger copy as it grows. From the heap, the freed old copies would stay
+    resident (glibc raises its mmap threshold past every large block freed,
+    and then serves the next columns from a heap it cannot return); a map of
+    its own goes back to the OS when the array is dropped.
+    """
+    count = int(np.prod(shape))
+    size = count * np.dtype(dtype).itemsize
+    if size < mmap.PAGESIZE:
+        return np.zeros(shape, dtype)
+    private = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(private, dtype, count).reshape(shape)
+
+
+def _grown(column: npt.NDArray[Any], rows: int) -> npt.NDArray[Any]:
+    """`column` with `rows` rows, its rows first and zeros after (see `_zeros`)."""
+    out = _zeros((rows, *column.shape[1:]) if column.ndim == 2 else rows, column.dtype.type)
+    out[: len(column)] = column
+    return out
 
 
 _GOLDEN_INT = 0x9E3779B97F4A7C15
@@ -117,20 +142,17 @@ class PageStore:
         if need <= cap:
             return
         new = max(need, cap + cap // 4, _MIN_ROWS)
-        # In place (realloc: mremap for large columns), not concatenate: a copy frees the
-        # old column, and glibc then keeps freed heap the size of the old columns resident.
-        # The new rows come zeroed; the arrays hold no views (refcheck guards it).
-        self._digest.resize((new, self._words))
-        self._length.resize(new)
-        self._holders.resize(new)
-        self._parent.resize(new)
+        self._digest = _grown(self._digest, new)
+        self._length = _grown(self._length, new)
+        self._holders = _grown(self._holders, new)
+        self._parent = _grown(self._parent, new)
         self._parent[cap:] = -1
-        self._kids.resize(new)
+        self._kids = _grown(self._kids, new)
 
     def _widen(self, words: int) -> None:
         if words > self._words:
             self._narrow = self._narrow or bool((self._length[: self._top] > 0).any())
-            wider = np.zeros((len(self._length), words), np.uint64)
+            wider = _zeros((len(self._length), words), np.uint64)
             wider[:, : self._words] = self._digest
             self._digest = wider
             self._words = words
@@ -166,7 +188,8 @@ class PageStore:
 
     def _new_table(self, size: int) -> None:
         bits = max(4, (size - 1).bit_length())
-        self._table = np.full(1 << bits, _EMPTY, np.int32)
+        self._table = _zeros(1 << bits, np.int32)
+        self._table.fill(_EMPTY)
         self._table_mask = (1 << bits) - 1
         self._table_shift = np.uint64(64 - bits)
         self._table_shift_int = 64 - bits
