@@ -202,7 +202,8 @@ class MetricChild:
         ray_metric = self._metric._ray_metric()
         if ray_metric is not None:
             if self._metric.definition.kind == "counter":
-                ray_metric.inc(amount, tags=self._tags)
+                if amount:  # Ray refuses an increment of 0 (prometheus-client takes it)
+                    ray_metric.inc(amount, tags=self._tags)
             else:
                 ray_metric.set(self._local._value.get(), tags=self._tags)
 

@@ -97,7 +97,9 @@ def test_served_metrics_parse_with_prometheus_clients_parser() -> None:
         text = resp.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = [
-        s for s in families["kvmesh_worker_requests"].samples if s.labels.get("worker") == "served-w0"
+        s
+        for s in families["kvmesh_worker_requests"].samples
+        if s.labels.get("worker") == "served-w0"
     ]
     assert [(s.name, s.value) for s in samples] == [("kvmesh_worker_requests_total", 3.0)]
     assert families["kvmesh_route_seconds"].type == "histogram"

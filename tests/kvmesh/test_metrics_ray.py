@@ -1,0 +1,110 @@
+"""A real cluster's actors export kvmesh's metrics through Ray's metrics API.
+
+Ray's metrics agent serves every actor's ``ray.util.metrics`` on the node's
+Prometheus endpoint (``_metrics_export_port``), with Ray's ``ray_`` prefix;
+the scrape is parsed with prometheus-client's parser, as Prometheus would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.client import KVMesh
+from kvmesh.config import ClusterConfig, PoolConfig
+from kvmesh.metrics import RAY_PREFIX
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+CONFIG = dataclasses.replace(ClusterConfig(), pool=PoolConfig(num_pages=128))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[KVMesh, int]]:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    port = free_port()
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace=CONFIG.coordinator.namespace,
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 500},
+    )
+    mesh = KVMesh.connect(num_workers=2, config=CONFIG)
+    try:
+        yield mesh, port
+    finally:
+        mesh.close()
+        ray.shutdown()
+
+
+def scrape(port: int) -> dict[str, list[Any]]:
+    """Samples by sample name (``ray_`` prefix removed) from the node's endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(RAY_PREFIX + "kvmesh_"):
+                out.setdefault(s.name.removeprefix(RAY_PREFIX), []).append(s)
+    return out
+
+
+def total(samples: dict[str, list[Any]], name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for s in samples.get(name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def scrape_until(
+    port: int, name: str, at_least: float, timeout_s: float = 60.0
+) -> dict[str, list[Any]]:
+    """Ray exports every report interval: scrape until `name` reaches `at_least`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(port)
+        if total(samples, name) >= at_least or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+def test_the_node_endpoint_serves_the_workers_and_the_coordinators_metrics(
+    cluster: tuple[KVMesh, int],
+) -> None:
+    mesh, port = cluster
+    prompt = list(range(16 * 5 + 3))
+    first = mesh.generate(prompt, max_tokens=2)
+    second = mesh.generate(prompt, max_tokens=2)
+    assert second.pages_hit_local == 5
+    samples = scrape_until(port, "kvmesh_prompt_pages_total", 12)
+
+    assert total(samples, "kvmesh_worker_requests_total") == 2
+    assert total(samples, "kvmesh_worker_requests_total", worker=first.worker_id) >= 1
+    assert total(samples, "kvmesh_prompt_pages_total", source="local") == 5
+    assert total(samples, "kvmesh_prompt_pages_total", source="computed") == 7
+    assert total(samples, "kvmesh_routes_total", coordinator=CONFIG.coordinator.actor_name) == 2
+    assert total(samples, "kvmesh_route_seconds_count") == 2
+    assert total(samples, "kvmesh_predicted_pages_total", kind="local") == 5
+    assert total(samples, "kvmesh_event_batches_total") >= 2
+    pool = [s for s in samples["kvmesh_pool_pages"] if s.labels["state"] == "free"]
+    assert len({s.labels["worker"] for s in pool}) == 2  # one series per worker
+    assert all(0 < s.value <= 127 for s in pool)
