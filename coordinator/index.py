@@ -373,6 +373,11 @@ class GlobalIndex:
         """Apply one batch in the worker's sequence order (see the module docstring)."""
         return self._apply(validate_batch(batch))
 
+    def apply_decoded(self, batch: EventBatch) -> ApplyResult:
+        """`apply` for a batch `kvmesh.events.decode_batch` returned: it checked every field
+        already, so this skips `validate_batch` (a tenth of applying a 512-page batch)."""
+        return self._apply(batch)
+
     def _apply(self, batch: EventBatch) -> ApplyResult:
         wid = batch.worker_id
         w = self._workers.get(wid)

@@ -262,7 +262,7 @@ class Coordinator:
                 if batch.incarnation != info.incarnation:
                     results.append(ApplyResult.IGNORED)
                 else:
-                    results.append(self.index.apply(batch))
+                    results.append(self.index.apply_decoded(batch))
                     if batch.ts > 0:  # stamped by its sender (wall clock)
                         EVENT_LAG.labels(self.name, worker_id).observe(max(0.0, now - batch.ts))
                 self._count_batch(worker_id, results[-1])
@@ -351,7 +351,7 @@ class Coordinator:
                             f"snapshot of {wid!r} is from incarnation {batch.incarnation!r}, "
                             f"registered is {info.incarnation!r}"
                         )
-                    applied[wid] = self.index.apply(batch)
+                    applied[wid] = self.index.apply_decoded(batch)
                     self._count_batch(wid, applied[wid])
                     self._loads.clear()
                     self._export_gauges()

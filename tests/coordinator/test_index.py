@@ -15,6 +15,7 @@ from kvmesh.events import (
     KVEvent,
     PagesRemoved,
     PagesStored,
+    decode_batch,
     encode_batch,
     make_batch,
 )
@@ -239,6 +240,22 @@ def test_apply_encoded_decodes_and_applies() -> None:
     ix = GlobalIndex()
     assert ix.apply_encoded(encode_batch(batch(A, 0, stored(P[:3])))) is ApplyResult.REPLACED
     assert ix.match(P).pages == {A: 3}
+
+
+def test_a_decoded_batch_applies_as_a_checked_one_does() -> None:
+    checked, decoded = GlobalIndex(), GlobalIndex()
+    batches = [
+        batch(A, 0, stored(P[:5])),
+        batch(B, 0, stored(P[:2])),
+        batch(A, 1, PagesRemoved((P[4],), None)),
+        batch(A, 3, stored(P[5:7], P[4])),  # past a gap: held back, stale
+    ]
+    for b in batches:
+        want = checked.apply(b)
+        assert decoded.apply_decoded(decode_batch(encode_batch(b))) is want
+    assert decoded.match(P).pages == checked.match(P).pages == {A: 4, B: 2}
+    assert decoded.stale_workers() == checked.stale_workers() == {A}
+    decoded.check_invariants()
 
 
 def test_snapshot_then_restore_gives_identical_matches_and_state() -> None:

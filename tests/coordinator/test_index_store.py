@@ -16,7 +16,7 @@ def _chain(start: int, n: int) -> list[PageHash]:
     return [_h(start + k) for k in range(n)]
 
 
-def test_pages_survive_the_columns_growing_in_place() -> None:
+def test_pages_survive_the_columns_growing() -> None:
     store = PageStore(min_slots=16)
     store.ensure_slot(0)
     first = _chain(0, 700)
