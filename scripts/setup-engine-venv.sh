@@ -29,4 +29,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
   "$venv/bin/python" -c "import vllm, transformers, xxhash" >/dev/null
   echo "$want" > "$stamp"
 fi
+# kvmesh itself, for its KV connector (kvmesh.connector.vllm_connector, loaded by the
+# engine's worker): editable and without its dependencies (no Ray, no second torch);
+# the connector needs only grpcio and protobuf (vLLM's own), xxhash and msgpack.
+connector_want="kvmesh-connector-1 msgpack"
+connector_stamp="$venv/.kvmesh-connector-installed"
+if [ ! -f "$connector_stamp" ] || [ "$(cat "$connector_stamp")" != "$connector_want" ] \
+   || ! "$venv/bin/python" -c "import msgpack, kvmesh.connector.blocks" >/dev/null 2>&1; then
+  echo "kvmesh: installing kvmesh (--no-deps, editable) and msgpack into $venv" >&2
+  "$venv/bin/pip" install -q msgpack
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e .
+  "$venv/bin/python" -c "import msgpack, kvmesh.connector.blocks" >/dev/null
+  echo "$connector_want" > "$connector_stamp"
+fi
 "$venv/bin/python" scripts/build_tiny_model.py .engine-model

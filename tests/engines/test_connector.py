@@ -1,0 +1,167 @@
+"""Real vLLM engines with kvmesh's KV connector: the mesh as the engines' KV cache.
+
+Two engines, each with a kvmesh store beside it (`EngineStore`, run in this
+process so a test can reach a stored page), each store the other's peer::
+
+    engine A ── store SA ◄── peer ──► store SB ── engine B
+
+What the engines report (``vllm:external_prefix_cache_hits``: prompt tokens
+loaded through the connector) and their greedy tokens are the evidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from kvmesh.connector.blocks import sealed_page_bytes
+from kvmesh.connector.engine_config import connector_config
+from kvmesh.connector.store_launcher import engine_block_nbytes
+from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
+from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
+from kvmesh.worker.engine_store import EngineStore
+
+BLOCK = 32
+MAX_TOKENS = 12
+
+
+@dataclass
+class Mesh:
+    a: VLLMEngine
+    b: VLLMEngine
+    sa: EngineStore
+    sb: EngineStore
+
+
+def metric(engine: VLLMEngine, name: str) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
+def external_hits(engine: VLLMEngine) -> float:
+    return metric(engine, "vllm:external_prefix_cache_hits_total")
+
+
+def complete(engine: VLLMEngine, prompt: list[int], **extra: Any) -> list[int]:
+    """Greedy tokens the engine answers `prompt` (token ids) with."""
+    body = {
+        "model": engine.spec.served_model_name,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    r = httpx.post(engine.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def reset_prefix_cache(engine: VLLMEngine) -> None:
+    r = httpx.post(engine.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def prompt_of(seed: int, blocks: int = 6, tail: int = 7) -> list[int]:
+    """A prompt of `blocks` full blocks and a `tail`, distinct per seed (vocab 1728)."""
+    return [3 + (seed * 7919 + i * 131) % 1700 for i in range(blocks * BLOCK + tail)]
+
+
+def digests(prompt: list[int], salt: str | None = None) -> list[bytes]:
+    hasher = EngineHasher("sha256", BLOCK, int_hashes=False)
+    return list(hasher.hash_blocks(prompt, EngineExtraKeys(cache_salt=salt)).digests)
+
+
+def held(store: EngineStore, prompt: list[int], salt: str | None = None) -> int:
+    return store.service.prefix_length(digests(prompt, salt))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mesh(start_engine) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
+    page_bytes = sealed_page_bytes(engine_block_nbytes(engine_model(), BLOCK), BLOCK)
+    with (
+        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=128, name="sa") as sa,
+        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=128, name="sb") as sb,
+    ):
+        specs = [
+            EngineSpec(
+                block_size=BLOCK,
+                extra_args=(
+                    "--kv-transfer-config",
+                    connector_config(own.address, own.control_address, peers=[other.address]),
+                ),
+            )
+            for own, other in ((sa, sb), (sb, sa))
+        ]
+        a = start_engine(specs[0], name="connector-a")
+        b = start_engine(specs[1], name="connector-b")
+        yield Mesh(a, b, sa, sb)
+
+
+def test_an_engine_saves_every_full_block_it_computes_into_its_store(mesh: Mesh) -> None:
+    prompt = prompt_of(1)
+    complete(mesh.a, prompt)
+    assert held(mesh.sa, prompt) == 6
+    assert held(mesh.sb, prompt) == 0
+
+
+def test_a_fresh_engine_loads_a_prompt_its_peer_store_holds_and_answers_the_same(
+    mesh: Mesh,
+) -> None:
+    prompt = prompt_of(2)
+    expected = complete(mesh.a, prompt)
+    assert held(mesh.sb, prompt) == 0
+    before = external_hits(mesh.b)
+    assert complete(mesh.b, prompt) == expected
+    assert external_hits(mesh.b) - before == 6 * BLOCK  # every full block loaded, none computed
+    assert held(mesh.sb, prompt) == 6  # pulled from SA over the Peer contract
+
+
+def test_an_engine_loads_from_its_own_store_after_its_prefix_cache_is_gone(mesh: Mesh) -> None:
+    prompt = prompt_of(3)
+    expected = complete(mesh.a, prompt)
+    reset_prefix_cache(mesh.a)
+    before = external_hits(mesh.a)
+    assert complete(mesh.a, prompt) == expected
+    assert external_hits(mesh.a) - before == 6 * BLOCK
+
+
+def test_a_corrupted_stored_block_is_refused_and_recomputed_with_the_right_answer(
+    mesh: Mesh,
+) -> None:
+    prompt = prompt_of(4)
+    expected = complete(mesh.a, prompt)
+    reset_prefix_cache(mesh.a)
+    with mesh.sa.service.pinned(digests(prompt)[2:3]) as ids:  # type: ignore[arg-type]
+        (page_id,) = ids
+        assert page_id is not None
+        mesh.sa.kv.kv[page_id].fill_(7)  # the stored bytes change under the seal
+    assert complete(mesh.a, prompt) == expected
+    assert "check of block" in mesh.a.log_tail(400)
+
+
+def test_tenants_never_load_each_others_blocks(mesh: Mesh) -> None:
+    prompt = prompt_of(5)
+    expected = complete(mesh.a, prompt, cache_salt="tenant-1")
+    assert held(mesh.sa, prompt, "tenant-1") == 6
+    assert held(mesh.sa, prompt) == 0  # another name for every block
+    before = external_hits(mesh.b)
+    assert complete(mesh.b, prompt, cache_salt="tenant-2") == expected
+    assert external_hits(mesh.b) == before  # nothing of tenant-1 was loaded
+    assert complete(mesh.b, prompt, cache_salt="tenant-1") == expected
+    assert external_hits(mesh.b) - before == 6 * BLOCK  # the same tenant does load
+
+
+def test_nothing_is_claimed_when_the_store_holds_nothing(mesh: Mesh) -> None:
+    before = external_hits(mesh.b)
+    complete(mesh.b, prompt_of(6))
+    assert external_hits(mesh.b) == before

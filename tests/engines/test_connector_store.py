@@ -1,0 +1,227 @@
+"""The connector's store and seal without an engine: real stores on loopback gRPC.
+
+`EngineStore` (the worker beside an engine) takes sealed blocks only with a
+proof from their tokens, pulls what it lacks from a peer store, and answers
+bad calls with clear errors; `unseal` refuses any page that is not the block
+asked for, whole. Block digests come from `EngineHasher` (vLLM's own hash,
+proven equal to the engine's by tests/engines/test_hash_parity.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import msgpack
+import pytest
+
+from kvmesh.connector.blocks import (
+    SEAL_BYTES,
+    BlockRun,
+    block_run,
+    seal,
+    sealed_page_bytes,
+    unseal,
+)
+from kvmesh.connector.engine_config import check_vllm_version, connector_config
+from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
+from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
+from kvmesh.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    HashMismatch,
+    InvalidInput,
+    PageFormatError,
+    TransportError,
+)
+from kvmesh.worker.engine_store import EngineStore
+
+B = 32
+NBYTES = 1000
+PAGE = sealed_page_bytes(NBYTES, B)
+HASHER = EngineHasher("sha256", B, int_hashes=False)
+
+
+def request(seed: int, blocks: int = 3, salt: str | None = None) -> tuple[BlockRun, list[bytes]]:
+    """A request's full blocks as a run, and each block sealed (its bytes: the block index)."""
+    tokens = [seed * 1000 + i for i in range(blocks * B + 5)]
+    keys = EngineExtraKeys(cache_salt=salt)
+    digests = list(HASHER.hash_blocks(tokens, keys).digests)
+    extra = [keys.for_block(i * B, (i + 1) * B) for i in range(blocks)]
+    run = block_run(digests, tokens, extra, 0, blocks, B)
+    return run, [seal(d, bytes([i + 1]) * NBYTES, PAGE) for i, d in enumerate(digests)]
+
+
+@pytest.fixture
+def stores() -> Iterator[tuple[EngineStore, EngineStore]]:
+    with (
+        EngineStore(page_bytes=PAGE, block_size=B, num_pages=16, name="a") as a,
+        EngineStore(page_bytes=PAGE, block_size=B, num_pages=16, name="b") as b,
+    ):
+        yield a, b
+
+
+def client(store: EngineStore) -> StoreClient:
+    return StoreClient(store.address, store.control_address, timeout_s=5.0)
+
+
+# ------------------------------------------------------------------ the seal
+
+
+def test_a_sealed_block_unseals_to_its_bytes() -> None:
+    digest = HASHER.hash_blocks(list(range(B))).digests[0]
+    page = seal(digest, b"\x05" * NBYTES, PAGE)
+    assert len(page) == PAGE and PAGE % (2 * B) == 0 and PAGE >= NBYTES + SEAL_BYTES
+    assert bytes(unseal(digest, page, NBYTES)) == b"\x05" * NBYTES
+
+
+def test_unseal_refuses_changed_bytes_another_block_and_another_layout() -> None:
+    first, second = HASHER.hash_blocks(list(range(2 * B))).digests
+    page = bytearray(seal(first, b"\x05" * NBYTES, PAGE))
+    with pytest.raises(HashMismatch, match="handed over"):
+        unseal(second, page, NBYTES)
+    with pytest.raises(PageFormatError, match="no seal"):
+        unseal(first, page, NBYTES - 2)
+    page[10] ^= 1
+    with pytest.raises(ChecksumMismatch, match="recomputed"):
+        unseal(first, page, NBYTES)
+
+
+def test_a_block_too_big_for_the_page_is_refused_by_name() -> None:
+    with pytest.raises(PageFormatError, match="sealed_page_bytes"):
+        seal(bytes(32), bytes(PAGE), PAGE)
+    with pytest.raises(InvalidInput):
+        sealed_page_bytes(0, B)
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_the_store_keeps_proven_blocks_and_serves_them_sealed(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, _ = stores
+    run, pages = request(1)
+    c = client(a)
+    assert c.save(run, pages) == [True, True, True]
+    assert c.save(run, pages) == [False, False, False]  # held: never overwritten
+    got = c.fetch(run.digests)
+    assert [bytes(unseal(d, p, NBYTES))[:1] for d, p in zip(run.digests, got, strict=True)] == [
+        b"\x01",
+        b"\x02",
+        b"\x03",
+    ]
+
+
+def test_a_block_whose_tokens_do_not_prove_its_digest_is_refused_and_nothing_is_kept(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, _ = stores
+    run, pages = request(2)
+    lying = BlockRun(run.parent, run.digests, tuple(t + 1 for t in run.tokens), run.extra)
+    with pytest.raises(TransportError, match="HashMismatch"):
+        client(a).save(lying, pages)
+    assert a.service.prefix_length(run.digests) == 0
+
+
+def test_a_page_of_the_wrong_size_is_refused(stores: tuple[EngineStore, EngineStore]) -> None:
+    a, _ = stores
+    run, pages = request(3)
+    with pytest.raises(TransportError, match="PageFormatError"):
+        client(a).save(run, [p[:-64] for p in pages])
+
+
+def test_prepare_pulls_what_a_peer_holds_and_proves_it(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, b = stores
+    run, pages = request(4, salt="tenant-1")
+    client(a).save(run, pages)
+    assert client(b).prepare(run).held == 0  # b has no peers of its own
+    prepared = client(b).prepare(run, [a.address])
+    assert (prepared.held, prepared.pulled, prepared.source) == (3, 3, a.address)
+    assert unseal(run.digests[2], client(b).fetch(run.digests)[2], NBYTES)[0] == 3
+
+
+def test_another_tenants_request_neither_finds_nor_pulls_the_blocks(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, b = stores
+    mine, pages = request(5, salt="tenant-1")
+    client(a).save(mine, pages)
+    theirs, _ = request(5, salt="tenant-2")
+    assert set(theirs.digests).isdisjoint(mine.digests)
+    assert client(b).prepare(theirs, [a.address]).held == 0
+
+
+def test_a_dead_peer_leaves_prepare_with_what_the_store_holds(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    _, b = stores
+    run, _ = request(6)
+    assert client(b).prepare(run, ["127.0.0.1:1"]).held == 0
+
+
+def test_malformed_control_calls_get_invalid_argument(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, _ = stores
+    with grpc.insecure_channel(a.control_address) as channel:
+        save = channel.unary_unary("/kvmesh.v1.EngineStore/Save")
+        for body in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"digests": [b"x"]})):
+            with pytest.raises(grpc.RpcError) as err:
+                save(body, timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_store_refuses_a_page_size_its_blocks_cannot_fill() -> None:
+    with pytest.raises(ConfigError, match="sealed_page_bytes"):
+        EngineStore(page_bytes=PAGE + 1, block_size=B)
+
+
+def test_a_store_down_is_a_transport_error_not_a_hang() -> None:
+    c = StoreClient("127.0.0.1:1", "127.0.0.1:1", timeout_s=1.0)
+    run, _ = request(7)
+    with pytest.raises(TransportError):
+        c.prepare(run)
+    with pytest.raises(TransportError):
+        c.fetch(run.digests)
+
+
+# ------------------------------------------------------------------ launcher, config, pin
+
+
+def test_the_store_process_starts_serves_and_stops(tmp_path: Path) -> None:
+    with StoreProcess(block_nbytes=NBYTES, block_size=B, pages=8, log_dir=tmp_path) as proc:
+        run, pages = request(8)
+        c = StoreClient(proc.page_address, proc.control_address)
+        assert c.describe().page_bytes == PAGE
+        assert c.save(run, pages) == [True] * 3
+    assert not proc.running()
+
+
+def test_a_block_is_sized_from_the_models_config(tmp_path: Path) -> None:
+    config = {"num_hidden_layers": 4, "num_key_value_heads": 8, "num_attention_heads": 8,
+              "head_dim": 64, "hidden_size": 512, "dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert engine_block_nbytes(tmp_path, 32) == 4 * 2 * 32 * 8 * 64 * 2
+    with pytest.raises(ConfigError, match=r"config\.json"):
+        engine_block_nbytes(tmp_path / "nowhere", 32)
+
+
+def test_the_connector_config_loads_the_connector_with_recompute_on_failure() -> None:
+    config = json.loads(connector_config("127.0.0.1:1", "127.0.0.1:2", role="kv_consumer"))
+    assert config["kv_connector_module_path"] == "kvmesh.connector.vllm_connector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_role"] == "kv_consumer"
+    with pytest.raises(ConfigError, match="kv_role"):
+        connector_config("a:1", "a:2", role="both")
+
+
+def test_the_connector_runs_only_on_the_vllm_line_it_targets() -> None:
+    check_vllm_version("0.32.0")
+    with pytest.raises(ConfigError, match=r"0\.32\.x"):
+        check_vllm_version("0.33.1")

@@ -1,0 +1,408 @@
+"""The kvmesh worker beside a real engine: a page store with no model.
+
+A vLLM engine that loads kvmesh's connector (`kvmesh.connector`) saves every
+full KV block it computes here and loads from here the blocks it would
+otherwise compute. The store is a worker without a model: a `PagePool` and
+`KVStore` behind a `PageService`, the gRPC page server (`kvmesh.v1.KVWorker`:
+Lookup, FetchPages, PushPages) that the engine and peer stores read from,
+and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies) with
+two calls:
+
+- ``Save``: sealed blocks with the request's proof (the block digests, their
+  tokens and extra keys, the parent digest): every page enters the pool
+  through `PageService.insert_many`, proven first, so a page is cached only
+  under a hash its tokens produce with the engine's own hash function;
+- ``Prepare``: before the engine loads, make the store hold as much of a
+  request's prefix as the mesh has: what is not held is pulled from peer
+  stores over the `Peer` contract (`kvmesh.worker.peers`), proven against
+  the same kind of book; answers how many leading blocks are held now.
+
+Pages are named by the engine's full 32-byte block digests (the chain needs
+whole parents); the engine's KV events name the same blocks by the digests'
+low 8 bytes. A page's bytes are opaque to the store: the connector seals
+each block (its bytes, its digest and a checksum, `kvmesh.connector.blocks`)
+and checks the seal on load, so the store neither knows the engine's layout
+nor can hand it bytes that do not belong to the block asked for.
+
+Run one with ``python -m kvmesh.worker.engine_store --page-bytes N
+--block-size B`` (`kvmesh.connector.store_launcher` does, for tests and
+benchmarks); it prints ``READY <page address> <control address>`` once
+both servers listen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack
+
+from kvmesh.config import TransferConfig
+from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
+from kvmesh.errors import ConfigError, InvalidInput, KVMeshError
+from kvmesh.grpc_security import ERROR_METADATA_KEY
+from kvmesh.hashing import PageHasher
+from kvmesh.types import PageHash
+from kvmesh.worker.kv_store import KVStore, PageBlob
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.page_proofs import PageProof, ProofBook
+from kvmesh.worker.page_service import IncomingPage, PageService, check_hash
+from kvmesh.worker.peers import Peers
+from kvmesh.worker.transfer_server import ServerThread
+
+log = logging.getLogger(__name__)
+
+CONTROL_SERVICE = "kvmesh.v1.EngineStore"
+DIGEST_BYTES = 32
+MAX_CONTROL_BYTES = 256 * 1024 * 1024
+MAX_BLOCKS_PER_CALL = 65_536
+
+
+class EngineBlockProver(PageHasher):
+    """Proves a vLLM block digest from its parent, tokens and extra keys, as the engine hashes.
+
+    A `PageHasher` to `PageService` (its `hash_page` is what proofs recompute),
+    but with the engine's chain: ``H((parent or NONE_HASH, tuple(tokens), extra))``
+    under the engine's algorithm and seed (`kvmesh.engine_hash`), always the
+    full 32-byte digest. A proof's extra keys are ``(None, engine keys)``
+    (`engine_proof_extra`): kvmesh reads a proof's first extra key as its own
+    LoRA id, which an engine block does not have (the engine's LoRA is in its
+    own keys).
+    """
+
+    __slots__ = ("_algorithm",)
+
+    def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None) -> None:
+        algorithm = ENGINE_HASH_ALGORITHMS.get(algo)
+        if algorithm is None:
+            raise ConfigError(
+                f"unknown engine hash algorithm {algo!r}; known: {sorted(ENGINE_HASH_ALGORITHMS)}"
+            )
+        if seed is None and algorithm.needs_seed:
+            raise ConfigError(
+                f"vLLM seeds {algo!r} with random bytes unless PYTHONHASHSEED is set: give the "
+                "store the engine's seed"
+            )
+        super().__init__(block_size, algo="sha256")
+        self._algorithm = algorithm
+        self.algo = algo
+        self.seed = DEFAULT_ENGINE_SEED if seed is None else seed
+        self.root_hash = PageHash(algorithm(self.seed))
+        self.digest_size = len(self.root_hash)
+
+    def hash_page(
+        self, parent: PageHash | None, tokens: Sequence[int], extra: tuple[Any, ...] | None = None
+    ) -> PageHash:
+        if len(tokens) != self.page_size:
+            raise InvalidInput(f"a block holds exactly {self.page_size} tokens, got {len(tokens)}")
+        head = self.root_hash if parent is None else parent
+        keys = extra[1] if extra is not None else None
+        return PageHash(self._algorithm((bytes(head), tuple(tokens), keys)))
+
+
+def engine_proof_extra(keys: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    """A proof's extra keys for an engine block whose own extra keys are `keys`."""
+    return (None, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRun:
+    """Consecutive blocks of one request as the engine describes them: the proof's material.
+
+    `parent` is the digest before the first block (None: the request's first
+    block), `tokens` the blocks' tokens (``len(digests) * block_size``),
+    `extra` each block's extra keys (LoRA, media, cache_salt) as the engine
+    built them.
+    """
+
+    parent: PageHash | None
+    digests: tuple[PageHash, ...]
+    tokens: tuple[int, ...]
+    extra: tuple[tuple[Any, ...] | None, ...]
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any], block_size: int) -> BlockRun:
+        """A run from a control call's msgpack body; `InvalidInput` says what is wrong."""
+        try:
+            parent = body.get("parent")
+            digests = tuple(check_hash(d, "block digest") for d in body["digests"])
+            tokens = tuple(int(t) for t in body["tokens"])
+            extra = tuple(body["extra"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"a block run needs parent, digests, tokens, extra: {exc}") from None
+        if parent is not None:
+            parent = check_hash(parent, "parent digest")
+        if len(digests) > MAX_BLOCKS_PER_CALL:
+            raise InvalidInput(f"{len(digests)} blocks in one call; at most {MAX_BLOCKS_PER_CALL}")
+        if len(tokens) != len(digests) * block_size or len(extra) != len(digests):
+            raise InvalidInput(
+                f"{len(digests)} blocks of {block_size} tokens need {len(digests) * block_size} "
+                f"tokens and {len(digests)} extra keys, got {len(tokens)} and {len(extra)}"
+            )
+        return cls(parent, digests, tokens, extra)
+
+    def proofs(self, block_size: int) -> ProofBook:
+        """The store's book for these blocks, chained from `parent`."""
+        book: dict[PageHash, PageProof] = {}
+        parent = self.parent
+        for i, digest in enumerate(self.digests):
+            tokens = self.tokens[i * block_size : (i + 1) * block_size]
+            book[digest] = PageProof(parent, tokens, engine_proof_extra(self.extra[i]))
+            parent = digest
+        return ProofBook(book)
+
+
+class EngineStore:
+    """A page store for one engine: pool, service, page server and control server.
+
+    `page_bytes` is a sealed block's size (a multiple of ``2 * block_size``);
+    `peers` are stores `Prepare` pulls from when the caller names none.
+    `start()` binds both servers (port 0: free ports); `stop()` ends them.
+    """
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        block_size: int,
+        num_pages: int = 256,
+        algo: str = "sha256",
+        seed: str | None = None,
+        peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        control_port: int = 0,
+        name: str = "engine-store",
+        page_delay_s: float = 0.0,
+    ) -> None:
+        if block_size <= 0 or page_bytes <= 0 or page_bytes % (2 * block_size):
+            raise ConfigError(
+                f"page_bytes {page_bytes} must be a positive multiple of 2 x block_size "
+                f"({2 * block_size}); size it with kvmesh.connector.blocks.sealed_page_bytes"
+            )
+        self.block_size = block_size
+        self.page_bytes = page_bytes
+        self.name = name
+        self.peers = tuple(peers)
+        self.pool = PagePool(num_pages, page_size=block_size, event_token_ids=False)
+        self.kv = KVStore(num_pages, 1, 1, page_bytes // (2 * block_size), block_size, "uint8")
+        self.service = PageService(
+            self.pool, self.kv, EngineBlockProver(block_size, algo, seed), name=name
+        )
+        self.config = TransferConfig(host=host, port=port)
+        # page_delay_s: the transfer server's slow-peer test hook (a store killed mid-load)
+        self._pages = ServerThread(self.service, self.config, page_delay_s=page_delay_s)
+        self._host = host
+        self._control_port = control_port
+        self._control: grpc.aio.Server | None = None
+        self._peer_links = Peers(self.config, worker=name)
+        self.control_address = ""
+
+    @property
+    def address(self) -> str:
+        """The page server (`kvmesh.v1.KVWorker`) peers and the engine fetch from."""
+        return self._pages.address
+
+    def start(self) -> EngineStore:
+        self._pages.start()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._start_control(), self._pages.loop)
+            self.control_address = fut.result(10)
+        except BaseException:
+            self._pages.stop()
+            raise
+        log.info(
+            "engine store %s: pages on %s, control on %s",
+            self.name,
+            self.address,
+            self.control_address,
+        )
+        return self
+
+    def stop(self) -> None:
+        if self._control is not None:
+            server, self._control = self._control, None
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(server.stop(0.2), self._pages.loop).result(5)
+        self._pages.stop()
+        self._peer_links.close()
+
+    def __enter__(self) -> EngineStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ calls
+
+    def save(self, run: BlockRun, pages: Sequence[bytes]) -> list[bool]:
+        """Prove and cache sealed blocks; per block True new, False already held.
+
+        All or nothing (`PageService.insert_many`): a block whose tokens do not
+        hash to its digest, or a page of the wrong size, refuses the call.
+        """
+        if len(pages) != len(run.digests):
+            raise InvalidInput(f"{len(run.digests)} digests but {len(pages)} pages")
+        shape = self.kv.page_shape
+        incoming = [
+            IncomingPage(d, None, (), PageBlob.from_bytes(p, "uint8", shape))
+            for d, p in zip(run.digests, pages, strict=True)
+        ]
+        inserted = self.service.insert_many(incoming, run.proofs(self.block_size))
+        self.service.take_events()  # the engine's own events feed the index, not these
+        return inserted
+
+    def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> tuple[int, int, str | None]:
+        """Hold as much of `run` as the mesh has: (leading blocks held, blocks pulled, from whom).
+
+        Blocks this store lacks are pulled from `peers` (else the store's own),
+        in order, each through a receiver bound to the run's proofs. A peer
+        that fails or lacks them is passed over; nothing here raises for it.
+        """
+        held = self.service.prefix_length(run.digests)
+        pulled, source = 0, None
+        for address in peers or self.peers:
+            if held == len(run.digests):
+                break
+            receiver = self.service.receiving(run.proofs(self.block_size))
+            outcome = self._peer_links.get(address).pull_into(
+                receiver, run.digests[held:], deadline_s=self.config.deadline_s
+            )
+            if outcome.error is not None:
+                log.warning("pull from %s for %s failed: %s", address, self.name, outcome.error)
+            now = self.service.prefix_length(run.digests)
+            if now > held:
+                pulled, source, held = pulled + now - held, address, now
+        self.service.take_events()
+        return held, pulled, source
+
+    # ---------------------------------------------------------------- control server
+
+    async def _start_control(self) -> str:
+        options = [
+            ("grpc.max_receive_message_length", MAX_CONTROL_BYTES),
+            ("grpc.max_send_message_length", MAX_CONTROL_BYTES),
+        ]
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((self._handlers(),))
+        target = f"{self._host}:{self._control_port}"
+        port = server.add_insecure_port(target)
+        if port == 0:
+            raise ConfigError(f"cannot bind the engine store's control server to {target}")
+        await server.start()
+        self._control = server
+        return f"{self._host}:{port}"
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> grpc.RpcMethodHandler:
+            async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                try:
+                    body = msgpack.unpackb(raw, raw=False, use_list=False, strict_map_key=True)
+                    if not isinstance(body, dict):
+                        raise InvalidInput("a control call's body is a msgpack map")
+                    answer = await asyncio.to_thread(fn, body)
+                except KVMeshError as exc:
+                    await context.abort(
+                        grpc.StatusCode[exc.grpc_code],
+                        f"{type(exc).__name__}: {exc}",
+                        trailing_metadata=((ERROR_METADATA_KEY, type(exc).__name__),),
+                    )
+                except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError):
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "InvalidInput: body is not msgpack"
+                    )
+                return msgpack.packb(answer, use_bin_type=True)
+
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+        return grpc.method_handlers_generic_handler(
+            CONTROL_SERVICE,
+            {
+                "Save": unary(self._save),
+                "Prepare": unary(self._prepare),
+                "Describe": unary(self._describe),
+            },
+        )
+
+    def _describe(self, _body: dict[str, Any]) -> dict[str, Any]:
+        hasher = self.service.hasher
+        return {
+            "page_bytes": self.page_bytes,
+            "block_size": self.block_size,
+            "algo": hasher.algo,
+            "root_hash": bytes(hasher.root_hash),
+        }
+
+    def _save(self, body: dict[str, Any]) -> dict[str, Any]:
+        run = BlockRun.from_wire(body, self.block_size)
+        pages = body.get("pages")
+        if not isinstance(pages, tuple) or not all(isinstance(p, bytes) for p in pages):
+            raise InvalidInput("Save needs pages: one bytes value per digest")
+        return {"inserted": self.save(run, pages)}
+
+    def _prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        run = BlockRun.from_wire(body, self.block_size)
+        peers = body.get("peers") or ()
+        if not all(isinstance(p, str) for p in peers):
+            raise InvalidInput("Prepare's peers are host:port strings")
+        held, pulled, source = self.prepare(run, peers)
+        return {"held": held, "pulled": pulled, "source": source}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvmesh.worker.engine_store", description=__doc__)
+    p.add_argument("--page-bytes", type=int, required=True, help="a sealed block's size")
+    p.add_argument("--block-size", type=int, required=True, help="the engine's block size")
+    p.add_argument("--pages", type=int, default=256, help="pages the store holds")
+    p.add_argument("--hash-algo", default="sha256", help="the engine's prefix-caching hash")
+    p.add_argument("--seed", default=None, help="the engine's PYTHONHASHSEED, if set")
+    p.add_argument("--peer", action="append", default=[], help="a peer store's page address")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--control-port", type=int, default=0)
+    p.add_argument("--name", default="engine-store")
+    p.add_argument("--page-delay-s", type=float, default=0.0, help="test hook: slow page streams")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a store until SIGTERM / SIGINT; prints READY with both addresses."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    try:
+        store = EngineStore(
+            page_bytes=args.page_bytes,
+            block_size=args.block_size,
+            num_pages=args.pages,
+            algo=args.hash_algo,
+            seed=args.seed,
+            peers=args.peer,
+            host=args.host,
+            port=args.port,
+            control_port=args.control_port,
+            name=args.name,
+            page_delay_s=args.page_delay_s,
+        ).start()
+    except KVMeshError as exc:
+        print(f"kvmesh: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"READY {store.address} {store.control_address}", flush=True)
+    done.wait()
+    store.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
