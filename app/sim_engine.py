@@ -13,8 +13,15 @@ overlaps and the workers' loads. Only time is modelled (`TimeModel`)::
                    -> cache the prompt's full pages (events -> index), first token
     decode end   = prefill end + 25 ms x output tokens -> free pages tail-first
 
+With host or disk pages (`SimSettings`), each pool has the worker's real
+`TieredCache` under it: pages the pool evicts spill to host memory, then to
+disk page files; at prefill start the pages below that extend the device's
+prefix are promoted (2.6 ms a page from host, 12.8 ms from disk, added to the
+prefill), and the index learns every move from the pool's events, so
+`kv_aware` weighs each worker's hit by its tier (`GlobalIndex.tier_pages`).
+
 A worker computes one prefill at a time; decode is batched, so it only holds
-pages (load). TTFT = queue wait + prefill (+ pulls). A prefill that cannot get
+pages (load). TTFT = queue wait + prefill (+ pulls, promotions). A prefill that cannot get
 its pages waits until a decode on its worker frees some.
 
 The trace's block ids are pages (512 tokens): a block's tokens come from
@@ -26,28 +33,36 @@ recomputed for its logits). The pools' events leave out token ids: only the
 index reads them, and it keys on hashes.
 """
 
-
 from __future__ import annotations
 
 import heapq
 import math
+import tempfile
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import cast
+
+import torch
 
 from kvmesh.coordinator.index import ApplyResult, GlobalIndex
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, RoutingPolicy, WorkerLoad
+from kvmesh.coordinator.tiers import TierCosts
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
 from kvmesh.events import EventBatch
 from kvmesh.hashing import PageHasher, RequestHashes
+from kvmesh.tenants import TenantWeights, tenant_of
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens, infinite_cache_hit_ratio
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheManager, Request
+from kvmesh.worker.disk_tier import encode_page_file
 from kvmesh.worker.free_queue import KVPage
-from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.kv_store import KVStore
+from kvmesh.worker.page_pool import PageMeta, PagePool
+from kvmesh.worker.tiered_cache import TieredCache, page_blob
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +70,18 @@ class TimeModel:
     """The modelled costs (about one H100 serving an 8B model).
 
     A pulled page is 64 MB of KV moved at 10 GB/s: 6.4 ms, against 41 ms to
-    compute its 512 tokens, so pulling normally wins.
+    compute its 512 tokens, so pulling normally wins. Promoting a page from
+    the host tier copies it over PCIe (~25 GB/s: 2.6 ms), from the disk tier
+    reads it from NVMe first (~5 GB/s: 12.8 ms); a promotion holds the
+    prefill slot like a pull.
     """
 
     prefill_base_ms: float = 5.0
     prefill_token_us: float = 80.0
     decode_token_ms: float = 25.0
     pull_page_ms: float = 6.4
+    host_page_ms: float = 2.6
+    disk_page_ms: float = 12.8
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,21 +89,39 @@ class TimeModel:
             if not math.isfinite(value) or value < 0:
                 raise ConfigError(f"time model {f.name} must be a finite number >= 0, got {value}")
 
-    def prefill_ms(self, computed_tokens: int, pulled_pages: int = 0) -> float:
-        """Prefill duration: fixed cost, computed tokens, pulled pages."""
+    def prefill_ms(
+        self, computed_tokens: int, pulled_pages: int = 0, promote_ms: float = 0.0
+    ) -> float:
+        """Prefill duration: fixed cost, computed tokens, pulled pages, promotions."""
         return (
             self.prefill_base_ms
             + computed_tokens * self.prefill_token_us / 1000.0
             + pulled_pages * self.pull_page_ms
+            + promote_ms
         )
 
-    def work_tokens(self, computed_tokens: int, pulled_pages: int = 0) -> int:
+    def promote_ms(self, host_pages: int, disk_pages: int) -> float:
+        """Time to bring pages up from the host and disk tiers into the device pool."""
+        return host_pages * self.host_page_ms + disk_pages * self.disk_page_ms
+
+    def work_tokens(
+        self, computed_tokens: int, pulled_pages: int = 0, promote_ms: float = 0.0
+    ) -> int:
         """A prefill's work as a worker reports it: computed tokens, plus the
-        tokens its pull time would have computed (pulls hold the prefill slot too)."""
-        if pulled_pages <= 0 or self.prefill_token_us <= 0:
+        tokens its pull and promotion time would have computed (they hold the
+        prefill slot too)."""
+        extra_ms = pulled_pages * self.pull_page_ms + promote_ms
+        if extra_ms <= 0 or self.prefill_token_us <= 0:
             return computed_tokens
-        return computed_tokens + round(
-            pulled_pages * self.pull_page_ms * 1000.0 / self.prefill_token_us
+        return computed_tokens + round(extra_ms * 1000.0 / self.prefill_token_us)
+
+    def tier_costs(self, page_size: int) -> TierCosts:
+        """What `kv_aware` should charge a host hit, a disk hit and a pull under this model."""
+        return TierCosts.from_ms(
+            max(page_size * self.prefill_token_us / 1000.0, 1e-9),
+            self.host_page_ms,
+            self.disk_page_ms,
+            self.pull_page_ms,
         )
 
     def pull_pays(self, page_size: int) -> bool:
@@ -93,13 +131,23 @@ class TimeModel:
 
 @dataclass(frozen=True, slots=True)
 class SimSettings:
-    """The simulated cluster: workers, pages per worker, pulls, costs."""
+    """The simulated cluster: workers, pages per worker (device, host, disk), pulls, costs.
+
+    `host_pages` / `disk_pages` > 0 put the worker's real `TieredCache` under
+    each device pool (the disk tier writes real page files, into a temporary
+    folder removed after the run); `eviction` ("lru" or "fair") and
+    `tenant_weights` are the tiers' and pools' eviction policy.
+    """
 
     workers: int = 8
     capacity_pages: int = 10_000
     pull: bool = False
     time: TimeModel = field(default_factory=TimeModel)
     page_size: int = TRACE_BLOCK_TOKENS
+    host_pages: int = 0
+    disk_pages: int = 0
+    eviction: str = "lru"
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -108,6 +156,15 @@ class SimSettings:
             raise ConfigError(
                 f"capacity_pages (--capacity-pages) must be at least 1, got {self.capacity_pages}"
             )
+        if self.host_pages < 0 or self.disk_pages < 0:
+            raise ConfigError(
+                f"host_pages and disk_pages (--host-pages, --disk-pages) must be >= 0, got "
+                f"{self.host_pages} and {self.disk_pages}"
+            )
+
+    @property
+    def tiered(self) -> bool:
+        return self.host_pages > 0 or self.disk_pages > 0 or self.eviction != "lru"
 
 
 # --------------------------------------------------------------------- the trace
@@ -238,6 +295,8 @@ class RequestTiming:
     hit_pages: int
     pulled_pages: int
     computed_tokens: int
+    promoted_pages: int = 0
+    """Of `hit_pages`, those promoted from the host or disk tier."""
 
     @property
     def ttft_ms(self) -> float:
@@ -259,10 +318,18 @@ class _Job:
     computed_tokens: int = 0
     work_tokens: int = 0
     held_pages: int = 0
+    promote_ms: float = 0.0  # promotions done for this request so far (a retried start keeps them)
+    promoted_pages: int = 0
 
 
 class SimWorker:
-    """One simulated worker: a real pool and cache manager, a prefill queue, its load."""
+    """One simulated worker: a real pool and cache manager, a prefill queue, its load.
+
+    With host or disk pages (`SimSettings.tiered`), the worker's real `TieredCache`
+    sits under the pool: evicted pages spill down, hits below are promoted, every
+    move is an event. The KV store under it holds one value per page (the
+    simulator moves no KV, only time is modelled).
+    """
 
     __slots__ = (
         "active_requests",
@@ -275,16 +342,27 @@ class SimWorker:
         "queue",
         "running",
         "seq",
+        "tiers",
         "worker_id",
     )
 
-    def __init__(self, worker_id: WorkerId, capacity_pages: int, page_size: int) -> None:
+    def __init__(
+        self,
+        worker_id: WorkerId,
+        capacity_pages: int,
+        page_size: int,
+        settings: SimSettings | None = None,
+        disk_dir: Path | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.incarnation = f"{worker_id}-sim"
         # Only the index reads the events here, and it keys on hashes alone.
         self.pool = PagePool(
             capacity_pages + 1, page_size=page_size, medium="gpu", event_token_ids=False
         )
+        self.tiers: TieredCache | None = None
+        if settings is not None and settings.tiered:
+            self.tiers = _tiered_cache(self.pool, worker_id, settings, disk_dir)
         self.manager = KVCacheManager(self.pool, page_size)
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
@@ -315,6 +393,44 @@ class SimWorker:
             capacity_pages,
             active_requests=self.active_requests,
         )
+
+
+def _tiered_cache(
+    pool: PagePool, worker_id: WorkerId, settings: SimSettings, disk_dir: Path | None
+) -> TieredCache:
+    """The worker's real tiers under a simulated pool, sized in pages."""
+    store = KVStore(pool.num_pages, 1, 1, 1, 1, _SIM_DTYPE)
+    disk_bytes = 0
+    folder: Path | None = None
+    if settings.disk_pages:
+        if disk_dir is None:
+            raise InvalidInput("a simulated disk tier needs a folder for its page files")
+        folder = disk_dir / str(worker_id)
+        disk_bytes = settings.disk_pages * _disk_file_bytes(store)
+    return TieredCache(
+        pool,
+        store,
+        host_pages=settings.host_pages,
+        disk_dir=folder,
+        disk_bytes=disk_bytes,
+        disk_fsync=False,
+        disk_adopt=False,
+        eviction=settings.eviction,
+        weights=TenantWeights.parse(settings.tenant_weights),
+        pin_memory=False,
+        worker=str(worker_id),
+    )
+
+
+_SIM_DTYPE = "float16"
+
+
+def _disk_file_bytes(store: KVStore) -> int:
+    """The size of one page file of `store`'s pages (a 32-byte hash and parent, a named tenant)."""
+    page = torch.zeros(store.page_shape, dtype=store.dtype)
+    meta = PageMeta(PageHash(bytes(32)), PageHash(bytes(32)), None, tenant_of("sim"))
+    head, data = encode_page_file(meta, page_blob(page, store.dtype_name))
+    return len(head) + len(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,8 +479,18 @@ class Simulation:
         self.settings = settings
         self.timer = timer
         self.index = GlobalIndex()
+        self._disk_dir: tempfile.TemporaryDirectory[str] | None = None
+        if settings.disk_pages:
+            self._disk_dir = tempfile.TemporaryDirectory(prefix="kvmesh-sim-disk-")
+        disk_dir = Path(self._disk_dir.name) if self._disk_dir is not None else None
         self.workers = [
-            SimWorker(WorkerId(f"worker-{i}"), settings.capacity_pages, settings.page_size)
+            SimWorker(
+                WorkerId(f"worker-{i}"),
+                settings.capacity_pages,
+                settings.page_size,
+                settings,
+                disk_dir,
+            )
             for i in range(settings.workers)
         ]
         self._by_id = {w.worker_id: w for w in self.workers}
@@ -385,14 +511,11 @@ class Simulation:
         if self._ran:
             raise InvalidInput("a Simulation replays once; build a new one for another run")
         self._ran = True
-        heap = self._heap
-        for req in sorted(self.trace.requests, key=lambda r: r.arrival_ms):
-            while heap and heap[0][0] <= req.arrival_ms:
-                self._step()
-            self._now = req.arrival_ms
-            self._arrive(req)
-        while heap:
-            self._step()
+        try:
+            self._replay()
+        finally:
+            if self._disk_dir is not None:
+                self._disk_dir.cleanup()
         for w in self.workers:
             if w.queue or w.running is not None:
                 raise InvariantViolation(
@@ -407,6 +530,19 @@ class Simulation:
             self.trace.bound_hit_ratio,
             sum(r.input_tokens for r in self.trace.requests),
         )
+
+    def _replay(self) -> None:
+        heap = self._heap
+        for req in sorted(self.trace.requests, key=lambda r: r.arrival_ms):
+            while heap and heap[0][0] <= req.arrival_ms:
+                self._step()
+            self._now = req.arrival_ms
+            self._arrive(req)
+        while heap:
+            self._step()
+        for w in self.workers:
+            if w.tiers is not None:
+                w.tiers.check_invariants()
 
     def _push(self, at: float, kind: int, worker: SimWorker, job: _Job) -> None:
         self._order += 1
@@ -441,8 +577,12 @@ class Simulation:
         size = self.settings.page_size
         t0 = self.timer()
         route = RouteRequest(req.page_hashes, req.input_tokens, size, self._pull, req.request_id)
-        overlaps = self.index.match(req.page_hashes).pages
-        decision = self.policy.choose(route, overlaps, loads)
+        matched = self.index.match(req.page_hashes)
+        tiers = self.index.tier_pages(req.page_hashes, matched)
+        if tiers:
+            decision = self.policy.choose(route, matched.pages, loads, tiers)
+        else:  # a policy written before tiers takes three arguments
+            decision = self.policy.choose(route, matched.pages, loads)
         self._route_s += self.timer() - t0
         worker = self._by_id.get(decision.worker_id)
         if worker is None:
@@ -452,7 +592,10 @@ class Simulation:
         pulls = (
             min(decision.local_pages + decision.peer_pages, max_hit) - local if self._pull else 0
         )
-        est = self.settings.time.work_tokens(req.input_tokens - (local + pulls) * size, pulls)
+        promote = self.settings.time.promote_ms(min(decision.promote_pages, local), 0)
+        est = self.settings.time.work_tokens(
+            req.input_tokens - (local + pulls) * size, pulls, promote
+        )
         job = _Job(req, decision, est)
         worker.queue.append(job)
         worker.prefill_tokens += est
@@ -476,6 +619,8 @@ class Simulation:
         if job.cm_request is None:
             job.cm_request = Request(req.request_id, self.trace.request_hashes(req))
         cm_req = job.cm_request
+        if w.tiers is not None:
+            self._promote(w, job)
         hits, hit_tokens = w.manager.get_computed_pages(cm_req)
         h = len(hits)
         peer_pages: list[KVPage] = []
@@ -505,19 +650,45 @@ class Simulation:
             peer.pool.touch(peer_pages)
             peer.pool.free_pages(reversed(peer_pages))
         computed = req.input_tokens - (h + pulled) * size
-        duration = self.settings.time.prefill_ms(computed, pulled)
+        duration = self.settings.time.prefill_ms(computed, pulled, job.promote_ms)
         job.start_ms = self._now
         job.end_ms = self._now + duration
         job.hit_pages = h
         job.pulled_pages = pulled
         job.computed_tokens = computed
-        job.work_tokens = self.settings.time.work_tokens(computed, pulled)
+        job.work_tokens = self.settings.time.work_tokens(computed, pulled, job.promote_ms)
         job.held_pages = len(w.manager.get_pages(req.request_id))
         w.running = job
         w.busy_ms += duration
         w.prefill_tokens += job.work_tokens - job.est_tokens
         self._push(self._now + duration, _PREFILL_END, w, job)
         self._flush(w)
+
+    def _promote(self, w: SimWorker, job: _Job) -> None:
+        """Promote the lower tiers' pages extending the device's prefix, and charge their time.
+
+        The tier each page comes from is read before the promotion (which moves
+        it); promoted pages are then device hits for the cache manager's lookup.
+        """
+        tiers = w.tiers
+        if tiers is None:
+            return
+        hashes = job.req.page_hashes
+        limit = min(self._max_hit_pages(job.req), len(hashes))
+        start = len(w.pool.match_prefix(hashes, limit))
+        sources: list[str] = []
+        for i in range(start, limit):
+            tier = tiers.tier_of(hashes[i])
+            if tier is None or tier == "gpu":
+                break
+            sources.append(tier)
+        if not sources:
+            return
+        n = tiers.promote(hashes, limit)
+        moved = sources[:n]
+        disk = moved.count("disk")
+        job.promote_ms += self.settings.time.promote_ms(len(moved) - disk, disk)
+        job.promoted_pages += n
 
     def _end_prefill(self, w: SimWorker, job: _Job) -> None:
         req = job.req
@@ -539,6 +710,7 @@ class Simulation:
                 job.hit_pages,
                 job.pulled_pages,
                 job.computed_tokens,
+                job.promoted_pages,
             )
         )
         decode_ms = req.output_tokens * self.settings.time.decode_token_ms

@@ -175,19 +175,67 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, help="kv_aware softmax sampling temperature (0: argmin)"
     )
     parser.add_argument("--max-load-ratio", type=float, help="kv_aware bounded load (0: off)")
+    t = parser.add_argument_group("tiers and tenants (the workers' real TieredCache)")
+    t.add_argument(
+        "--host-pages", type=int, default=0, help="host-memory pages per worker (default 0: none)"
+    )
+    t.add_argument(
+        "--disk-pages",
+        type=int,
+        default=0,
+        help="disk pages per worker, real page files in a temporary folder (default 0: none)",
+    )
+    t.add_argument(
+        "--eviction",
+        choices=("lru", "fair"),
+        default="lru",
+        help="who loses pages in a full pool or tier: lru, or fair (tenants above their share)",
+    )
+    t.add_argument("--tenant-weights", default="", help="fair shares: 'tenant=weight,...'")
+    t.add_argument(
+        "--host-hit-cost",
+        type=float,
+        help="kv_aware cost of a host hit per page, as a fraction of a recompute "
+        "(default: host-page-ms / a page's prefill time)",
+    )
+    t.add_argument(
+        "--disk-hit-cost",
+        type=float,
+        help="kv_aware cost of a disk hit per page (default: disk-page-ms / a page's prefill time)",
+    )
     g = parser.add_argument_group("time model")
     g.add_argument("--prefill-base-ms", type=float, default=tm.prefill_base_ms)
     g.add_argument("--prefill-token-us", type=float, default=tm.prefill_token_us)
     g.add_argument("--decode-token-ms", type=float, default=tm.decode_token_ms)
     g.add_argument("--pull-page-ms", type=float, default=tm.pull_page_ms)
+    g.add_argument("--host-page-ms", type=float, default=tm.host_page_ms)
+    g.add_argument("--disk-page-ms", type=float, default=tm.disk_page_ms)
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[SimSettings, CoordinatorConfig]:
     """The simulation settings and coordinator config the flags ask for."""
     tm = TimeModel(
-        args.prefill_base_ms, args.prefill_token_us, args.decode_token_ms, args.pull_page_ms
+        args.prefill_base_ms,
+        args.prefill_token_us,
+        args.decode_token_ms,
+        args.pull_page_ms,
+        args.host_page_ms,
+        args.disk_page_ms,
     )
-    settings = SimSettings(args.workers, args.capacity_pages, args.pull, tm)
+    settings = SimSettings(
+        args.workers,
+        args.capacity_pages,
+        args.pull,
+        tm,
+        host_pages=args.host_pages,
+        disk_pages=args.disk_pages,
+        eviction=args.eviction,
+        tenant_weights=args.tenant_weights,
+    )
+    # kv_aware weighs a lower tier's hit by what the time model charges for it
+    costs = tm.tier_costs(settings.page_size)
+    host = args.host_hit_cost if args.host_hit_cost is not None else costs.host
+    disk = args.disk_hit_cost if args.disk_hit_cost is not None else costs.disk
     config = from_env(
         CoordinatorConfig,
         seed=args.seed,
@@ -196,6 +244,9 @@ def settings_from_args(args: argparse.Namespace) -> tuple[SimSettings, Coordinat
         queue_weight=args.queue_weight,
         temperature=args.temperature,
         max_load_ratio=args.max_load_ratio,
+        host_hit_cost=host,
+        disk_hit_cost=disk,
+        tenant_weights=args.tenant_weights or None,
     )
     return settings, config
 
