@@ -110,11 +110,25 @@ class PoolConfig:
     medium: str = "cpu"
     event_token_ids: bool = True  # PagesStored carries the pages' token ids
     use_eagle: bool = False  # drop the last matched page (EAGLE recomputes its hidden states)
+    # tiers below the device pool (kvmesh.worker.tiered_cache; docs/tiers.md); with any tier
+    # the device pool's events name "gpu", the host tier's "cpu", the disk tier's "disk"
+    host_pages: int = 0  # host-memory pages the device pool's evictions spill to (0: none)
+    disk_dir: str = ""  # folder of the disk tier's page files ("": no disk tier)
+    disk_bytes: int = 0  # the disk tier's byte budget (needed with disk_dir)
+    disk_fsync: bool = True  # fsync each page file and the folder (crash-safe; slower)
+    disk_adopt: bool = True  # on start, re-adopt the page files disk_dir holds (else delete)
+    # "lru", or "fair": evict from tenants above their share first (CoordinatorConfig's
+    # tenant_weights weigh them)
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
-        _check_section(self, not_empty=("medium",))
+        _check_section(self, not_empty=("medium",), non_negative=("host_pages", "disk_bytes"))
         if self.num_pages < 2:
             raise _refuse(self, "num_pages", "must be at least 2 (page 0 is the null page)")
+        if self.disk_dir and not self.disk_bytes:
+            raise _refuse(self, "disk_bytes", "must be > 0 when disk_dir is set")
+        if self.eviction not in ("lru", "fair"):
+            raise _refuse(self, "eviction", "must be 'lru' or 'fair'")
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,10 @@ class ChecksumMismatch(KVMeshError):
     grpc_code = "DATA_LOSS"
 
 
+class DiskPageCorrupt(ChecksumMismatch):
+    """A page file of the disk tier is corrupted or truncated; it was deleted, never served."""
+
+
 class EventDecodeError(InvalidInput):
     """A KV event batch could not be decoded or has fields of the wrong type."""
 

@@ -24,6 +24,12 @@ the null page). The computed prefix is the longest valid for every group.
 Pages of group ``g > 0`` are cached under the page hash tagged with ``g``
 (two bytes appended), so groups never hit each other's pages.
 
+Tiers: a manager built with ``tiers=`` (a `kvmesh.worker.tiered_cache.TieredCache`
+over the same pool) has every lookup first promote the lower tiers' pages that
+extend the device's prefix, so they are hit instead of recomputed. Tenants: a
+request's pages count against `tenant_of` its cache salt, which the pool's
+eviction policy weighs.
+
 Not thread-safe: the worker holds a lock around every call.
 """
 
@@ -31,12 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Protocol, overload
 
 from kvmesh.config import PoolConfig
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.events import KVEvent
-from kvmesh.hashing import RequestHashes
+from kvmesh.hashing import RequestHashes, reusable_pages
+from kvmesh.tenants import tenant_of
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.page_pool import PagePool
@@ -56,10 +63,13 @@ class Request:
     num_computed_tokens: int = 0
     prompt_logprobs: bool = False
     lora_id: int | None = None
+    tenant: str = ""  # "": `tenant_of` the hashes' cache salt
 
     def __post_init__(self) -> None:
         if self.lora_id is None:
             self.lora_id = self.hashes.keys.lora_id
+        if not self.tenant:
+            self.tenant = tenant_of(self.hashes.keys.cache_salt)
 
     @property
     def token_ids(self) -> list[int]:
@@ -246,6 +256,16 @@ GROUP_KINDS: dict[str, type[_Group]] = {
 FULL_ATTENTION = KVCacheGroupSpec()
 
 
+class PagePromoter(Protocol):
+    """Lower tiers under the manager's pool (`kvmesh.worker.tiered_cache.TieredCache`)."""
+
+    pool: PagePool
+
+    def promote(self, page_hashes: Sequence[PageHash], max_pages: int) -> int:
+        """Cache in the pool the lower tiers' pages extending its prefix of `page_hashes`."""
+        ...
+
+
 class KVCacheManager:
     """Per-request pages over one `PagePool`, with prefix caching.
 
@@ -261,7 +281,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
         use_eagle: bool = False,
+        tiers: PagePromoter | None = None,
     ) -> None:
+        if tiers is not None and tiers.pool is not pool:
+            raise ConfigError("the tiers given to a cache manager must sit under its own pool")
+        if tiers is not None and (len(groups) != 1 or groups[0].kind != "full_attention"):
+            raise ConfigError(
+                "tiers work with one full-attention KV-cache group; drop the tiers or the groups"
+            )
         if page_size != pool.page_size:
             raise ConfigError(
                 f"cache manager page_size {page_size} differs from the pool's {pool.page_size}"
@@ -272,6 +299,7 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_caching = enable_caching and pool.enable_caching
         self.use_eagle = use_eagle
+        self.tiers = tiers
         self.groups: list[_Group] = [
             GROUP_KINDS[spec.kind](pool, page_size, gid, spec) for gid, spec in enumerate(groups)
         ]
@@ -292,6 +320,7 @@ class KVCacheManager:
         pool: PagePool,
         cfg: PoolConfig,
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        tiers: PagePromoter | None = None,
     ) -> KVCacheManager:
         return cls(
             pool,
@@ -299,6 +328,7 @@ class KVCacheManager:
             enable_caching=cfg.enable_caching,
             groups=groups,
             use_eagle=cfg.use_eagle,
+            tiers=tiers,
         )
 
     # ------------------------------------------------------------------ lookups
@@ -317,7 +347,9 @@ class KVCacheManager:
         rh = request.hashes
         num_tokens = len(rh.token_ids)
         ps = self.page_size
-        pages = self.pool.match_prefix(rh.hashes, (num_tokens - 1) // ps)
+        if self.tiers is not None:
+            self.tiers.promote(rh.hashes, (num_tokens - 1) // ps)
+        pages = self.pool.match_prefix(rh.hashes, reusable_pages(num_tokens, ps))
         if self.use_eagle and pages:
             pages.pop()  # recompute the last page so its hidden states exist
         n_tokens = len(pages) * ps
@@ -334,8 +366,10 @@ class KVCacheManager:
             return tuple([] for _ in groups), 0
         hashes = request.hashes.hashes
         num_tokens = len(request.hashes.token_ids)
-        max_pages = (num_tokens - 1) // self.page_size if num_tokens else 0
+        max_pages = reusable_pages(num_tokens, self.page_size)
         eagle = self.use_eagle
+        if self.tiers is not None:
+            self.tiers.promote(hashes, max_pages)
         if len(groups) == 1:
             found: list[list[KVPage]] = [groups[0].find_longest_hit(hashes, max_pages, eagle)]
         else:
@@ -455,7 +489,7 @@ class KVCacheManager:
                 g.num_cached[rid] = len(comp)
             new = num_required - len(pages)
             if new > 0:
-                fresh = pool.get_new_pages(new)
+                fresh = pool.get_new_pages(new, request.tenant)
                 pages.extend(fresh)
                 if gi == 0:
                     first_new = fresh
@@ -509,7 +543,7 @@ class KVCacheManager:
             pool.touch(comp)
             pages.extend(comp)
             g.num_cached[rid] = n_comp
-        fresh = pool.get_new_pages(new) if new > 0 else []
+        fresh = pool.get_new_pages(new, request.tenant) if new > 0 else []
         pages.extend(fresh)
         last = self._last_lookup
         if last is not None and last[0] == rid:
@@ -523,7 +557,13 @@ class KVCacheManager:
             num_cached = g.num_cached[rid]
             if num_cached < num_full:
                 pool.cache_full_pages(
-                    pages, rh.hashes, num_cached, num_full, rh.token_ids, request.lora_id
+                    pages,
+                    rh.hashes,
+                    num_cached,
+                    num_full,
+                    rh.token_ids,
+                    request.lora_id,
+                    request.tenant,
                 )
                 g.num_cached[rid] = num_full
         return fresh
@@ -558,7 +598,13 @@ class KVCacheManager:
         if num_cached >= num_full:
             return
         self.pool.cache_full_pages(
-            pages, g.keys(rh.hashes), num_cached, num_full, rh.token_ids, request.lora_id
+            pages,
+            g.keys(rh.hashes),
+            num_cached,
+            num_full,
+            rh.token_ids,
+            request.lora_id,
+            request.tenant,
         )
         g.num_cached[rid] = num_full
 

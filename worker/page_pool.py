@@ -26,21 +26,52 @@ caching a page (512 token ids per page in `kvmesh bench pool`), and the
 coordinator's index never reads them, so a pool whose events only feed the
 index can turn them off.
 
+Tiers and tenants (both optional, see `kvmesh.worker.tiered_cache`): every
+cached page counts against a tenant (`tenant_of` its cache salt; `tenant_pages`);
+an `eviction` policy (`kvmesh.worker.tenant_share`) may choose which free pages
+`get_new_pages` reuses instead of the queue's head, and a `spill_listener` is
+handed each evicted hash's last page (its id and `PageMeta`) before the caller
+can overwrite it, so that the host tier can copy it out. `record` lets the tiers
+put their events into the same ordered stream.
+
 Not thread-safe: the owner (the worker) holds a lock around every call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvmesh.config import PoolConfig
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation, PagesInUse, PoolExhausted
 from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
+from kvmesh.tenants import DEFAULT_TENANT
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import FreePageQueue, KVPage
+from kvmesh.worker.tenant_share import EvictionPolicy
 
 _CacheEntry = KVPage | dict[PageId, KVPage]
 """One page (the common case, no dict allocated) or several copies by page id."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    """What a tier keeps beside a page's bytes: its identity and the tenant it counts against."""
+
+    page_hash: PageHash
+    parent_hash: PageHash | None
+    lora_id: int | None
+    tenant: str
+
+
+def wire_tenant(tenant: str) -> str | None:
+    """A tenant as events carry it: nil for the default tenant (as before tenants existed)."""
+    return None if tenant == DEFAULT_TENANT else tenant
+
+
+SpillListener = Callable[[list[tuple[PageId, PageMeta]]], None]
+"""Called by `get_new_pages` with the evicted hashes' last pages, before anyone writes them."""
 
 
 class PagePool:
@@ -56,12 +87,16 @@ class PagePool:
         "_events",
         "enable_caching",
         "event_token_ids",
+        "eviction",
         "free_queue",
         "medium",
         "null_page",
         "num_pages",
         "page_size",
+        "page_tenants",
         "pages",
+        "spill_listener",
+        "tenant_pages",
     )
 
     def __init__(
@@ -90,6 +125,11 @@ class PagePool:
         self.free_queue = FreePageQueue(self.pages[1:])
         self._cached: dict[PageHash, _CacheEntry] = {}
         self._events: list[KVEvent] = []
+        # the tenant of each cached page (by page id) and the count per tenant
+        self.page_tenants: list[str | None] = [None] * num_pages
+        self.tenant_pages: Counter[str] = Counter()
+        self.eviction: EvictionPolicy | None = None  # None: the free queue's head (LRU)
+        self.spill_listener: SpillListener | None = None
 
     @classmethod
     def from_config(cls, cfg: PoolConfig, page_size: int) -> PagePool:
@@ -158,12 +198,14 @@ class PagePool:
 
     # --------------------------------------------------------------- allocation
 
-    def get_new_pages(self, n: int) -> list[KVPage]:
+    def get_new_pages(self, n: int, tenant: str | None = None) -> list[KVPage]:
         """Hand out `n` pages (ref count 1) from the head of the free queue.
 
-        A reused page loses its old hash first (one `PagesRemoved` for all of
-        them). Raises `PoolExhausted` when fewer than `n` pages are free, and
-        then changes nothing.
+        With an `eviction` policy and several tenants cached, the policy picks
+        which free pages (oldest first, for `tenant`) are reused instead. A reused
+        page loses its old hash first (one `PagesRemoved` for all of them; the
+        `spill_listener` sees the last copies before). Raises `PoolExhausted` when
+        fewer than `n` pages are free, and then changes nothing.
         """
         if n > self.free_queue.num_free_pages or n < 0:
             if n < 0:
@@ -172,26 +214,81 @@ class PagePool:
                 f"asked for {n} pages but only {self.free_queue.num_free_pages} of "
                 f"{self.num_pages - 1} are free; free requests or grow the pool"
             )
-        pages = self.free_queue.popleft_n(n)
+        if (
+            self.eviction is not None
+            and self.tenant_pages
+            and (len(self.tenant_pages) > 1 or tenant not in self.tenant_pages)
+        ):
+            pages = self.eviction.choose(
+                self._free_candidates(), self.tenant_pages, self.num_pages - 1, n, tenant
+            )
+            self.free_queue.remove_n(pages)
+        else:
+            pages = self.free_queue.popleft_n(n)
         removed: list[PageHash] | None = None
+        removed_by: dict[str, list[PageHash]] | None = None  # other tenants than the first
+        first_owner = ""
+        spilled: list[tuple[PageId, PageMeta]] | None = None
+        listener = self.spill_listener
         cached = self._cached
+        tenants = self.page_tenants
+        counts = self.tenant_pages
         for page in pages:
             page.ref_cnt = 1
             key = page.page_hash
             if key is not None:
                 entry = cached.get(key)
-                page.page_hash = page.parent_hash = None
+                owner = tenants[page.page_id] or DEFAULT_TENANT
+                tenants[page.page_id] = None
+                counts[owner] -= 1
+                if not counts[owner]:
+                    del counts[owner]
                 if entry is page:
                     del cached[key]
+                    if listener is not None:
+                        meta = PageMeta(key, page.parent_hash, page.lora_id, owner)
+                        if spilled is None:
+                            spilled = [(page.page_id, meta)]
+                        else:
+                            spilled.append((page.page_id, meta))
                     if removed is None:
                         removed = [key]
-                    else:
+                        first_owner = owner
+                    elif owner == first_owner:
                         removed.append(key)
+                    else:
+                        if removed_by is None:
+                            removed_by = {}
+                        removed_by.setdefault(owner, []).append(key)
+                    page.page_hash = page.parent_hash = None
                 else:
+                    page.page_hash = page.parent_hash = None
                     self._drop_copy(key, entry, page)
+        if spilled is not None and listener is not None:
+            listener(spilled)
         if removed is not None:
-            self._events.append(PagesRemoved(tuple(removed), self.medium))
+            medium = self.medium
+            events = self._events
+            events.append(PagesRemoved(tuple(removed), medium, wire_tenant(first_owner)))
+            if removed_by is not None:
+                for owner, keys in removed_by.items():
+                    events.append(PagesRemoved(tuple(keys), medium, wire_tenant(owner)))
         return pages
+
+    def _free_candidates(self) -> Iterator[tuple[KVPage, str | None]]:
+        """Free pages oldest first with their tenant (None: no cached data to lose)."""
+        tenants = self.page_tenants
+        page = self.free_queue.peek()
+        while page is not None and page.page_id >= 0:
+            yield (
+                page,
+                (None if page.page_hash is None else tenants[page.page_id] or DEFAULT_TENANT),
+            )
+            page = page.next_free
+
+    def record(self, event: KVEvent) -> None:
+        """Append a tier's event to the pool's stream, so one `take_events` keeps their order."""
+        self._events.append(event)
 
     def _drop_copy(self, key: PageHash, entry: _CacheEntry | None, page: KVPage) -> None:
         """Forget one of several copies of `key` (the hash stays cached)."""
@@ -247,6 +344,7 @@ class PagePool:
         parent_hash: PageHash | None,
         token_ids: Sequence[int] = (),
         lora_id: int | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         """Cache one held, computed page under `page_hash` (emits `PagesStored` if new)."""
         if page.is_null or page.ref_cnt <= 0:
@@ -265,7 +363,7 @@ class PagePool:
             raise InvalidInput(
                 f"a page holds {self.page_size} tokens, got {len(token_ids)} token ids"
             )
-        if self._insert(page, page_hash, parent_hash, lora_id):
+        if self._insert(page, page_hash, parent_hash, lora_id, tenant):
             self._events.append(
                 PagesStored(
                     (page_hash,),
@@ -274,16 +372,19 @@ class PagePool:
                     self.page_size,
                     lora_id,
                     self.medium,
+                    wire_tenant(tenant),
                 )
             )
 
     def _insert(
-        self, page: KVPage, key: PageHash, parent: PageHash | None, lora_id: int | None
+        self, page: KVPage, key: PageHash, parent: PageHash | None, lora_id: int | None, tenant: str
     ) -> bool:
         """Map `key` to `page`; True when `key` was not cached before."""
         page.page_hash = key
         page.parent_hash = parent
         page.lora_id = lora_id
+        self.page_tenants[page.page_id] = tenant
+        self.tenant_pages[tenant] += 1
         cached = self._cached
         entry = cached.get(key)
         if entry is None:
@@ -303,6 +404,7 @@ class PagePool:
         num_full_pages: int,
         token_ids: Sequence[int] = (),
         lora_id: int | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         """Cache ``pages[num_cached:num_full]`` under ``page_hashes[num_cached:num_full]``.
 
@@ -320,6 +422,8 @@ class PagePool:
             )
         cached = self._cached
         get = cached.get
+        tenants = self.page_tenants
+        hashed = 0
         parent = page_hashes[num_cached_pages - 1] if num_cached_pages else None
         run_start = num_cached_pages  # first page of the current run of new hashes
         for i in range(num_cached_pages, num_full_pages):
@@ -329,6 +433,8 @@ class PagePool:
                 page.page_hash = key
                 page.parent_hash = parent
                 page.lora_id = lora_id
+                tenants[page.page_id] = tenant
+                hashed += 1
                 parent = key
                 entry = get(key)
                 if entry is None:
@@ -346,10 +452,12 @@ class PagePool:
             parent = key
             # Not newly cached (a copy, already cached, or null): the run ends here.
             if run_start < i:
-                self._stored(page_hashes, run_start, i, token_ids, lora_id)
+                self._stored(page_hashes, run_start, i, token_ids, lora_id, tenant)
             run_start = i + 1
+        if hashed:
+            self.tenant_pages[tenant] += hashed
         if run_start < num_full_pages:
-            self._stored(page_hashes, run_start, num_full_pages, token_ids, lora_id)
+            self._stored(page_hashes, run_start, num_full_pages, token_ids, lora_id, tenant)
 
     def _stored(
         self,
@@ -358,6 +466,7 @@ class PagePool:
         end: int,
         token_ids: Sequence[int],
         lora_id: int | None,
+        tenant: str,
     ) -> None:
         size = self.page_size
         tokens = (
@@ -373,6 +482,7 @@ class PagePool:
                 size,
                 lora_id,
                 self.medium,
+                wire_tenant(tenant),
             )
         )
 
@@ -382,20 +492,22 @@ class PagePool:
         Held pages stay held and usable by their requests; they just can no
         longer be hit. Free pages stay where they are in the queue.
         """
-        removed: list[PageHash] = []
+        removed: dict[str, list[PageHash]] = {}
         cached = self._cached
         for key in hashes:
             entry = cached.pop(key, None)
             if entry is None:
                 continue
             copies = [entry] if type(entry) is KVPage else list(entry.values())  # type: ignore[union-attr]
+            owner = DEFAULT_TENANT
             for page in copies:
                 page.page_hash = page.parent_hash = None
                 page.lora_id = None
-            removed.append(key)
-        if removed:
-            self._events.append(PagesRemoved(tuple(removed), self.medium))
-        return len(removed)
+                owner = self._untenant(page)
+            removed.setdefault(owner, []).append(key)
+        for owner, keys in removed.items():
+            self._events.append(PagesRemoved(tuple(keys), self.medium, wire_tenant(owner)))
+        return sum(len(keys) for keys in removed.values())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; refuses (`PagesInUse`) while any page is held."""
@@ -409,7 +521,28 @@ class PagePool:
         for page in self.pages:
             page.page_hash = page.parent_hash = None
             page.lora_id = None
+        self.page_tenants = [None] * self.num_pages
+        self.tenant_pages.clear()
         self._events.append(AllPagesCleared())
+
+    def _untenant(self, page: KVPage) -> str:
+        owner = self.page_tenants[page.page_id] or DEFAULT_TENANT
+        self.page_tenants[page.page_id] = None
+        self.tenant_pages[owner] -= 1
+        if not self.tenant_pages[owner]:
+            del self.tenant_pages[owner]
+        return owner
+
+    def page_meta(self, page: KVPage) -> PageMeta | None:
+        """A cached page's identity and tenant (None: not cached)."""
+        if page.page_hash is None:
+            return None
+        return PageMeta(
+            page.page_hash,
+            page.parent_hash,
+            page.lora_id,
+            self.page_tenants[page.page_id] or DEFAULT_TENANT,
+        )
 
     # ------------------------------------------------------------------- events
 
@@ -428,7 +561,8 @@ class PagePool:
         out: list[PagesStored] = []
         for key, entry in self._cached.items():
             page = entry if type(entry) is KVPage else next(iter(entry.values()))  # type: ignore[union-attr]
-            out.append(PagesStored((key,), page.parent_hash, (), size, page.lora_id, medium))
+            owner = wire_tenant(self.page_tenants[page.page_id] or DEFAULT_TENANT)
+            out.append(PagesStored((key,), page.parent_hash, (), size, page.lora_id, medium, owner))
         known = {ev.page_hashes[0] for ev in out}
         # Order so that a page's cached parent precedes it: an index rebuilding
         # chains never sees a child first.
@@ -492,6 +626,13 @@ class PagePool:
                         f"page {page.page_id} carries hash {page.page_hash.hex()[:16]} that the "
                         f"hash map does not map to it (maps to {sorted(ids)})"
                     )
+        tenant_counts = Counter(
+            self.page_tenants[p.page_id] for p in self.pages if p.page_hash is not None
+        )
+        if None in tenant_counts or tenant_counts != self.tenant_pages:
+            raise InvariantViolation(
+                f"cached pages per tenant {dict(tenant_counts)} != counted {dict(self.tenant_pages)}"
+            )
         for key, entry in self._cached.items():
             copies = [entry] if type(entry) is KVPage else list(entry.values())  # type: ignore[union-attr]
             if type(entry) is not KVPage and len(copies) < 2:
