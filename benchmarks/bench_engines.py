@@ -36,10 +36,11 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.app.simulate import percentile
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
 from kvmesh.errors import ConfigError, TransportError
+from kvmesh.gateway.config import HISTORY_POLICY
 from kvmesh.gateway.tokenizer import PromptTokenizer
+from kvmesh.stats import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
@@ -247,6 +248,28 @@ async def wait_healthy(client: httpx.AsyncClient, url: str, proc: subprocess.Pop
     raise TransportError("the gateway did not become healthy in 60 s")
 
 
+async def wait_in_step(client: httpx.AsyncClient, url: str, timeout_s: float = 120.0) -> None:
+    """Until the gateway's index follows every engine: a batch applied, none stale.
+
+    A gateway started beside engines that ran before joins their event
+    streams late and heals the gap from their replay buffers, routing
+    without affinity meanwhile. The benchmark measures routing, not that
+    catch-up, so each policy's replay starts once it is over (the hash
+    canary at start-up makes every engine publish a batch).
+    """
+    deadline = time.monotonic() + timeout_s
+    engines: dict[str, dict[str, object]] = {}
+    while time.monotonic() < deadline:
+        engines = (await client.get(url + "/health")).json()["engines"]
+        if all(not e["stale"] and int(str(e["events_seq"])) >= 0 for e in engines.values()):
+            return
+        await asyncio.sleep(0.1)
+    raise TransportError(
+        f"the gateway's index did not catch up with the engines' events in {timeout_s:g} s: "
+        f"{engines}"
+    )
+
+
 # ----------------------------------------------------------------------------- replay
 
 
@@ -350,6 +373,8 @@ async def measure(
         proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port)
         try:
             await wait_healthy(client, url, proc)
+            if policy != HISTORY_POLICY and all(e.events_endpoint for e in engines):
+                await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
             wall = await replay(url, turns, args.concurrency, args.max_tokens, into.replay)
             after = [await cache_counters(client, e) for e in engines]

@@ -223,6 +223,15 @@ class Gateway:
 
     # ------------------------------------------------------------------ routing
 
+    def index_view(self, worker_id: WorkerId) -> dict[str, int]:
+        """What the event-fed index holds for an engine (for /health): its blocks and the
+        last event batch applied (-1: none yet), so an operator or a benchmark can tell
+        a gateway that follows its engines from one still catching up."""
+        if worker_id not in self.index.workers():
+            return {"blocks": 0, "events_seq": -1}
+        state = self.index.worker_state(worker_id)
+        return {"blocks": state.num_pages, "events_seq": state.last_seq}
+
     def route(
         self, prepared: PreparedRequest, exclude: set[WorkerId]
     ) -> tuple[EngineState, RouteDecision]:
@@ -507,6 +516,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 "stale": e.worker_id in stale,
                 "inflight": e.inflight_requests,
                 "error": e.last_error,
+                **gateway.index_view(e.worker_id),
             }
             for e in gateway.pool.engines.values()
         }

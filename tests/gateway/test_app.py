@@ -366,6 +366,18 @@ async def test_kv_aware_sends_a_prompt_to_the_engine_whose_events_hold_its_prefi
             assert int(resp.headers[MATCHED_HEADER]) == len(ids) // BLOCK
 
 
+async def test_health_says_what_the_index_holds_per_engine(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode(PROMPT)
+    async with engines_and_gateway(two_engines(), tokenizer) as s, httpx.AsyncClient() as c:
+        before = (await c.get(s.url + "/health")).json()["engines"]
+        hold(s.gateway, "engine-1", ids, seq=0)
+        after = (await c.get(s.url + "/health")).json()["engines"]
+    assert before["engine-1"]["events_seq"] == -1 and before["engine-1"]["blocks"] == 0
+    assert after["engine-1"]["blocks"] == len(ids) // BLOCK
+    assert after["engine-1"]["events_seq"] == 0
+    assert after["engine-0"]["blocks"] == 0
+
+
 async def test_two_gateways_fed_the_same_events_make_the_same_decisions(
     tokenizer: PromptTokenizer,
 ) -> None:
