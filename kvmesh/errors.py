@@ -39,6 +39,13 @@ class InvalidSetting(ConfigError):
         return (type(self), (self.setting, self.reason, self.fields))
 
 
+class DeviceUnavailable(ConfigError):
+    """The device a worker was configured for (``KVMESH_DEVICE``) is not in its process: a
+    GPU asked for where none is visible. Refused before anything is allocated."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class InvalidInput(KVMeshError):
     """An argument has the wrong type, range or size."""
 

@@ -133,6 +133,7 @@ class WorkerActor:
         import torch
 
         from kvmesh.worker.cache_manager import KVCacheManager
+        from kvmesh.worker.devices import medium_of, resolve_device
         from kvmesh.worker.events_reporter import CoordinatorRpc, EventReporter
         from kvmesh.worker.kv_store import KVStore
         from kvmesh.worker.links import DistLinks
@@ -145,6 +146,10 @@ class WorkerActor:
 
         cfg = spec.config
         check_transport(cfg.transfer.transport, cfg.security.profile)
+        # The device is this node's to decide ("auto"); model, store and links follow it.
+        device = resolve_device(cfg.model.device)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=str(device)))
+        medium = medium_of(device) if device.type == "cuda" else cfg.pool.medium
         torch.set_num_threads(spec.torch_threads)
         page_size = cfg.hash.page_size
         self.spec = spec
@@ -157,7 +162,7 @@ class WorkerActor:
         pool = PagePool(
             cfg.pool.num_pages,
             enable_caching=cfg.pool.enable_caching,
-            medium=cfg.pool.medium,
+            medium=medium,
             page_size=page_size,
         )
         self.pool = pool
@@ -211,7 +216,7 @@ class WorkerActor:
         # the metrics count since the process started; stats count since start or reset_cache
         self._counts_base = RequestCounts.read(self.worker_id)
         self._pages_metrics = {
-            state: POOL_PAGES.labels(self.worker_id, cfg.pool.medium, state)
+            state: POOL_PAGES.labels(self.worker_id, medium, state)
             for state in ("used", "free", "cached")
         }
         self._draining = False

@@ -29,6 +29,7 @@ from torch import Tensor
 from kvmesh.config import ModelConfig, PoolConfig
 from kvmesh.errors import ChecksumMismatch, ConfigError, InvalidInput, PageFormatError
 from kvmesh.types import PageId
+from kvmesh.worker.devices import resolve_device
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -121,11 +122,8 @@ class KVStore:
         if bad:
             raise ConfigError(f"KV store dimensions must be positive integers, got {bad}")
         self.dtype = resolve_dtype(dtype)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                "KV store device 'cuda' asked for but CUDA is not available; use 'cpu'"
-            )
+        # "auto": cuda when this process has one; a GPU it lacks is DeviceUnavailable
+        self.device = resolve_device(str(device))
         self.num_pages = num_pages
         self.page_shape: tuple[int, ...] = (num_layers, 2, page_size, num_kv_heads, head_dim)
         self.kv = torch.zeros((num_pages, *self.page_shape), dtype=self.dtype, device=self.device)

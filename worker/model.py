@@ -32,6 +32,7 @@ from torch import Tensor
 
 from kvmesh.config import ModelConfig
 from kvmesh.errors import ConfigError, InvalidInput
+from kvmesh.worker.devices import resolve_device
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -115,7 +116,7 @@ class TinyTransformer:
         _validate(cfg)
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.dtype)
-        self.device = torch.device(cfg.device)
+        self.device = resolve_device(cfg.device)  # "auto": cuda when this process has one
         self.num_layers = cfg.num_layers
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
