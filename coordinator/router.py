@@ -58,11 +58,18 @@ from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import RebuildResult, Registration, ReportResult, RouteView
-from kvmesh.coordinator.shards import ShardRouter, merge_matches, merge_stats, merge_views, shard_of
+from kvmesh.coordinator.shards import (
+    ShardRouter,
+    SlowShards,
+    merge_matches,
+    merge_stats,
+    merge_views,
+    shard_of,
+)
 from kvmesh.errors import KVMeshError, NoWorkers, TransportError
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
-from kvmesh.requests import Role
+from kvmesh.requests import Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -125,6 +132,7 @@ class RouterActor:
         self._peers = list(peers)  # replica 0 holds the other routers (the same reason)
         self._addresses: dict[WorkerId, str] = {}
         self._down_until: dict[int, float] = {}  # replica -> loop time it is skipped until
+        self._slow = SlowShards(max(config.heartbeat_interval_s, HEDGE_AFTER_S))
         self._ready = asyncio.Event()
         self._api: CoordinatorAPIServer | None = None
         loop = asyncio.get_running_loop()
@@ -198,16 +206,24 @@ class RouterActor:
         return answers
 
     async def _hedged(self, shard: int, method: str, *args: Any) -> Any:
-        """`method` on this replica's `shard`; if it fails or is slow, the first other replica's."""
+        """`method` on this replica's `shard`; if it fails or is slow, the first other replica's.
+
+        A shard that was late or failed (`SlowShards`) is asked in every
+        replica at once until it answers first again, so a restarting shard
+        costs its routes one hedge delay, not one each.
+        """
         own: asyncio.Future[Any] = asyncio.ensure_future(
             self._call(self.replica, shard, method, *args)
         )
         pending: set[asyncio.Future[Any]] = {own}
         # own replica known to be away (state changes skip it): ask the others at once
         away = self._down_until.get(self.replica, 0.0) > asyncio.get_running_loop().time()
-        await asyncio.wait(pending, timeout=0 if away else HEDGE_AFTER_S)
+        slow = self.num_replicas > 1 and (away or self._slow.is_slow(shard))
+        await asyncio.wait(pending, timeout=0 if slow else HEDGE_AFTER_S)
         if not own.done() or own.exception() is not None:
             REPLICA_FAILOVERS.labels(reason="hedged").inc()
+            if not slow:  # it had its hedge delay and missed it (asked at once, it could not)
+                self._slow.mark(shard)
             pending |= {
                 asyncio.ensure_future(self._call(r, shard, method, *args))
                 for r in range(self.num_replicas)
@@ -220,6 +236,8 @@ class RouterActor:
                 for fut in done:
                     exc = fut.exception()
                     if exc is None:
+                        if fut is own:
+                            self._slow.clear(shard)
                         return fut.result()
                     cause = _kvmesh_cause(exc)
                     if cause is not None:
@@ -363,11 +381,18 @@ class RouterActor:
         worker_id: WorkerId,
         encoded_batches: Sequence[bytes] = (),
         load: WorkerLoad | None = None,
+        outcomes: Sequence[RouteOutcome] = (),
     ) -> ReportResult:
+        """The worker's shard applies its batches on every replica; its request outcomes
+        are counted once, where `record_result` counts them."""
         shard = shard_of(worker_id, self.num_shards) if isinstance(worker_id, str) else 0
         replies: list[ReportResult] = await self._everywhere(
             shard, "report", worker_id, list(encoded_batches), load
         )
+        for o in outcomes:
+            await self.record_result(
+                o.promised_local, o.promised_pull, o.realized_local, o.realized_pull
+            )
         return ReportResult(replies[0].results, any(r.needs_snapshot for r in replies))
 
     async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:

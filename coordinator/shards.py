@@ -145,6 +145,42 @@ def merge_stats(
     return out
 
 
+class SlowShards:
+    """A router's own shards that answered late or failed lately, so routes stop waiting on them.
+
+    A route asks its own replica's shard first and the other replicas only
+    after a hedge delay. While a shard restarts (it rebuilds before it
+    answers) every route would wait that delay again; a shard marked slow is
+    asked in every replica at once instead, first answer wins, until
+    `hold_s` passes without a new mark or it answers first again. Pure: the
+    clock is passed in. Not thread-safe (one router's event loop uses it).
+    """
+
+    def __init__(self, hold_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if hold_s < 0:
+            raise InvalidInput(f"hold_s must be >= 0, got {hold_s}")
+        self.hold_s = hold_s
+        self.clock = clock
+        self._until: dict[int, float] = {}
+
+    def mark(self, shard: int) -> None:
+        """`shard` was late or failed: ask every replica at once for the next `hold_s`."""
+        self._until[shard] = self.clock() + self.hold_s
+
+    def clear(self, shard: int) -> None:
+        """`shard` answered first again: back to asking it alone."""
+        self._until.pop(shard, None)
+
+    def is_slow(self, shard: int) -> bool:
+        until = self._until.get(shard)
+        if until is None:
+            return False
+        if until <= self.clock():
+            del self._until[shard]
+            return False
+        return True
+
+
 class ShardRouter:
     """The policy step of a sharded coordinator: a merged view in, a decision out.
 

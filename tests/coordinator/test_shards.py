@@ -17,6 +17,7 @@ from kvmesh.coordinator.service import Coordinator, RouteView
 from kvmesh.coordinator.shards import (
     ShardedCoordinator,
     ShardRouter,
+    SlowShards,
     merge_views,
     request_seed,
     shard_of,
@@ -279,3 +280,40 @@ def test_a_bad_scale_setting_is_refused_naming_the_field(
 ) -> None:
     with pytest.raises(InvalidSetting, match=f"CoordinatorConfig.{field}=.*{reason}"):
         CoordinatorConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_slow_shard_is_asked_everywhere_until_its_hold_passes() -> None:
+    now = [100.0]
+    slow = SlowShards(1.0, clock=lambda: now[0])
+    assert not slow.is_slow(0)
+    slow.mark(0)
+    assert slow.is_slow(0)
+    assert not slow.is_slow(1)  # per shard
+    now[0] += 0.99
+    assert slow.is_slow(0)
+    now[0] += 0.02
+    assert not slow.is_slow(0)
+
+
+def test_a_slow_shard_that_answers_first_again_is_asked_alone() -> None:
+    slow = SlowShards(60.0, clock=lambda: 0.0)
+    slow.mark(2)
+    slow.clear(2)
+    assert not slow.is_slow(2)
+    slow.clear(3)  # never marked: nothing to clear
+    assert not slow.is_slow(3)
+
+
+def test_a_mark_while_slow_extends_the_hold() -> None:
+    now = [0.0]
+    slow = SlowShards(1.0, clock=lambda: now[0])
+    slow.mark(0)
+    now[0] = 0.8
+    slow.mark(0)
+    now[0] = 1.5
+    assert slow.is_slow(0)
+
+
+def test_a_negative_hold_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="hold_s"):
+        SlowShards(-1.0)
