@@ -40,7 +40,10 @@ Measured in one run:
   roaring bitmaps), / distinct pages indexed. ``rss_bytes_per_page`` is the
   resident-set growth of a fresh process while it builds the same index
   without tracemalloc, / the same pages (coarser: it also counts allocator
-  slack and numpy's over-allocation).
+  slack and numpy's over-allocation), after it built and dropped a small
+  index first (what the libraries map in on first use is not per page).
+  With ``--shards``, ``bytes_per_page`` is that figure for the sharded
+  coordinator of each shard count fed through ``report``.
 
 Each measurement is one function taking the workload and returning its
 figures, so further dimensions (shards, replicas) add a function and a flag.
@@ -103,6 +106,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=20_000,
         help="with --shards: distinct pages of the index built on Ray actors",
+    )
+    parser.add_argument(
+        "--no-ray", action="store_true", help="with --shards: only the in-process figures"
     )
 
 
@@ -326,9 +332,9 @@ def _index_ops(wl: _Workload, prompts: list[list[PageHash]]) -> dict[str, Any]:
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for b in stored:
-        index.apply(b)
+        index.apply_decoded(b)
     for b in removed:
-        index.apply(b)
+        index.apply_decoded(b)
     for p in prompts:
         index.match(p)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -354,20 +360,44 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _rss_growth(workers: int, pages: int, seed: int, out: Any) -> None:
-    """In a fresh process (no freed memory to reuse): resident-set growth while the index is built."""
+def _build_sharded(wl: _Workload, shards: int) -> Any:
+    """A `ShardedCoordinator` fed the stored batches through `report` (decode, checks, apply)."""
+    from kvmesh.coordinator.shards import ShardedCoordinator
+
+    coord = ShardedCoordinator(CoordinatorConfig(policy="kv_aware", index_shards=shards))
+    for w in wl.worker_ids:
+        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+    for wid, data in wl.stored_batches:
+        coord.report(wid, [data])
+    return coord
+
+
+def _rss_growth(workers: int, pages: int, seed: int, shards: int, out: Any) -> None:
+    """In a fresh process (no freed memory to reuse): resident-set growth while the index is built.
+
+    `shards` 0: a bare `GlobalIndex`; N: a `ShardedCoordinator` of N shards. A small
+    index of the same kind is built and dropped first, so that what the first use
+    of numpy, msgpack and pyroaring maps in (code, caches) is not counted per page.
+    """
+
+    def build(wl: _Workload) -> Any:
+        return _build(wl) if shards == 0 else _build_sharded(wl, shards)
+
+    build(_Workload(8, 5_000, seed + 1))  # built and dropped at once
     wl = _Workload(workers, pages, seed)
     gc.collect()
     before = _rss_bytes()
-    index = _build(wl)
+    index = build(wl)
     gc.collect()
-    out.put((_rss_bytes() - before, len(index)))
+    out.put((_rss_bytes() - before, wl.distinct_pages))
+    del index
 
 
-def _rss_per_page(workers: int, pages: int, seed: int) -> float:
+def _rss_per_page(workers: int, pages: int, seed: int, shards: int = 0) -> float:
+    """Resident bytes per distinct page of an index built in a fresh process (`_rss_growth`)."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_rss_growth, args=(workers, pages, seed, out))
+    child = ctx.Process(target=_rss_growth, args=(workers, pages, seed, shards, out))
     child.start()
     grown, indexed = out.get()
     child.join()
@@ -506,14 +536,22 @@ def _sharded_in_process(
             w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
         )
     times: list[float] = []
+    cpu_times: list[float] = []
     c0 = time.process_time()
     for p in prompts:
+        c = time.thread_time_ns()
         t = time.perf_counter_ns()
         coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
         times.append((time.perf_counter_ns() - t) / 1e6)
+        cpu_times.append((time.thread_time_ns() - c) / 1e6)
     route_cpu = time.process_time() - c0
     ops = wl.stored_events + len(prompts)
     return {
+        # the same percentile of the calls' thread CPU time: what the code costs,
+        # without the waits of a shared machine's scheduler
+        "route_cpu_p50_ms": round(percentile(cpu_times, 50), 4),
+        "route_cpu_p99_ms": round(percentile(cpu_times, 99), 4),
+        "index_ops_per_cpu_s": round(ops / (ingest_cpu + route_cpu)),
         "route_p50_ms": round(percentile(times, 50), 4),
         "route_p99_ms": round(percentile(times, 99), 4),
         "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
@@ -637,9 +675,13 @@ def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
         }
         result.update(_sharded_in_process(wl, prompts, shards, args.seed))
         gc.collect()
+        if not args.no_memory:
+            result["bytes_per_page"] = _rss_per_page(workers, args.pages, args.seed, shards)
         results.append(result)
     del wl, prompts
     gc.collect()
+    if args.no_ray:
+        return _ratios(results)
     owns_ray = not ray.is_initialized()
     if owns_ray:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -649,6 +691,11 @@ def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         if owns_ray:
             ray.shutdown()
+    return _ratios(results)
+
+
+def _ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """CPU per op against the first shard count's, and the machine's load."""
     base = results[0]["cpu_s_per_million_ops"]
     for result in results:
         result["cpu_per_op_ratio_vs_first"] = round(result["cpu_s_per_million_ops"] / base, 2)
