@@ -142,6 +142,7 @@ class WorkerActor:
         from kvmesh.worker.page_service import EvictionBudget, PageService, PushGrants
         from kvmesh.worker.peers import Peers, check_transport
         from kvmesh.worker.serving import ServingEngine
+        from kvmesh.worker.tiered_cache import TieredCache
         from kvmesh.worker.transfer_server import ServerThread
 
         cfg = spec.config
@@ -179,6 +180,10 @@ class WorkerActor:
                 cfg.transfer.push_evict_window_s,
             ),
             name=self.worker_id,
+        )
+        # host and disk tiers under the pool, if configured (lookups and pulls promote)
+        self.tiers = TieredCache.for_worker(
+            cfg, self.cache_manager, self.store, self.pages, self.worker_id
         )
         self.model = TinyTransformer(cfg.model)
         # Warm the kernels (and the allocator, at a full chunk) before anything is timed.

@@ -265,6 +265,10 @@ class PagePromoter(Protocol):
         """Cache in the pool the lower tiers' pages extending its prefix of `page_hashes`."""
         ...
 
+    def reset(self) -> None:
+        """Forget every tier's pages (the pool's too)."""
+        ...
+
 
 class KVCacheManager:
     """Per-request pages over one `PagePool`, with prefix caching.
@@ -283,12 +287,6 @@ class KVCacheManager:
         use_eagle: bool = False,
         tiers: PagePromoter | None = None,
     ) -> None:
-        if tiers is not None and tiers.pool is not pool:
-            raise ConfigError("the tiers given to a cache manager must sit under its own pool")
-        if tiers is not None and (len(groups) != 1 or groups[0].kind != "full_attention"):
-            raise ConfigError(
-                "tiers work with one full-attention KV-cache group; drop the tiers or the groups"
-            )
         if page_size != pool.page_size:
             raise ConfigError(
                 f"cache manager page_size {page_size} differs from the pool's {pool.page_size}"
@@ -299,10 +297,12 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_caching = enable_caching and pool.enable_caching
         self.use_eagle = use_eagle
-        self.tiers = tiers
         self.groups: list[_Group] = [
             GROUP_KINDS[spec.kind](pool, page_size, gid, spec) for gid, spec in enumerate(groups)
         ]
+        self.tiers: PagePromoter | None = None
+        if tiers is not None:
+            self.attach_tiers(tiers)
         self._requests = 0
         self._queries = 0
         self._hits = 0
@@ -330,6 +330,16 @@ class KVCacheManager:
             use_eagle=cfg.use_eagle,
             tiers=tiers,
         )
+
+    def attach_tiers(self, tiers: PagePromoter) -> None:
+        """Have every lookup promote from `tiers` first; `ConfigError` when they cannot fit."""
+        if tiers.pool is not self.pool:
+            raise ConfigError("the tiers given to a cache manager must sit under its own pool")
+        if len(self.groups) != 1 or type(self.groups[0]) is not _Group:
+            raise ConfigError(
+                "tiers work with one full-attention KV-cache group; drop the tiers or the groups"
+            )
+        self.tiers = tiers
 
     # ------------------------------------------------------------------ lookups
 
@@ -747,5 +757,8 @@ class KVCacheManager:
         return self.pool.take_events()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached page; raises `PagesInUse` while requests hold pages."""
-        self.pool.reset_prefix_cache()
+        """Forget every cached page (every tier's); raises `PagesInUse` while requests hold pages."""
+        if self.tiers is not None:
+            self.tiers.reset()
+        else:
+            self.pool.reset_prefix_cache()

@@ -95,6 +95,7 @@ class PagePool:
         "page_size",
         "page_tenants",
         "pages",
+        "snapshot_hook",
         "spill_listener",
         "tenant_pages",
     )
@@ -130,6 +131,8 @@ class PagePool:
         self.tenant_pages: Counter[str] = Counter()
         self.eviction: EvictionPolicy | None = None  # None: the free queue's head (LRU)
         self.spill_listener: SpillListener | None = None
+        # tiers below answer snapshots for the whole worker (their pages and the device's)
+        self.snapshot_hook: Callable[[], list[PagesStored]] | None = None
 
     @classmethod
     def from_config(cls, cfg: PoolConfig, page_size: int) -> PagePool:
@@ -553,7 +556,14 @@ class PagePool:
         return events
 
     def snapshot_events(self) -> list[PagesStored]:
-        """The whole cached set as events, one per hash, parents before children.
+        """The worker's whole cached set as events: every tier's when tiers are attached
+        (`snapshot_hook`), else the pool's (`device_snapshot_events`)."""
+        if self.snapshot_hook is not None:
+            return self.snapshot_hook()
+        return self.device_snapshot_events()
+
+    def device_snapshot_events(self) -> list[PagesStored]:
+        """The pool's cached set as events, one per hash, parents before children.
 
         For a snapshot batch; token ids are not kept per page, so they are empty.
         """

@@ -48,6 +48,7 @@ from kvmesh.events import KVEvent
 from kvmesh.hashing import PageHasher
 from kvmesh.metrics import TRANSFER_REFUSED
 from kvmesh.types import PageHash, PageId
+from kvmesh.worker.cache_manager import PagePromoter
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
@@ -126,6 +127,7 @@ class PageService:
         "name",
         "pool",
         "store",
+        "tiers",
     )
 
     def __init__(
@@ -159,6 +161,9 @@ class PageService:
             evictions if evictions is not None else EvictionBudget(pool.num_pages // 2, 10.0)
         )
         self.name = name  # the worker's id, for metrics
+        # lower tiers under the pool (kvmesh.worker.tiered_cache): `pin` promotes from them
+        # first, so peers pull pages this worker keeps in host memory or on disk
+        self.tiers: PagePromoter | None = None
         self._tokens = PageTokens(hasher, pool.num_pages)
 
     @property
@@ -193,6 +198,8 @@ class PageService:
         asked twice is pinned twice (unpin the returned list as it is).
         """
         with self._lock:
+            if self.tiers is not None:
+                self.tiers.promote(hashes, len(hashes))
             get = self.pool.get_cached_page
             found = [get(h) for h in hashes]
             hits = [p for p in found if p is not None]

@@ -48,17 +48,19 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvmesh.config import PoolConfig
+from kvmesh.config import ClusterConfig, PoolConfig
 from kvmesh.errors import ConfigError, DiskPageCorrupt, InvariantViolation
 from kvmesh.events import PagesRemoved, PagesStored
 from kvmesh.metrics import TIER_EVICTIONS, TIER_PAGES, TIER_PROMOTIONS, TIER_SPILLS
 from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, PageId
+from kvmesh.worker.cache_manager import KVCacheManager
 from kvmesh.worker.disk_tier import DiskTier
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.host_tier import HostTier
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PageMeta, PagePool, wire_tenant
+from kvmesh.worker.page_service import PageService
 from kvmesh.worker.tenant_share import EvictionPolicy, make_eviction
 
 DEVICE = "gpu"
@@ -141,6 +143,7 @@ class TieredCache:
         )
         self._published: dict[str, set[str]] = {tier: set() for tier in TIER_ORDER}
         pool.spill_listener = self._spill
+        pool.snapshot_hook = self.snapshot_events
         self._publish()
 
     @classmethod
@@ -165,6 +168,27 @@ class TieredCache:
             weights=weights,
             worker=worker,
         )
+
+    @classmethod
+    def for_worker(
+        cls,
+        config: ClusterConfig,
+        manager: KVCacheManager,
+        store: KVStore,
+        service: PageService | None = None,
+        worker: str = "worker",
+    ) -> TieredCache | None:
+        """The tiers `config` asks for, attached to a worker's cache manager (lookups promote)
+        and page service (pulls promote), or None when it asks for none."""
+        cfg = config.pool
+        if not (cfg.host_pages or cfg.disk_dir or cfg.eviction != "lru"):
+            return None
+        weights = TenantWeights.parse(config.coordinator.tenant_weights)
+        tiers = cls.from_config(manager.pool, store, cfg, weights, worker)
+        manager.attach_tiers(tiers)
+        if service is not None:
+            service.tiers = tiers
+        return tiers
 
     # ---------------------------------------------------------------- lookups
 
@@ -341,7 +365,7 @@ class TieredCache:
     def snapshot_events(self) -> list[PagesStored]:
         """Every tier's cached set as `PagesStored`, parents before children (one page each)."""
         size = self.pool.page_size
-        out: list[PagesStored] = list(self.pool.snapshot_events())
+        out: list[PagesStored] = list(self.pool.device_snapshot_events())
         lower: list[tuple[PageMeta, str]] = []
         if self.host is not None:
             lower.extend((e.meta, HOST) for e in self.host.entries())
