@@ -1,0 +1,52 @@
+"""`kvmesh bench router --shards` on a tiny index: one object per shard count with the issue's keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from kvmesh.benchmarks import bench_router
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_router.configure(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_sharded_json_has_one_object_per_shard_count_with_the_promised_keys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _args(
+        "--workers", "8", "--pages", "3000", "--routes", "60", "--shards", "1,2", "--no-ray",
+        "--json",
+    )  # fmt: skip
+    assert bench_router.run(args) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["shards"] for r in results] == [1, 2]
+    for r in results:
+        for key in (
+            "route_p99_ms",
+            "route_cpu_p99_ms",
+            "index_ops_per_s",
+            "index_ops_per_cpu_s",
+            "ingest_page_events_per_s",
+            "cpu_s_per_million_ops",
+            "bytes_per_page",
+            "cpu_per_op_ratio_vs_first",
+        ):
+            assert r[key] > 0, key
+        assert "failover_gap_ms" not in r  # measured on Ray only
+        assert r["route_cpu_p50_ms"] <= r["route_cpu_p99_ms"]
+    assert results[0]["cpu_per_op_ratio_vs_first"] == 1.0
+
+
+def test_index_ops_count_every_page_event_and_match() -> None:
+    wl = bench_router._Workload(4, 2000, seed=0)
+    prompts = wl.prompts(30, random.Random(1))
+    out = bench_router._index_ops(wl, prompts)
+    assert out["index_ops"] == wl.stored_events + wl.removed_events + 30
+    assert out["index_ops_per_cpu_s"] > 0
