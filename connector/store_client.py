@@ -5,7 +5,8 @@ Blocking gRPC on loopback (the engine's connector hooks are synchronous):
 msgpack bodies), pages out of its page server with ``FetchPages``
 (`kvmesh.v1.KVWorker`, protobuf `PageChunk` messages, raw bytes). Every call
 has a deadline; a store that is down or too slow raises `TransportError`,
-which the connector turns into a miss (load) or a skipped save, never a
+a refused call the store's own error (`HashMismatch`, `PageFormatError`...);
+the connector turns either into a miss (load) or a skipped save, never a
 failed request. Imports only the base and the proto.
 """
 
@@ -20,6 +21,7 @@ import msgpack
 
 from kvmesh.connector.blocks import BlockRun
 from kvmesh.errors import InvalidInput, TransportError
+from kvmesh.grpc_security import error_from_rpc
 from kvmesh.proto import kvmesh_pb2 as pb
 
 CONTROL_SERVICE = "kvmesh.v1.EngineStore"
@@ -69,6 +71,7 @@ class StoreClient:
         self._save = self._control.unary_unary(f"/{CONTROL_SERVICE}/Save")
         self._prepare = self._control.unary_unary(f"/{CONTROL_SERVICE}/Prepare")
         self._describe = self._control.unary_unary(f"/{CONTROL_SERVICE}/Describe")
+        self._forget = self._control.unary_unary(f"/{CONTROL_SERVICE}/Forget")
         self._fetch = self._pages.unary_stream(
             f"/{PAGE_SERVICE}/FetchPages",
             request_serializer=pb.FetchRequest.SerializeToString,
@@ -83,9 +86,7 @@ class StoreClient:
         try:
             raw = method(msgpack.packb(body, use_bin_type=True), timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise TransportError(
-                f"engine store {self.control_address}: {exc.code().name}: {exc.details()}"
-            ) from None
+            raise error_from_rpc(exc, "engine store call", self.control_address) from None
         answer = msgpack.unpackb(raw, raw=False)
         if not isinstance(answer, dict):
             raise TransportError(f"engine store {self.control_address} answered {type(answer)}")
@@ -103,6 +104,10 @@ class StoreClient:
         """Ask the store to hold `run` (pulling from `peers` what it lacks)."""
         a = self._call(self._prepare, {**run.wire(), "peers": list(peers)})
         return Prepared(int(a["held"]), int(a["pulled"]), a.get("source"))
+
+    def forget(self, digests: Sequence[bytes]) -> int:
+        """Ask the store to drop blocks that failed their check here; how many it held."""
+        return int(self._call(self._forget, {"digests": list(digests)})["forgotten"])
 
     def fetch(self, digests: Sequence[bytes]) -> list[bytes | None]:
         """The stored pages of `digests`, in order; None for a page the store no longer holds.
@@ -132,9 +137,7 @@ class StoreClient:
                 buf[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
                 filled[i] += len(chunk.data)
         except grpc.RpcError as exc:
-            raise TransportError(
-                f"engine store {self.page_address}: {exc.code().name}: {exc.details()}"
-            ) from None
+            raise error_from_rpc(exc, "FetchPages", self.page_address) from None
         return [
             bytes(p) if p is not None and filled[i] == sizes[i] else None
             for i, p in enumerate(pages)

@@ -296,9 +296,17 @@ class KVMeshConnector(KVConnectorBase_V1):
                 data = unseal(digest, page, self.block_nbytes)
             except KVMeshError as exc:
                 self._warnings.warn(f"check of block {digest.hex()[:16]}", exc)
+                self._forget(digest)
                 return i
             self._write_block(block_id, data)
         return len(load.block_ids)
+
+    def _forget(self, digest: bytes) -> None:
+        """Drop a refused block from the store, so this engine's recomputed one is saved."""
+        try:
+            self.client.forget([digest])
+        except KVMeshError as exc:
+            self._warnings.warn("forget", exc)
 
     def _write_block(self, block_id: int, data: memoryview) -> None:
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -5,13 +5,15 @@ full KV block it computes here and loads from here the blocks it would
 otherwise compute. The store is a worker without a model: a `PagePool` and
 `KVStore` behind a `PageService`, the gRPC page server (`kvmesh.v1.KVWorker`:
 Lookup, FetchPages, PushPages) that the engine and peer stores read from,
-and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies) with
-two calls:
+and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies):
 
 - ``Save``: sealed blocks with the request's proof (the block digests, their
   tokens and extra keys, the parent digest): every page enters the pool
   through `PageService.insert_many`, proven first, so a page is cached only
   under a hash its tokens produce with the engine's own hash function;
+- ``Forget``: drop blocks the engine refused on load (a seal that failed),
+  so the engine's recomputed block is saved in their place;
+- ``Describe``: the page size, block size and hash the store was started with;
 - ``Prepare``: before the engine loads, make the store hold as much of a
   request's prefix as the mesh has: what is not held is pulled from peer
   stores over the `Peer` contract (`kvmesh.worker.peers`), proven against
@@ -330,8 +332,25 @@ class EngineStore:
                 "Save": unary(self._save),
                 "Prepare": unary(self._prepare),
                 "Describe": unary(self._describe),
+                "Forget": unary(self._forget),
             },
         )
+
+    def _forget(self, body: dict[str, Any]) -> dict[str, Any]:
+        digests = body.get("digests")
+        if not isinstance(digests, tuple) or len(digests) > MAX_BLOCKS_PER_CALL:
+            raise InvalidInput(f"Forget needs digests: a list of at most {MAX_BLOCKS_PER_CALL}")
+        return {"forgotten": self.forget([check_hash(d, "block digest") for d in digests])}
+
+    def forget(self, digests: Sequence[PageHash]) -> int:
+        """Drop blocks an engine refused on load (their seal failed), so they can be saved anew.
+
+        A page being read stays readable until released; only its name goes.
+        """
+        with self.service.lock:
+            forgotten = self.pool.evict_pages(digests)
+        self.service.take_events()
+        return forgotten
 
     def _describe(self, _body: dict[str, Any]) -> dict[str, Any]:
         hasher = self.service.hasher

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
 import pytest
 
 from kvmesh.connector.blocks import sealed_page_bytes
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import engine_block_nbytes
-from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
 from kvmesh.worker.engine_store import EngineStore
-
-BLOCK = 32
-MAX_TOKENS = 12
+from tests.engines.connector_kit import (
+    BLOCK,
+    complete,
+    digests,
+    external_hits,
+    prompt_of,
+    reset_prefix_cache,
+)
 
 
 @dataclass
@@ -35,50 +37,6 @@ class Mesh:
     b: VLLMEngine
     sa: EngineStore
     sb: EngineStore
-
-
-def metric(engine: VLLMEngine, name: str) -> float:
-    text = httpx.get(engine.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith((name + "{", name + " "))
-    )
-
-
-def external_hits(engine: VLLMEngine) -> float:
-    return metric(engine, "vllm:external_prefix_cache_hits_total")
-
-
-def complete(engine: VLLMEngine, prompt: list[int], **extra: Any) -> list[int]:
-    """Greedy tokens the engine answers `prompt` (token ids) with."""
-    body = {
-        "model": engine.spec.served_model_name,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **extra,
-    }
-    r = httpx.post(engine.url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
-
-
-def reset_prefix_cache(engine: VLLMEngine) -> None:
-    r = httpx.post(engine.url + "/reset_prefix_cache", timeout=30)
-    assert r.status_code == 200, r.text
-
-
-def prompt_of(seed: int, blocks: int = 6, tail: int = 7) -> list[int]:
-    """A prompt of `blocks` full blocks and a `tail`, distinct per seed (vocab 1728)."""
-    return [3 + (seed * 7919 + i * 131) % 1700 for i in range(blocks * BLOCK + tail)]
-
-
-def digests(prompt: list[int], salt: str | None = None) -> list[bytes]:
-    hasher = EngineHasher("sha256", BLOCK, int_hashes=False)
-    return list(hasher.hash_blocks(prompt, EngineExtraKeys(cache_salt=salt)).digests)
 
 
 def held(store: EngineStore, prompt: list[int], salt: str | None = None) -> int:
@@ -147,6 +105,11 @@ def test_a_corrupted_stored_block_is_refused_and_recomputed_with_the_right_answe
         mesh.sa.kv.kv[page_id].fill_(7)  # the stored bytes change under the seal
     assert complete(mesh.a, prompt) == expected
     assert "check of block" in mesh.a.log_tail(400)
+    # the refused block was dropped from the store and saved again as recomputed
+    reset_prefix_cache(mesh.a)
+    before = external_hits(mesh.a)
+    assert complete(mesh.a, prompt) == expected
+    assert external_hits(mesh.a) - before == 6 * BLOCK
 
 
 def test_tenants_never_load_each_others_blocks(mesh: Mesh) -> None:

@@ -122,15 +122,28 @@ def test_a_block_whose_tokens_do_not_prove_its_digest_is_refused_and_nothing_is_
     a, _ = stores
     run, pages = request(2)
     lying = BlockRun(run.parent, run.digests, tuple(t + 1 for t in run.tokens), run.extra)
-    with pytest.raises(TransportError, match="HashMismatch"):
+    with pytest.raises(HashMismatch, match="do not hash to it"):
         client(a).save(lying, pages)
     assert a.service.prefix_length(run.digests) == 0
+
+
+def test_a_forgotten_block_is_gone_and_can_be_saved_again(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, _ = stores
+    run, pages = request(9)
+    c = client(a)
+    c.save(run, pages)
+    assert c.forget(run.digests[1:2]) == 1
+    assert a.service.prefix_length(run.digests) == 1
+    assert c.fetch(run.digests)[1] is None
+    assert c.save(run, pages) == [False, True, False]
 
 
 def test_a_page_of_the_wrong_size_is_refused(stores: tuple[EngineStore, EngineStore]) -> None:
     a, _ = stores
     run, pages = request(3)
-    with pytest.raises(TransportError, match="PageFormatError"):
+    with pytest.raises(PageFormatError, match="bytes"):
         client(a).save(run, [p[:-64] for p in pages])
 
 

@@ -1,0 +1,57 @@
+"""What the connector's engine tests share: prompts, greedy answers, the engines' counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
+from kvmesh.engine_launcher import VLLMEngine
+
+BLOCK = 32
+MAX_TOKENS = 12
+
+
+def metric(engine: VLLMEngine, name: str) -> float:
+    text = httpx.get(engine.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
+
+
+def external_hits(engine: VLLMEngine) -> float:
+    return metric(engine, "vllm:external_prefix_cache_hits_total")
+
+
+def complete(engine: VLLMEngine, prompt: list[int], **extra: Any) -> list[int]:
+    """Greedy tokens the engine answers `prompt` (token ids) with."""
+    body = {
+        "model": engine.spec.served_model_name,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    r = httpx.post(engine.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+def reset_prefix_cache(engine: VLLMEngine) -> None:
+    r = httpx.post(engine.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def prompt_of(seed: int, blocks: int = 6, tail: int = 7) -> list[int]:
+    """A prompt of `blocks` full blocks and a `tail`, distinct per seed (vocab 1728)."""
+    return [3 + (seed * 7919 + i * 131) % 1700 for i in range(blocks * BLOCK + tail)]
+
+
+def digests(prompt: list[int], salt: str | None = None) -> list[bytes]:
+    hasher = EngineHasher("sha256", BLOCK, int_hashes=False)
+    return list(hasher.hash_blocks(prompt, EngineExtraKeys(cache_salt=salt)).digests)
