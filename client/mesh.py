@@ -57,6 +57,7 @@ from kvmesh.errors import (
     WorkerDied,
 )
 from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.logs import request_scope
 from kvmesh.requests import GenerateRequest, Role, WorkerStats
 from kvmesh.security import TenantPolicy
 from kvmesh.types import PageHash, WorkerId
@@ -437,18 +438,19 @@ class KVMesh:
         )
         disaggregated = self.config.prefill_workers > 0 and self.config.decode_workers > 0
         last: BaseException | None = None
-        for _attempt in range(self.retries + 1):
-            try:
-                if disaggregated:
-                    return await self._disaggregated(base, hashes)
-                return await self._serve(base, hashes)
-            except _Died as died:
-                last = died.error
-                await self._forget(died.worker_id)
-        raise WorkerDied(
-            f"the worker serving the request died and {self.retries} retries on other workers "
-            f"failed too ({last}); no answer was produced"
-        )
+        with request_scope(base.request_id):  # its id on our logs and on the error we raise
+            for _attempt in range(self.retries + 1):
+                try:
+                    if disaggregated:
+                        return await self._disaggregated(base, hashes)
+                    return await self._serve(base, hashes)
+                except _Died as died:
+                    last = died.error
+                    await self._forget(died.worker_id)
+            raise WorkerDied(
+                f"the worker serving the request died and {self.retries} retries on other "
+                f"workers failed too ({last}); no answer was produced"
+            )
 
     async def astats(self) -> ClusterStats:
         coord = await self._call(self._coordinator.stats.remote(), None)

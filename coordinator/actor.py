@@ -59,6 +59,8 @@ from kvmesh.coordinator.service import (
     RouteView,
 )
 from kvmesh.errors import KVMeshError, TransportError
+from kvmesh.logs import configure_logging, request_scope
+from kvmesh.metrics import in_ray_actor
 from kvmesh.rendezvous import DistRendezvous, LinkBook
 from kvmesh.requests import Role
 from kvmesh.types import PageHash, WorkerId
@@ -143,6 +145,8 @@ class CoordinatorActor:
         # report reply and send their snapshot through the routers to every replica.
         self.ask_stale_snapshots = ask_stale_snapshots
         self.config = config
+        if in_ray_actor():  # this process is the actor's own: log as kvmesh does
+            configure_logging()
         self.core = Coordinator(config)
         self._api: CoordinatorAPIServer | None = None
         self.store = WorkerStore(config)
@@ -289,15 +293,16 @@ class CoordinatorActor:
         policy: str | None = None,
         request_id: str = "",
     ) -> RouteDecision:
-        return self.core.route(
-            hashes,
-            num_tokens,
-            page_size=page_size,
-            allow_pull=allow_pull,
-            role=role,
-            policy=policy,
-            request_id=request_id,
-        )
+        with request_scope(request_id):  # its id on our logs and on the error we raise
+            return self.core.route(
+                hashes,
+                num_tokens,
+                page_size=page_size,
+                allow_pull=allow_pull,
+                role=role,
+                policy=policy,
+                request_id=request_id,
+            )
 
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return self.core.match(hashes)

@@ -12,9 +12,22 @@ from typing import ClassVar
 
 
 class KVMeshError(Exception):
-    """Base of every kvmesh error; `grpc_code` is the status it travels as."""
+    """Base of every kvmesh error; `grpc_code` is the status it travels as.
+
+    `request_id`: the request it failed (None: no request), set as it leaves the
+    request's scope (`kvmesh.logs.request_scope`) so the caller can find that
+    request in every process's log; it survives Ray's pickling (instance state).
+    """
 
     grpc_code: ClassVar[str] = "INTERNAL"
+    request_id: str | None = None
+
+    def for_request(self, request_id: str) -> KVMeshError:
+        """Tag this error with the request it failed (the first tag wins); returns it."""
+        if self.request_id is None:
+            self.request_id = request_id
+            self.add_note(f"kvmesh request id: {request_id}")
+        return self
 
 
 class ConfigError(KVMeshError):

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
 from kvmesh.hashing import PageHasher
 from kvmesh.load import WorkerLoad
+from kvmesh.logs import configure_logging, request_scope
 from kvmesh.metrics import (
     PAGES_PUSHED,
     POOL_PAGES,
@@ -57,6 +58,7 @@ from kvmesh.metrics import (
     TRANSFER_SECONDS,
     WORKER_ERRORS,
     WORKER_REQUESTS,
+    in_ray_actor,
 )
 from kvmesh.requests import GenerateRequest, PrefillResult, Role, WorkerSpec, WorkerStats
 from kvmesh.security import check_bind_address
@@ -146,6 +148,8 @@ class WorkerActor:
         from kvmesh.worker.transfer_server import ServerThread
 
         cfg = spec.config
+        if in_ray_actor():  # this process is the actor's own: log as kvmesh does
+            configure_logging()
         check_transport(cfg.transfer.transport, cfg.security.profile)
         # The device is this node's to decide ("auto"); model, store and links follow it.
         device = resolve_device(cfg.model.device)
@@ -247,6 +251,12 @@ class WorkerActor:
     # ---------------------------------------------------------------- serving
 
     def generate(self, request: GenerateRequest) -> Any:
+        """`_generate` in the request's scope: its id on this worker's log records and on
+        the `KVMeshError` it raises (`kvmesh.logs.request_scope`)."""
+        with request_scope(request.request_id):
+            return self._generate(request)
+
+    def _generate(self, request: GenerateRequest) -> Any:
         """Serve one request and report the pool's events before answering.
 
         Returns the engine's `GenerationResult`. Raises the engine's
