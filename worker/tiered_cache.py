@@ -144,7 +144,7 @@ class TieredCache:
         self._published: dict[str, set[str]] = {tier: set() for tier in TIER_ORDER}
         pool.spill_listener = self._spill
         pool.snapshot_hook = self.snapshot_events
-        self._publish()
+        self.publish()
 
     @classmethod
     def from_config(
@@ -225,6 +225,7 @@ class TieredCache:
         for _, meta in evicted:
             TIER_EVICTIONS.labels(self.worker, DEVICE, meta.tenant).inc()
         if self.host is None and self.disk is None:
+            self.publish()
             return
         ids = [pid for pid, _ in evicted]
         metas = [meta for _, meta in evicted]
@@ -238,7 +239,7 @@ class TieredCache:
             self._removed([m for m, _ in put.evicted], HOST)
         else:
             self._to_disk(list(zip(metas, data, strict=True)))
-        self._publish()
+        self.publish()
 
     def _to_disk(self, pages: Iterable[tuple[PageMeta, Tensor]]) -> None:
         disk = self.disk
@@ -319,7 +320,7 @@ class TieredCache:
                     self._removed(moved, tier)
                     TIER_PROMOTIONS.labels(self.worker, tier).inc(len(moved))
             pool.free_pages(reversed(prefix + pages))
-            self._publish()
+            self.publish()
         return len(taken)
 
     def _take_run(self, run: list[PageHash]) -> list[tuple[PageMeta, Tensor | PageBlob, str]]:
@@ -386,9 +387,11 @@ class TieredCache:
             self.host.clear()
         if self.disk is not None:
             self.disk.clear()
-        self._publish()
+        self.publish()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Set ``kvmesh_tier_pages{tier, tenant}`` from the tiers' counts (done at every
+        eviction, promotion and reset; call it before reading the gauges otherwise)."""
         for tier, counts in self.tenant_pages().items():
             seen = self._published[tier]
             for tenant in seen - set(counts):

@@ -1,0 +1,139 @@
+"""Tenant-fair eviction: a flooding tenant cannot push a quiet one below its share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiers_kit import TierRig, prompt
+
+from kvmesh.errors import ConfigError
+from kvmesh.metrics import TIER_EVICTIONS, TIER_PAGES
+from kvmesh.tenants import DEFAULT_TENANT, TenantWeights, tenant_of
+from kvmesh.types import PageHash
+from kvmesh.worker.host_tier import HostTier
+from kvmesh.worker.page_pool import PageMeta, PagePool
+from kvmesh.worker.tenant_share import FairShareEviction, LruEviction, make_eviction
+from kvmesh.worker.tiered_cache import DEVICE, HOST
+
+QUIET, NOISY = "quiet-salt", "noisy-salt"
+Q, N = tenant_of(QUIET), tenant_of(NOISY)
+
+
+def test_lru_takes_the_oldest_whoever_holds_them() -> None:
+    candidates = [("a1", "a"), ("b1", "b"), ("a2", "a")]
+    assert LruEviction().choose(candidates, {"a": 2, "b": 1}, 3, 2) == ["a1", "b1"]
+
+
+def test_fair_takes_from_tenants_above_their_share_first() -> None:
+    candidates = [("q1", "q"), ("q2", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    # capacity 6: shares 3 and 3; q holds 2 (below), n holds 4 (above by one)
+    chosen = FairShareEviction().choose(candidates, {"q": 2, "n": 4}, 6, 2, requester="n")
+    assert chosen == ["n1", "n2"]  # one above share, then the requester's own
+
+
+def test_fair_never_cuts_a_tenant_below_its_share_while_another_is_above() -> None:
+    candidates = [("q1", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    chosen = FairShareEviction().choose(candidates, {"q": 1, "n": 5}, 6, 2, requester="q")
+    assert chosen == ["n1", "n2"]
+
+
+def test_fair_takes_free_pages_without_data_before_anyones_cache() -> None:
+    candidates = [("q1", "q"), ("free", None), ("n1", "n")]
+    assert FairShareEviction().choose(candidates, {"q": 1, "n": 1}, 4, 1) == ["free"]
+
+
+def test_weights_shift_the_shares() -> None:
+    weights = TenantWeights({"q": 3.0})
+    candidates = [("q1", "q"), ("q2", "q"), ("n1", "n")]
+    # capacity 4: q's share 3, n's 1; q holds 2, n holds 2 -> n is above
+    assert FairShareEviction(weights).choose(candidates, {"q": 2, "n": 2}, 4, 1) == ["n1"]
+
+
+def test_an_unknown_policy_is_refused_with_the_choices() -> None:
+    with pytest.raises(ConfigError, match="fair"):
+        make_eviction("fifo")
+
+
+def _run(eviction: str, worker: str, rounds: int = 12) -> tuple[float, TierRig]:
+    """A quiet tenant cycling through 3 prompts of 3 pages beside a neighbour flooding
+    unique 3-page prompts (4 per quiet request), on a 24-page pool. Returns the quiet
+    tenant's page hit ratio after its first round."""
+    rig = TierRig(25, eviction=eviction, worker=worker)
+    quiet = [prompt(1000 + i, 3) for i in range(3)]
+    hits = asked = 0
+    flood = 0
+    for r in range(rounds):
+        for q in quiet:
+            got = rig.serve(q, QUIET)
+            if r:
+                hits, asked = hits + got, asked + 3
+            for _ in range(4):
+                flood += 1
+                rig.serve(prompt(flood, 3), NOISY)
+                rig.tiers.check_invariants()
+    return hits / asked, rig
+
+
+def test_a_noisy_tenant_cannot_push_a_quiet_tenant_below_its_share() -> None:
+    fair, rig = _run("fair", "w-fair")
+    lru, _ = _run("lru", "w-lru")
+    assert fair == 1.0  # 9 quiet pages are well below half of 24: never evicted
+    assert lru == 0.0  # 48 noisy pages between two uses of a quiet prompt: always evicted
+    assert rig.pool.tenant_pages[Q] == 9
+    rig.tiers.publish()
+    assert TIER_PAGES.value(worker="w-fair", tier=DEVICE, tenant=Q) == 9
+
+
+@pytest.mark.parametrize(("eviction", "quiet_left"), [("fair", 2), ("lru", 0)])
+def test_fair_share_holds_in_the_host_tier_too(eviction: str, quiet_left: int) -> None:
+    host = HostTier(6, (2, 2), torch.float32, policy=make_eviction(eviction))
+    page = torch.zeros((1, 2, 2))
+
+    def meta(name: str, tenant: str) -> PageMeta:
+        return PageMeta(PageHash(name.encode()), None, None, tenant)
+
+    host.put([meta("q0", Q), meta("q1", Q)], torch.zeros((2, 2, 2)))
+    for i in range(20):  # a flood of single pages through the 6 slots
+        host.put([meta(f"n{i}", N)], page)
+        host.check_invariants()
+    assert host.tenant_pages.get(Q, 0) == quiet_left
+
+
+def test_a_tenant_below_its_share_never_loses_a_page_to_one_above_it() -> None:
+    rig = TierRig(13, eviction="fair", worker="w-share")
+    quiet = [prompt(2000 + i, 2) for i in range(2)]
+    for q in quiet:
+        rig.serve(q, QUIET)
+    held_before = rig.pool.tenant_pages[Q]
+    lost_before = TIER_EVICTIONS.value(worker="w-share", tier=DEVICE, tenant=Q)
+    for i in range(30):
+        rig.serve(prompt(3000 + i, 3), NOISY)
+        share = TenantWeights().shares(rig.pool.tenant_pages, rig.pool.num_pages - 1)[Q]
+        assert rig.pool.tenant_pages[Q] >= min(held_before, share)
+    assert rig.pool.tenant_pages[Q] == held_before == 4
+    assert TIER_EVICTIONS.value(worker="w-share", tier=DEVICE, tenant=Q) == lost_before
+    assert all(rig.serve(q, QUIET) == 2 for q in quiet)
+
+
+def test_a_tenant_above_its_share_loses_its_own_oldest_pages(tmp_path: Path) -> None:
+    rig = TierRig(9, eviction="fair", host_pages=4)
+    rig.serve(prompt(1, 3), QUIET)
+    for i in range(6):
+        rig.serve(prompt(100 + i, 3), NOISY)
+    assert rig.pool.tenant_pages[Q] == 3
+    noisy_on_host = rig.tiers.host.tenant_pages.get(N, 0)  # type: ignore[union-attr]
+    assert noisy_on_host == 4  # what the device evicted went one tier down
+    assert rig.tiers.tier_of(rig.request(prompt(100, 3), NOISY).page_hashes[0]) not in (
+        DEVICE,
+        HOST,
+    )
+
+
+def test_pages_without_a_salt_count_against_the_default_tenant() -> None:
+    pool = PagePool(6, page_size=4)
+    rig = TierRig(6)
+    rig.serve(prompt(1, 2))
+    assert dict(rig.pool.tenant_pages) == {DEFAULT_TENANT: 2}
+    assert not pool.tenant_pages
