@@ -42,7 +42,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import cast
 
@@ -53,8 +53,8 @@ from kvmesh.coordinator.policies import RouteDecision, RouteRequest, RoutingPoli
 from kvmesh.coordinator.tiers import TierCosts
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
 from kvmesh.events import EventBatch
-from kvmesh.hashing import PageHasher, RequestHashes
-from kvmesh.tenants import TenantWeights, tenant_of
+from kvmesh.hashing import PageHasher, RequestHashes, reusable_pages
+from kvmesh.tenants import DEFAULT_TENANT, TenantWeights, tenant_of
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens, infinite_cache_hit_ratio
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheManager, Request
@@ -170,6 +170,12 @@ class SimSettings:
 # --------------------------------------------------------------------- the trace
 
 
+QUIET_TENANT = tenant_of("quiet")
+"""The trace's own tenant when a flooding neighbour shares the cluster (`with_flood`)."""
+FLOOD_TENANT = tenant_of("flood")
+"""The neighbour sending unique prompts."""
+
+
 @dataclass(frozen=True, slots=True)
 class SimRequest:
     """One trace request ready to replay.
@@ -185,6 +191,7 @@ class SimRequest:
     output_tokens: int
     block_ids: tuple[int, ...]
     page_hashes: tuple[PageHash, ...]
+    tenant: str = DEFAULT_TENANT
 
     @property
     def num_pages(self) -> int:
@@ -271,6 +278,50 @@ class PreparedTrace:
     def max_pages(self) -> int:
         return max((r.num_pages for r in self.requests), default=0)
 
+    def with_flood(
+        self, per_request: int, tenant: str = FLOOD_TENANT, base_tenant: str = QUIET_TENANT
+    ) -> PreparedTrace:
+        """This trace as `base_tenant`'s, beside a neighbour `tenant` flooding unique prompts.
+
+        Each request gets `per_request` flooding requests of the same length, arriving
+        with it: their pages are hashed under a cache salt of their own (one per
+        request), so none of them is ever reused, as a tenant sending unique prompts.
+        The base tenant's hashes stay as they are (a salt changes hash values, not
+        which pages repeat); `bound_hit_ratio` stays the base tenant's alone.
+        """
+        if per_request < 0:
+            raise ConfigError(
+                f"flooding requests per request (--flood) must be >= 0, got {per_request}"
+            )
+        hasher, size = self.hasher, self.hasher.page_size
+        out: list[SimRequest] = []
+        for i, req in enumerate(self.requests):
+            out.append(replace(req, tenant=base_tenant))
+            for k in range(per_request):
+                salt = ("cache_salt", f"{tenant}-{i}-{k}")
+                parent: PageHash | None = None
+                hashes: list[PageHash] = []
+                for block in req.block_ids[: len(req.page_hashes)]:
+                    parent = hasher.hash_page(parent, self._tokens[block][:size], salt)
+                    hashes.append(parent)
+                out.append(
+                    SimRequest(
+                        f"{req.request_id}-flood-{k}",
+                        req.arrival_ms,
+                        req.input_tokens,
+                        req.output_tokens,
+                        req.block_ids,
+                        tuple(hashes),
+                        tenant,
+                    )
+                )
+        flooded = object.__new__(PreparedTrace)
+        flooded.hasher = hasher
+        flooded.requests = out
+        flooded._tokens = self._tokens
+        flooded.bound_hit_ratio = self.bound_hit_ratio
+        return flooded
+
 
 def prepare_trace(
     trace: Sequence[TraceRequest], page_size: int = TRACE_BLOCK_TOKENS
@@ -297,6 +348,7 @@ class RequestTiming:
     computed_tokens: int
     promoted_pages: int = 0
     """Of `hit_pages`, those promoted from the host or disk tier."""
+    tenant: str = DEFAULT_TENANT
 
     @property
     def ttft_ms(self) -> float:
@@ -605,7 +657,7 @@ class Simulation:
 
     def _max_hit_pages(self, req: SimRequest) -> int:
         """Pages a prefix hit may cover: never the last token (as `get_computed_pages`)."""
-        return (req.input_tokens - 1) // self.settings.page_size if req.input_tokens else 0
+        return reusable_pages(req.input_tokens, self.settings.page_size)
 
     # ------------------------------------------------------------------ worker
 
@@ -617,7 +669,9 @@ class Simulation:
         req = job.req
         size = self.settings.page_size
         if job.cm_request is None:
-            job.cm_request = Request(req.request_id, self.trace.request_hashes(req))
+            job.cm_request = Request(
+                req.request_id, self.trace.request_hashes(req), tenant=req.tenant
+            )
         cm_req = job.cm_request
         if w.tiers is not None:
             self._promote(w, job)
@@ -711,6 +765,7 @@ class Simulation:
                 job.pulled_pages,
                 job.computed_tokens,
                 job.promoted_pages,
+                req.tenant,
             )
         )
         decode_ms = req.output_tokens * self.settings.time.decode_token_ms

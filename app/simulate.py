@@ -13,8 +13,9 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ SIM_ROWS: tuple[Row, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class PolicyReport:
-    """One policy's figures; `as_json` has exactly `REPORT_KEYS`."""
+    """One policy's figures; `as_json` has exactly `REPORT_KEYS`, and
+    ``tenant_page_hit_ratio`` (tenant -> its page hit ratio) when several tenants ran."""
 
     policy: str
     page_hit_ratio: float
@@ -73,9 +75,13 @@ class PolicyReport:
     ttft_p50_ms: float
     ttft_p99_ms: float
     route_ms_mean: float
+    tenant_page_hit_ratio: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if len(self.tenant_page_hit_ratio) < 2:
+            del out["tenant_page_hit_ratio"]
+        return out
 
 
 def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyReport:
@@ -88,6 +94,11 @@ def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyR
     busy = result.busy_ms
     mean_busy = mean(busy)
     p50, p99 = percentiles(ttft, (50, 99))
+    tenant_pages: Counter[str] = Counter()
+    tenant_hits: Counter[str] = Counter()
+    for t in timings:
+        tenant_pages[t.tenant] += t.num_pages
+        tenant_hits[t.tenant] += t.hit_pages
     return PolicyReport(
         policy=result.policy,
         page_hit_ratio=hits / pages,
@@ -100,6 +111,7 @@ def summarize(result: SimResult, page_size: int = TRACE_BLOCK_TOKENS) -> PolicyR
         ttft_p50_ms=p50,
         ttft_p99_ms=p99,
         route_ms_mean=result.route_s * 1000.0 / len(timings) if timings else 0.0,
+        tenant_page_hit_ratio={t: tenant_hits[t] / n for t, n in sorted(tenant_pages.items()) if n},
     )
 
 
@@ -193,6 +205,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--tenant-weights", default="", help="fair shares: 'tenant=weight,...'")
     t.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tenant mix: the trace is one tenant's, beside a neighbour sending N unique "
+        "prompts of the same length with each of its requests (default 0: the trace alone)",
+    )
+    t.add_argument(
         "--host-hit-cost",
         type=float,
         help="kv_aware cost of a host hit per page, as a fraction of a recompute "
@@ -258,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit must be at least 1, got {args.limit}")
     path = None if args.trace in (None, "", "bundled") else Path(args.trace)
     trace = prepare_trace(load_trace(path, args.limit), settings.page_size)
+    if args.flood:
+        trace = trace.with_flood(args.flood)
     reports: list[PolicyReport] = []
     for name in names:
         report = simulate(trace, name, settings, config)
@@ -267,9 +289,16 @@ def run(args: argparse.Namespace) -> int:
     heading = (
         f"{len(trace.requests)} requests, {settings.workers} workers x "
         f"{settings.capacity_pages} pages{', pulls' if settings.pull else ''}"
+        f"{f' + {settings.host_pages} host' if settings.host_pages else ''}"
+        f"{f' + {settings.disk_pages} disk' if settings.disk_pages else ''}"
+        f"{f', {args.flood} flooding per request, {settings.eviction} eviction' if args.flood else ''}"
     )
     if not args.json:
         print_comparison(reports, SIM_ROWS, heading)
+        for r in reports:
+            if len(r.tenant_page_hit_ratio) > 1:
+                each = ", ".join(f"{t} {v:.3f}" for t, v in r.tenant_page_hit_ratio.items())
+                print(f"{r.policy}: page hit ratio by tenant: {each}")
     if args.plot is not None:
         plot_comparison(
             reports,

@@ -9,13 +9,15 @@ import pytest
 
 from kvmesh.app.cli import main
 from kvmesh.app.sim_engine import (
+    FLOOD_TENANT,
+    QUIET_TENANT,
     RequestTiming,
     SimSettings,
     Simulation,
     TimeModel,
     prepare_trace,
 )
-from kvmesh.app.simulate import REPORT_KEYS, simulate
+from kvmesh.app.simulate import REPORT_KEYS, simulate, summarize
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.policies import make_policy
 from kvmesh.errors import ConfigError
@@ -104,3 +106,51 @@ def test_the_cli_takes_host_and_disk_pages_and_keeps_its_json_keys(
     line = json.loads(capsys.readouterr().out.strip())
     assert tuple(line) == REPORT_KEYS
     assert main([*args, "--host-pages", "-5"]) == 2
+
+
+# ------------------------------------------------------------------ tenants
+
+
+def test_a_flooding_neighbour_sends_unique_pages_and_the_trace_keeps_its_own() -> None:
+    trace = prepare_trace([A, TraceRequest(1000, 3 * P, 1, (1, 2, 3))])
+    flooded = trace.with_flood(2)
+    assert [r.tenant for r in flooded.requests] == [QUIET_TENANT, *[FLOOD_TENANT] * 2] * 2
+    quiet = [r for r in flooded.requests if r.tenant == QUIET_TENANT]
+    assert [r.page_hashes for r in quiet] == [r.page_hashes for r in trace.requests]
+    flood_pages = [h for r in flooded.requests if r.tenant == FLOOD_TENANT for h in r.page_hashes]
+    assert len(set(flood_pages)) == len(flood_pages) == 4 * 3
+    assert not set(flood_pages) & set(trace.requests[0].page_hashes)
+    with pytest.raises(ConfigError, match="--flood"):
+        trace.with_flood(-1)
+
+
+@pytest.mark.parametrize(("eviction", "quiet_hits"), [("lru", 0), ("fair", 2)])
+def test_fair_share_keeps_a_quiet_tenants_pages_that_lru_gives_to_a_flood(
+    eviction: str, quiet_hits: int
+) -> None:
+    # 9 device pages: the quiet tenant's 3, then three flooding prompts of 3; the third
+    # needs room. LRU takes the oldest free pages (the quiet tenant's); fair share takes the
+    # flood's own, since it holds 6 of 9 against a share of 4.5.
+    trace = prepare_trace([A, TraceRequest(1000, 3 * P, 1, (1, 2, 3))]).with_flood(3)
+    sim = Simulation(
+        trace,
+        make_policy("round_robin", CoordinatorConfig(), random.Random(0)),
+        SimSettings(1, 9, eviction=eviction),
+    )
+    result = sim.run()
+    again = next(t for t in result.timings if t.request_id == "req-1")
+    assert (again.tenant, again.hit_pages) == (QUIET_TENANT, quiet_hits)
+    report = summarize(result)
+    assert report.tenant_page_hit_ratio[FLOOD_TENANT] == 0.0
+    assert report.tenant_page_hit_ratio[QUIET_TENANT] == quiet_hits / 6
+    assert "tenant_page_hit_ratio" in report.as_json()
+
+
+def test_the_cli_reports_each_tenants_hit_ratio_beside_a_flood(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["simulate", "--limit", "30", "--workers", "2", "--capacity-pages", "300"]
+    assert main([*args, "--flood", "1", "--eviction", "fair", "--policy", "kv_aware"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "page hit ratio by tenant" in x)
+    assert f"{FLOOD_TENANT} 0.000" in line and f"{QUIET_TENANT} 0." in line
