@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvmesh.app.simulate",
         "replay a trace offline against simulated workers and policies",
     ),
+    "config": (
+        "kvmesh.app.config_table",
+        "the settings in force and where each came from; --table writes docs/configuration.md",
+    ),
     "bench": ("kvmesh.benchmarks.cli", "benchmarks: pool, router, transfer, load"),
     "gateway": (
         "kvmesh.gateway.command",

@@ -5,20 +5,32 @@ Each subcommand is a ``configure_<name>(parser)`` / ``run_<name>(args)`` pair
 only, so ``kvmesh --help`` stays fast. Bad arguments raise a `KVMeshError`
 subclass, which `kvmesh.app.cli.main` prints as one line with exit status 2.
 
-Without ``--address`` a command starts an embedded local cluster for its own
-run; with one (``auto``, ``HOST:PORT``) it joins a cluster and uses the
-workers `kvmesh start` created there.
+`kvmesh start` starts a cluster: an embedded local one (recorded in the
+state directory, `kvmesh.app.local_cluster`, until it stops), or kvmesh on
+the Ray cluster at ``--address`` / ``RAY_ADDRESS``; it refuses when kvmesh
+already runs there, unless ``--join``. `status`, `generate` and `replay` act
+on a running cluster (``--address``, else ``RAY_ADDRESS``, else the recorded
+one) and never start one: with nothing reachable they fail within seconds
+(`kvmesh.ray_address.CONNECT_TIMEOUT_S`). Every input is checked first,
+flags by their argparse types (`kvmesh.arguments`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvmesh.errors import ConfigError, InvalidInput
+from kvmesh.arguments import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+from kvmesh.errors import ClusterAlreadyRunning, ClusterUnreachable, ConfigError, InvalidInput
 
 if TYPE_CHECKING:
     from kvmesh.client import KVMesh
@@ -28,28 +40,60 @@ if TYPE_CHECKING:
 # -- shared flags --------------------------------------------------------------------------
 
 
-def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> None:
+def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = False) -> None:
+    """The flags that say which cluster and which settings; `creates`: those of `start`."""
     g = parser.add_argument_group("cluster")
     g.add_argument(
         "--address",
         default=None,
-        help="Ray cluster to join ('auto' or HOST:PORT); default: start an embedded local one",
+        help="Ray cluster (HOST:PORT, ray://HOST:PORT or 'auto'); default: RAY_ADDRESS, "
+        + (
+            "else a new embedded local cluster"
+            if creates
+            else "else the local cluster `kvmesh start` recorded"
+        ),
+    )
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings file (TOML or YAML; default: KVMESH_CONFIG); the KVMESH_* environment "
+        "and flags win over it (docs/configuration.md)",
+    )
+    g.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
+    g.add_argument(
+        "--profile",
+        default=None,
+        help="security profile: dev (default: loopback only) or production "
+        "(Ray token auth, gRPC TLS and a bearer token; see kvmesh.security)",
     )
     if not creates:
         return
     g.add_argument(
-        "--workers", type=int, default=None, help="worker actors to start (default: 4 embedded)"
+        "--workers",
+        type=positive_int,
+        default=None,
+        help="worker actors to start (default: 4 embedded)",
     )
     g.add_argument(
-        "--prefill-workers", type=int, default=None, help="disaggregation: prefill workers"
+        "--prefill-workers",
+        type=non_negative_int,
+        default=None,
+        help="disaggregation: prefill workers",
     )
     g.add_argument(
-        "--decode-workers", type=int, default=None, help="disaggregation: decode workers"
+        "--decode-workers",
+        type=non_negative_int,
+        default=None,
+        help="disaggregation: decode workers",
     )
-    g.add_argument("--policy", default=None, help="routing policy (default: kv_aware)")
-    g.add_argument("--num-pages", type=int, default=None, help="pages per worker pool")
-    g.add_argument("--worker-cpus", type=float, default=None, help="Ray CPUs per worker actor")
-    g.add_argument("--worker-gpus", type=float, default=0.0, help="Ray GPUs per worker actor")
+    g.add_argument("--num-pages", type=positive_int, default=None, help="pages per worker pool")
+    g.add_argument(
+        "--worker-cpus", type=positive_float, default=None, help="Ray CPUs per worker actor"
+    )
+    g.add_argument(
+        "--worker-gpus", type=non_negative_float, default=0.0, help="Ray GPUs per worker actor"
+    )
     g.add_argument(
         "--transfer-host",
         default=None,
@@ -63,22 +107,11 @@ def _cluster_args(parser: argparse.ArgumentParser, *, creates: bool = True) -> N
         "(torch.distributed links: gloo on CPU, NCCL on GPU; falls back to gRPC)",
     )
     g.add_argument(
-        "--profile",
-        default=None,
-        help="security profile: dev (default: loopback only) or production "
-        "(Ray token auth, gRPC TLS and a bearer token; see kvmesh.security)",
-    )
-    g.add_argument(
         "--allow-remote",
         action="store_true",
         default=None,
         help="dev profile: let the workers' gRPC servers bind beyond loopback",
     )
-
-
-def _positive(name: str, value: float | None) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
 
 
 CLUSTER_FLAGS: dict[str, str] = {
@@ -96,52 +129,53 @@ CLUSTER_FLAGS: dict[str, str] = {
 
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """The `ClusterConfig` of the environment ``KVMESH_*`` and, over it, the cluster flags.
+    """The `ClusterConfig` of the config file, the ``KVMESH_*`` environment and, over
+    them, the cluster flags: the same `load_cluster_config` as `KVMesh.connect()`.
 
-    The same `load_cluster_config` as `KVMesh.connect()` without a config: a
-    variable means the same from the CLI and from Python. A flag left unset
-    keeps the variable in force; a bad value names its flag or variable.
+    A flag left unset keeps the file's or the variable's value in force; a bad
+    value names its flag, variable or file key. Nothing is started.
     """
     from kvmesh.settings import load_cluster_config
 
-    for flag in ("workers", "num_pages", "worker_cpus"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag, None))
-    for flag in ("prefill_workers", "decode_workers", "worker_gpus"):
-        if (getattr(args, flag, 0) or 0) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0")
     prefill = getattr(args, "prefill_workers", 0) or 0
     decode = getattr(args, "decode_workers", 0) or 0
     if (prefill > 0) != (decode > 0):
         raise ConfigError("disaggregation needs both --prefill-workers and --decode-workers")
-
     given = {path: getattr(args, dest, None) for dest, path in CLUSTER_FLAGS.items()}
     names = {path: "--" + dest.replace("_", "-") for dest, path in CLUSTER_FLAGS.items()}
-    return load_cluster_config(given, names=names)
+    return load_cluster_config(given, names=names, config_file=getattr(args, "config", None))
 
 
-def connect(args: argparse.Namespace, *, create_workers: bool = True) -> KVMesh:
-    """Join ``--address`` or start an embedded cluster, as the flags say.
+def cluster_target(args: argparse.Namespace, cfg: ClusterConfig) -> tuple[str, str]:
+    """(address, where it came from) of the running cluster a command acts on:
+    ``--address``, else ``RAY_ADDRESS``, else the local cluster `kvmesh start`
+    recorded. `ClusterUnreachable` when none is given or recorded: a command
+    that acts on a cluster never starts a throwaway one."""
+    from kvmesh.app.local_cluster import read_record, record_path
+    from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment
 
-    `create_workers` False: only use workers that are already registered.
-    """
-    from kvmesh.client import KVMesh
-
-    cfg = cluster_config(args)
-    kwargs: dict[str, Any] = {}
-    if getattr(args, "worker_cpus", None) is not None:
-        kwargs["worker_num_cpus"] = args.worker_cpus
-    if getattr(args, "worker_gpus", None):
-        kwargs["worker_num_gpus"] = args.worker_gpus
-    if getattr(args, "num_cpus", None) is not None:
-        kwargs["num_cpus"] = args.num_cpus
-    return KVMesh.connect(
-        args.address,
-        num_workers=cfg.num_workers if create_workers else 0,
-        config=cfg,
-        prefill_workers=cfg.prefill_workers if create_workers else 0,
-        decode_workers=cfg.decode_workers if create_workers else 0,
-        **kwargs,
+    if args.address is not None:
+        return args.address, "--address"
+    if (address := address_from_environment()) is not None:
+        return address, RAY_ADDRESS_VARIABLE
+    ns = cfg.coordinator.namespace
+    recorded = read_record(ns)
+    if recorded is not None:
+        return recorded.address, f"the cluster recorded in {record_path(ns)}"
+    raise ClusterUnreachable(
+        f"no kvmesh cluster is running here (none recorded in {record_path(ns)}): start one "
+        "with `kvmesh start`, or give --address HOST:PORT or RAY_ADDRESS"
     )
+
+
+def attach(args: argparse.Namespace, cfg: ClusterConfig) -> KVMesh:
+    """A client of the running cluster `cluster_target` names; nothing is created."""
+    from kvmesh.client import KVMesh
+    from kvmesh.security import check_cluster
+
+    check_cluster(cfg)  # the security profile refuses first, whatever cluster is there
+    address, source = cluster_target(args, cfg)
+    return KVMesh.attach(address, config=cfg, source=source)
 
 
 def _console(stderr: bool = False) -> Any:
@@ -205,37 +239,79 @@ def transfer_summary(stats: Any) -> str | None:
 
 
 def configure_start(parser: argparse.ArgumentParser) -> None:
-    _cluster_args(parser)
+    _cluster_args(parser, creates=True)
     parser.add_argument(
         "--num-cpus",
-        type=float,
+        type=positive_float,
         default=None,
         help="CPUs the embedded Ray cluster advertises (default: enough for the workers)",
     )
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="when kvmesh already runs there (or `kvmesh start` recorded one here), use its "
+        "workers instead of refusing",
+    )
     # Tests and scripts: stop by themselves after this many seconds instead of Ctrl-C.
-    parser.add_argument("--exit-after", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--exit-after", type=positive_float, default=None, help=argparse.SUPPRESS)
 
 
 def run_start(args: argparse.Namespace) -> int:
-    _positive("--num-cpus", args.num_cpus)
-    _positive("--exit-after", args.exit_after)
-    console = _console()
-    with connect(args) as mesh:
-        print_workers(mesh, console)
-        import os
+    from kvmesh.app.embedded import connect
+    from kvmesh.app.local_cluster import (
+        RecordedCluster,
+        read_record,
+        record_path,
+        remove_record,
+        write_record,
+    )
+    from kvmesh.ray_address import address_from_environment
 
-        auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
-        console.print(
-            f"kvmesh is running; Ray address: {mesh.ray_address}\n"
-            f"use `{auth}kvmesh status --address {mesh.ray_address}`; Ctrl-C stops it",
-            highlight=False,
-        )
-        deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
+    cfg = cluster_config(args)
+    ns = cfg.coordinator.namespace
+    address = args.address or address_from_environment()
+    embedded = address is None
+    if embedded and (recorded := read_record(ns)) is not None:
+        if not args.join:
+            raise ClusterAlreadyRunning(
+                f"a kvmesh cluster already runs here: Ray at {recorded.address}, started by "
+                f"`kvmesh start` (pid {recorded.pid}, recorded in {record_path(ns)}); use it "
+                "(`kvmesh status`), stop it (Ctrl-C where it runs), or join it with "
+                "`kvmesh start --join`"
+            )
+        address, embedded = recorded.address, False
+    options: dict[str, Any] = {"worker_num_gpus": args.worker_gpus}
+    if args.worker_cpus is not None:
+        options["worker_num_cpus"] = args.worker_cpus
+    console = _console()
+    with connect(
+        address,
+        config=cfg,
+        num_cpus=args.num_cpus,
+        join_existing=args.join,
+        **options,
+    ) as mesh:
+        record = RecordedCluster(mesh.ray_address, ns, os.getpid())
+        if embedded:
+            write_record(record)
         try:
-            while deadline is None or time.monotonic() < deadline:
-                time.sleep(0.2)
-        except KeyboardInterrupt:  # the normal way to stop: leave through close()
-            console.print("stopping kvmesh", highlight=False)
+            print_workers(mesh, console)
+            auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
+            console.print(
+                f"kvmesh is running; Ray address: {mesh.ray_address}\n"
+                f"use `kvmesh status` here, or `{auth}kvmesh status --address "
+                f"{mesh.ray_address}`; Ctrl-C stops it",
+                highlight=False,
+            )
+            deadline = None if args.exit_after is None else time.monotonic() + args.exit_after
+            try:
+                while deadline is None or time.monotonic() < deadline:
+                    time.sleep(0.2)
+            except KeyboardInterrupt:  # the normal way to stop: leave through close()
+                console.print("stopping kvmesh", highlight=False)
+        finally:
+            if embedded:
+                remove_record(record)
     return 0
 
 
@@ -245,11 +321,21 @@ def run_start(args: argparse.Namespace) -> int:
 def configure_status(parser: argparse.ArgumentParser) -> None:
     _cluster_args(parser)
     parser.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+    parser.add_argument(
+        "--watch", action="store_true", help="a live table, redrawn every --interval s (Ctrl-C)"
+    )
+    parser.add_argument(
+        "--interval", type=positive_float, default=2.0, help="seconds between --watch redraws"
+    )
 
 
 def run_status(args: argparse.Namespace) -> int:
-    with connect(args, create_workers=args.address is None) as mesh:
-        if args.json:
+    with attach(args, cluster_config(args)) as mesh:
+        if args.watch:
+            from kvmesh.app.watch import watch
+
+            watch(mesh, _console(), args.interval)
+        elif args.json:
             print(json.dumps(mesh.stats().to_dict()))
         else:
             print_workers(mesh)
@@ -274,25 +360,44 @@ def _parse_tokens(raw: str) -> list[int]:
 def configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None, help="prompt text (byte-level tokens)")
     parser.add_argument("--tokens", default=None, help="token ids instead of text: '1,2,3'")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
+    parser.add_argument(
+        "--max-tokens", type=non_negative_int, default=16, help="tokens to generate"
+    )
     parser.add_argument("--cache-salt", default=None, help="tenant salt (isolates the cache)")
-    parser.add_argument("--lora-id", type=int, default=None, help="LoRA adapter id")
-    parser.add_argument("--repeat", type=int, default=1, help="send the prompt this many times")
+    parser.add_argument("--lora-id", type=non_negative_int, default=None, help="LoRA adapter id")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=1, help="send the prompt this many times"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per result")
     _cluster_args(parser)
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def prompt_tokens(args: argparse.Namespace, cfg: ClusterConfig) -> list[int]:
+    """The prompt's token ids, checked before any cluster is reached (`InvalidInput`)."""
+    from kvmesh.client.tokenizer import encode
+
     if (args.prompt is None) == (args.tokens is None):
         raise InvalidInput("give either a prompt text or --tokens, not both or neither")
-    if args.max_tokens < 0:
-        raise InvalidInput(f"--max-tokens must be >= 0, got {args.max_tokens}")
-    _positive("--repeat", args.repeat)
-    prompt: str | list[int] = args.prompt if args.tokens is None else _parse_tokens(args.tokens)
+    if args.tokens is not None:
+        tokens = _parse_tokens(args.tokens)
+    else:
+        tokens = encode(args.prompt)
+        if not tokens:
+            raise InvalidInput("the prompt is empty: give some text, or token ids with --tokens")
+    vocab = cfg.model.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise InvalidInput(f"--tokens must be in [0, {vocab}) for this model, got {bad[0]}")
+    return tokens
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    cfg = cluster_config(args)
+    prompt = prompt_tokens(args, cfg)
     from kvmesh.client.tokenizer import VOCAB_SIZE, decode
 
     console = _console()
-    with connect(args) as mesh:
+    with attach(args, cfg) as mesh:
         for _ in range(args.repeat):
             res = mesh.generate(
                 prompt, max_tokens=args.max_tokens, cache_salt=args.cache_salt, lora_id=args.lora_id
@@ -340,14 +445,22 @@ def configure_replay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="Mooncake-format trace (JSONL, .gz ok) or 'bundled'")
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         help="send request i at time-scale x its timestamp (0: back to back)",
     )
-    parser.add_argument("--limit", type=int, default=100, help="replay the first N requests")
-    parser.add_argument("--pages-per-block", type=int, default=1, help="pages per trace block")
-    parser.add_argument("--max-tokens", type=int, default=4, help="cap on tokens per answer")
-    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
+    parser.add_argument(
+        "--limit", type=positive_int, default=100, help="replay the first N requests"
+    )
+    parser.add_argument(
+        "--pages-per-block", type=positive_int, default=1, help="pages per trace block"
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=4, help="cap on tokens per answer"
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=4, help="requests in flight at most"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     _cluster_args(parser)
 
@@ -364,16 +477,13 @@ def trace_path(raw: str) -> Path | None:
 
 def run_replay(args: argparse.Namespace) -> int:
     path = trace_path(args.trace)
-    if args.time_scale < 0:
-        raise InvalidInput(f"--time-scale must be >= 0, got {args.time_scale}")
-    for flag in ("limit", "pages_per_block", "concurrency", "max_tokens"):
-        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    cfg = cluster_config(args)
     from kvmesh.app.demo import ReplaySpec, print_reports, replay, trace_prompts
     from kvmesh.trace import load_trace
 
     reqs = load_trace(path, limit=args.limit)
     console = _console()
-    with connect(args) as mesh:
+    with attach(args, cfg) as mesh:
         prompts = trace_prompts(reqs, mesh.config, args.pages_per_block, args.max_tokens)
         spec = ReplaySpec(time_scale=args.time_scale, concurrency=args.concurrency)
         report = replay(mesh, prompts, spec, label=mesh.stats().policy, console=console)

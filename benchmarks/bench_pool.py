@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.arguments import positive_int
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, blocks_tokens
 
 DEFAULT_PAGES = 16384
@@ -48,11 +49,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--trace", default=None, help="Mooncake JSONL trace (.gz ok); default: the bundled one"
     )
     parser.add_argument(
-        "--pages", type=int, default=DEFAULT_PAGES, help="pool size in pages (page 0 is null)"
+        "--pages", type=positive_int, default=DEFAULT_PAGES, help="pool size in pages (page 0 is null)"
     )
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument(
-        "--hash-pages", type=int, default=4000, help="pages hashed for the hashing speed figures"
+        "--limit", type=positive_int, default=None, help="replay only the first N requests"
+    )
+    parser.add_argument(
+        "--hash-pages", type=positive_int, default=4000, help="pages hashed for the hashing speed figures"
     )
     parser.add_argument("--seed", default="bench", help="cluster seed of the page hashes")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -65,6 +65,7 @@ import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
@@ -87,9 +88,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[64],
         help="workers in the index; a comma list (8,64,256) measures each",
     )
-    parser.add_argument("--pages", type=int, default=1_000_000, help="distinct pages, at least")
-    parser.add_argument("--routes", type=int, default=10_000, help="route calls timed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pages", type=positive_int, default=1_000_000, help="distinct pages, at least"
+    )
+    parser.add_argument("--routes", type=positive_int, default=10_000, help="route calls timed")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc build")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -99,11 +102,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="index shard counts (1,2,4): measure the sharded coordinator for each instead",
     )
     parser.add_argument(
-        "--replicas", type=int, default=1, help="router replicas with --shards (2+: failover gap)"
+        "--replicas", type=positive_int, default=1, help="router replicas with --shards (2+: failover gap)"
     )
     parser.add_argument(
         "--ray-pages",
-        type=int,
+        type=positive_int,
         default=20_000,
         help="with --shards: distinct pages of the index built on Ray actors",
     )

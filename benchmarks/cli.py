@@ -16,6 +16,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "page transfer GB/s over gRPC and torch.distributed",
     ),
     "load": ("kvmesh.benchmarks.bench_load", "concurrent clients against the embedded cluster"),
+    "tiers": (
+        "kvmesh.benchmarks.bench_tiers",
+        "promoting a page from host memory or disk vs recomputing it, ms per page",
+    ),
     "engines": (
         "kvmesh.benchmarks.bench_engines",
         "the gateway in front of two real vLLM CPU engines: kv_aware vs round_robin vs "
@@ -25,7 +29,10 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    # the benchmarks' usage errors read like every other command's (kvmesh.app.cli)
+    sub = parser.add_subparsers(
+        dest="bench", metavar="BENCH", required=True, parser_class=type(parser)
+    )
     for name, (module, help_text) in BENCHES.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).configure(p)

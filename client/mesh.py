@@ -12,9 +12,11 @@ chosen worker actor with what the decision promised (local pages, and pages
 a peer could give), and then tells the coordinator what the worker really
 hit and pulled (`record_result`), so that predicted vs realized is counted.
 
-The client holds only handles: workers it must start (an embedded cluster,
-or a cluster without any) are created by `kvmesh.app.launch.start_workers`, so
-nothing here imports the worker's code (tests/test_layering.py).
+The client holds only handles: `KVMesh.attach` joins a running cluster and
+creates nothing; starting one (an embedded Ray, the coordinator, workers) is
+the app's (`kvmesh.app.embedded.connect`, which `KVMesh.connect` is), so
+nothing here imports the worker's or the coordinator's start code
+(tests/test_layering.py).
 
 Failures: a worker that dies before answering is dropped from the
 coordinator and the request is routed again, up to `retries` times (default
@@ -38,17 +40,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
+import logging
 import os
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import (
+    ClusterUnreachable,
     ConfigError,
     DeadlineExceeded,
     InvalidInput,
@@ -58,8 +62,10 @@ from kvmesh.errors import (
 )
 from kvmesh.hashing import ExtraKeys, PageHasher
 from kvmesh.logs import request_scope
-from kvmesh.requests import GenerateRequest, Role, WorkerStats
-from kvmesh.security import TenantPolicy
+from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
+from kvmesh.requests import GenerateRequest, WorkerStats
+from kvmesh.security import TenantPolicy, check_cluster
+from kvmesh.settings import settings_for, validate_cluster_config
 from kvmesh.types import PageHash, WorkerId
 
 T = TypeVar("T")
@@ -116,7 +122,9 @@ class ClusterStats:
 
 
 @dataclass(slots=True)
-class _Worker:
+class WorkerHandle:
+    """A worker this client can call: its id, role, gRPC address and Ray actor handle."""
+
     worker_id: WorkerId
     role: str
     address: str
@@ -148,7 +156,7 @@ class KVMesh:
         self,
         config: ClusterConfig,
         coordinator: Any,
-        workers: dict[WorkerId, _Worker],
+        workers: dict[WorkerId, WorkerHandle],
         *,
         owns_ray: bool,
         created: Sequence[WorkerId],
@@ -183,115 +191,70 @@ class KVMesh:
     # ---------------------------------------------------------------- connect
 
     @classmethod
-    def connect(
+    def connect(cls, address: str | None = None, **options: Any) -> KVMesh:
+        """Join the Ray cluster at `address` (or ``RAY_ADDRESS``), or start an embedded
+        local one (neither given), creating the coordinator and workers it lacks.
+
+        Starting a cluster is the app's job: this is `kvmesh.app.embedded.connect`
+        (its options: `num_workers`, `config`, `config_file`, `prefill_workers`,
+        `decode_workers`, `worker_num_cpus`, `worker_num_gpus`, `num_cpus`,
+        `retries`, `pull`, `request_timeout_s`, `worker_max_concurrency`, `tenants`).
+        Settings are read as the CLI reads them: a config file (`config_file` or
+        ``KVMESH_CONFIG``), then the ``KVMESH_*`` environment. To use a running
+        cluster and never create anything, `KVMesh.attach`.
+        """
+        from kvmesh.app.embedded import connect
+
+        return connect(address, **options)
+
+    @classmethod
+    def attach(
         cls,
         address: str | None = None,
         *,
-        num_workers: int | None = None,
         config: ClusterConfig | None = None,
-        prefill_workers: int | None = None,
-        decode_workers: int | None = None,
-        worker_num_cpus: float = DEFAULT_WORKER_CPUS,
-        worker_num_gpus: float = 0.0,
-        num_cpus: float | None = None,
+        config_file: str | Path | None = None,
+        source: str = "address",
         retries: int = 1,
         pull: bool = True,
         request_timeout_s: float = 120.0,
-        worker_max_concurrency: int = 8,
         tenants: TenantPolicy | None = None,
     ) -> KVMesh:
-        """Join the Ray cluster at `address`, or start an embedded local one (None).
+        """A client of the kvmesh cluster running at `address` (or ``RAY_ADDRESS``; or the
+        Ray this process already joined); nothing is created.
 
-        Settings: without `config`, the cluster's settings are read as the CLI
-        reads them (`kvmesh.settings.load_cluster_config`: defaults, then the
-        ``KVMESH_*`` environment: profile, token, TLS paths, seeds, policy...).
-        A `config` given is used as it is, except that it cannot lower
-        ``KVMESH_PROFILE=production``. Either way every value is checked and the
-        security profile (`kvmesh.security.check_cluster`) refuses before Ray
-        starts, with the CLI's `ConfigError`.
-
-        Workers: if the coordinator already knows workers (another process ran
-        `kvmesh start`), this client uses them and creates none; otherwise it
-        creates `num_workers` (default: the config's; or `prefill_workers` +
-        `decode_workers` for disaggregation), owned by this process. When Ray is
-        already initialised in this process the running cluster is used, and
-        `config` then sets only this client's side (hashing, routing policy,
-        retries): workers keep the config they were started with.
+        Refuses with `ClusterUnreachable` within seconds when no Ray answers there
+        (`kvmesh.ray_address.reachable`) or when Ray runs but no kvmesh coordinator
+        does in the config's namespace; `source` names the address in errors
+        (``--address``). Settings as `connect` reads them.
         """
         import ray
 
-        from kvmesh.coordinator.actor import get_or_create_coordinator
-        from kvmesh.security import check_cluster
-        from kvmesh.settings import load_cluster_config, validate_cluster_config
-
-        if config is None:
-            cfg = load_cluster_config()
-        else:
-            cfg = config
-            validate_cluster_config(cfg)
-        check_cluster(cfg)  # the security profile refuses before anything starts
-        if num_workers is None:
-            num_workers = cfg.num_workers
-        prefill = cfg.prefill_workers if prefill_workers is None else prefill_workers
-        decode = cfg.decode_workers if decode_workers is None else decode_workers
-        _check_connect(num_workers, prefill, decode, worker_num_cpus, retries, request_timeout_s)
-        if prefill or decode:
-            num_workers = 0
-        cfg = dataclasses.replace(
-            cfg, num_workers=num_workers, prefill_workers=prefill, decode_workers=decode
-        )
-        ns = cfg.coordinator.namespace
+        cfg = settings_for(config, config_file)
+        check_cluster(cfg)
+        cls.check_client_options(retries, request_timeout_s)
         owns_ray = False
         if not ray.is_initialized():
-            total = (num_workers + prefill + decode) * worker_num_cpus
+            if address is None and (address := address_from_environment()) is not None:
+                source = RAY_ADDRESS_VARIABLE
             if address is None:
-                cpus = math.ceil(num_cpus) if num_cpus is not None else max(4, math.ceil(total) + 1)
-                ray.init(
-                    num_cpus=cpus,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    namespace=ns,
-                    configure_logging=False,
+                raise ClusterUnreachable(
+                    "no cluster address: give one (HOST:PORT) or set RAY_ADDRESS"
                 )
-                owns_ray = True
-            else:
-                try:
-                    ray.init(address=address, namespace=ns, log_to_driver=False)
-                except (ConnectionError, ValueError, RuntimeError) as exc:
-                    hint = ""
-                    if os.environ.get("RAY_AUTH_MODE", "") != "token":
-                        hint = (
-                            " (a cluster with Ray token authentication needs RAY_AUTH_MODE=token "
-                            "and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
-                        )
-                    raise ConfigError(
-                        f"cannot join the Ray cluster at {address!r}: {exc}{hint}"
-                    ) from None
-                owns_ray = True  # this driver's connection; the cluster itself stays up
+            cls.join_ray(address, cfg, source)
+            owns_ray = True
         try:
-            coordinator = get_or_create_coordinator(cfg.coordinator, cfg.transfer)
+            ns, name = cfg.coordinator.namespace, cfg.coordinator.actor_name
+            try:
+                coordinator = ray.get_actor(name, namespace=ns)
+            except ValueError:
+                where = ray.get_runtime_context().gcs_address
+                raise ClusterUnreachable(
+                    f"Ray runs at {where} but kvmesh does not: no coordinator {name!r} in "
+                    f"namespace {ns!r}; start it there with `kvmesh start --address {where}`"
+                ) from None
             ray.get(coordinator.wait_ready.remote(), timeout=120)
-            workers = _attach(ray.get(coordinator.workers.remote(), timeout=60))
-            created: list[WorkerId] = []
-            if not workers and num_workers + prefill + decode > 0:
-                # Creating workers needs the worker's code: the launcher's job, not the client's.
-                from kvmesh.app.launch import start_workers
-
-                plan: list[tuple[str, Role]] = [(f"worker-{i}", "both") for i in range(num_workers)]
-                plan += [(f"prefill-{i}", "prefill") for i in range(prefill)]
-                plan += [(f"decode-{i}", "decode") for i in range(decode)]
-                started = start_workers(
-                    plan,
-                    cfg,
-                    coordinator,
-                    worker_num_cpus,
-                    worker_num_gpus,
-                    worker_max_concurrency,
-                )
-                workers = {
-                    w.worker_id: _Worker(w.worker_id, w.role, w.address, w.actor) for w in started
-                }
-                created = list(workers)
+            workers = attach_workers(ray.get(coordinator.workers.remote(), timeout=60))
             ray_address = ray.get_runtime_context().gcs_address
         except BaseException:
             if owns_ray:
@@ -302,13 +265,46 @@ class KVMesh:
             coordinator,
             workers,
             owns_ray=owns_ray,
-            created=created,
+            created=(),
             retries=retries,
             pull=pull,
             request_timeout_s=request_timeout_s,
             ray_address=ray_address,
             tenants=tenants,
         )
+
+    @staticmethod
+    def join_ray(address: str, config: ClusterConfig, source: str = "address") -> None:
+        """`ray.init` this process into the cluster at `address`, once its GCS port answered
+        (`ClusterUnreachable` within seconds otherwise); Ray's refusal is a `ConfigError`."""
+        import ray
+
+        resolved = reachable(address, source)
+        try:
+            ray.init(
+                address=resolved,
+                namespace=config.coordinator.namespace,
+                log_to_driver=False,
+                logging_level=logging.WARNING,  # not Ray's "Connecting to ..." lines
+            )
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            hint = ""
+            if os.environ.get("RAY_AUTH_MODE", "") != "token":
+                hint = (
+                    " (a cluster with Ray token authentication needs RAY_AUTH_MODE=token "
+                    "and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+                )
+            raise ConfigError(
+                f"cannot join the Ray cluster at {source}={address!r}: {exc}{hint}"
+            ) from None
+
+    @staticmethod
+    def check_client_options(retries: int, request_timeout_s: float) -> None:
+        """Refuse (`ConfigError`) the client's own options before anything starts."""
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"retries must be an integer >= 0, got {retries!r}")
+        if not request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s must be positive, got {request_timeout_s}")
 
     def close(self) -> None:
         """Stop the workers this client created, then leave (or stop) Ray. Idempotent."""
@@ -465,13 +461,10 @@ class KVMesh:
     # ---------------------------------------------------------------- control
 
     def set_policy(self, policy: str) -> None:
-        """Route this client's next requests with `policy` (a name in the coordinator's registry)."""
-        from kvmesh.coordinator.policies import REGISTRY
-
-        if policy not in REGISTRY:
-            raise ConfigError(
-                f"unknown routing policy {policy!r}; choose one of {sorted(REGISTRY)}"
-            )
+        """Route this client's next requests with `policy` (a name in the coordinator's registry;
+        `InvalidSetting` naming it otherwise, checked as a setting is)."""
+        coordinator = dataclasses.replace(self.config.coordinator, policy=policy)
+        validate_cluster_config(dataclasses.replace(self.config, coordinator=coordinator))
         self.policy = policy
 
     def reset(self, policy: str | None = None) -> None:
@@ -554,12 +547,12 @@ class KVMesh:
                     raise
         raise NoWorkers("no coordinator router replica answered")
 
-    async def _handle(self, worker_id: WorkerId) -> _Worker:
+    async def _handle(self, worker_id: WorkerId) -> WorkerHandle:
         w = self._workers.get(worker_id)
         if w is None:  # registered after we connected (or by another client)
             infos = await self._call(self._coordinator.workers.remote(), None)
             # ray.get_actor blocks on the GCS: keep it off the event loop
-            found = await asyncio.get_running_loop().run_in_executor(None, _attach, infos)
+            found = await asyncio.get_running_loop().run_in_executor(None, attach_workers, infos)
             with self._lock:
                 for wid, got in found.items():
                     # Keep the handle already held for the same actor: for a worker this
@@ -661,34 +654,11 @@ def _caller_job() -> str | None:
     return ray.get_runtime_context().get_job_id()
 
 
-def _check_connect(
-    num_workers: int,
-    prefill: int,
-    decode: int,
-    worker_cpus: float,
-    retries: int,
-    timeout_s: float,
-) -> None:
-    if num_workers < 0 or prefill < 0 or decode < 0:
-        raise ConfigError("worker counts must be >= 0")
-    if (prefill > 0) != (decode > 0):
-        raise ConfigError(
-            "disaggregation needs both prefill_workers and decode_workers (got "
-            f"{prefill} and {decode})"
-        )
-    if worker_cpus < 0:
-        raise ConfigError(f"worker_num_cpus must be >= 0, got {worker_cpus}")
-    if retries < 0:
-        raise ConfigError(f"retries must be >= 0, got {retries}")
-    if timeout_s <= 0:
-        raise ConfigError(f"request_timeout_s must be positive, got {timeout_s}")
-
-
-def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
+def attach_workers(infos: Sequence[Any]) -> dict[WorkerId, WorkerHandle]:
     """Handles of registered workers whose Ray actors can be found by name."""
     import ray
 
-    out: dict[WorkerId, _Worker] = {}
+    out: dict[WorkerId, WorkerHandle] = {}
     for info in infos:
         if not info.actor_name:
             continue
@@ -696,5 +666,5 @@ def _attach(infos: Sequence[Any]) -> dict[WorkerId, _Worker]:
             actor = ray.get_actor(info.actor_name, namespace=info.actor_namespace)
         except ValueError:  # registered, but its actor is gone
             continue
-        out[info.worker_id] = _Worker(info.worker_id, info.role, info.address, actor)
+        out[info.worker_id] = WorkerHandle(info.worker_id, info.role, info.address, actor)
     return out

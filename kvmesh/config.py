@@ -92,9 +92,9 @@ def _check_section(
 class HashConfig:
     """Page identity: page size, cluster seed and hash function."""
 
-    page_size: int = 16
-    seed: str = DEFAULT_SEED
-    algo: str = "sha256"  # or "xxh3_128"
+    page_size: int = 16  # tokens per page; only full pages are hashed and cached
+    seed: str = DEFAULT_SEED  # the cluster's page-hash seed: a secret, same on every node
+    algo: str = "sha256"  # page hash: "sha256" or "xxh3_128" (kvmesh.hashing)
 
     def __post_init__(self) -> None:
         # algo: a name in kvmesh.hashing.HASH_FUNCTIONS (kvmesh.settings checks it)
@@ -105,9 +105,9 @@ class HashConfig:
 class PoolConfig:
     """Local page pool and cache manager."""
 
-    num_pages: int = 512
-    enable_caching: bool = True
-    medium: str = "cpu"
+    num_pages: int = 512  # pages in each worker's pool (page 0 is the null page)
+    enable_caching: bool = True  # keep computed full pages for reuse (off: compute every time)
+    medium: str = "cpu"  # the medium the pool's events report for its pages
     event_token_ids: bool = True  # PagesStored carries the pages' token ids
     use_eagle: bool = False  # drop the last matched page (EAGLE recomputes its hidden states)
     # tiers below the device pool (kvmesh.worker.tiered_cache; docs/tiers.md); with any tier
@@ -135,18 +135,18 @@ class PoolConfig:
 class ModelConfig:
     """The small deterministic transformer every worker runs (shapes the KV tensors)."""
 
-    vocab_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    ffn_dim: int = 128
-    max_positions: int = 8192
-    seed: int = field(default=1234, metadata={"env": "KVMESH_MODEL_SEED"})
-    dtype: str = "float32"
-    device: str = "cpu"
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab_size: int = 256  # token ids are in [0, vocab_size) (256: the byte tokenizer)
+    num_layers: int = 4  # transformer layers (each has its own K and V per page)
+    num_heads: int = 4  # attention (query) heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention); divides num_heads
+    head_dim: int = 16  # size of one head (even: rotary embeddings rotate pairs)
+    ffn_dim: int = 128  # hidden size of the feed-forward block
+    max_positions: int = 8192  # longest prompt plus answer, in tokens
+    seed: int = field(default=1234, metadata={"env": "KVMESH_MODEL_SEED"})  # model weights
+    dtype: str = "float32"  # model and KV page dtype (a name in kvmesh.worker.model.DTYPES)
+    device: str = "cpu"  # where the model and KV pages live: "cpu", "cuda" or "cuda:N"
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMS norm epsilon
     prefill_chunk_tokens: int = 512  # chunked prefill: tokens per model call (rounded to pages)
 
     def __post_init__(self) -> None:
@@ -222,20 +222,20 @@ class TransferConfig:
                 self, "fetch_pin_fraction", "must be below 1: the rest of the pool is for requests"
             )
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where workers' gRPC page servers bind (0.0.0.0: multi-node)
     port: int = 0  # 0: pick a free port
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = 64 * 1024 * 1024  # largest gRPC message either way
     chunk_bytes: int = 1024 * 1024  # page bytes per FetchPages message (bench: 1-2 MiB best)
-    deadline_s: float = 10.0
-    keepalive_ms: int = 10_000
+    deadline_s: float = 10.0  # deadline of every page-transfer call
+    keepalive_ms: int = 10_000  # gRPC keepalive ping interval
     transport: str = "grpc"  # or "dist"
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    tls_cert: str | None = None  # PEM certificate of the workers' gRPC servers (TLS on)
+    tls_key: str | None = None  # PEM private key of tls_cert
     tls_ca: str | None = None  # set: mutual TLS (clients must present a cert from this CA)
-    auth_token: str | None = None
+    auth_token: str | None = None  # bearer token every transfer call carries (16+ chars)
     tls_root_ca: str | None = None  # CA clients verify servers with; default tls_ca, then system
     tls_server_name: str | None = None  # name in the peers' certificates if not their host
-    keepalive_timeout_ms: int = 5_000
+    keepalive_timeout_ms: int = 5_000  # a keepalive ping unanswered this long drops the link
     fetch_streams: int = 2  # concurrent FetchPages streams (own connections) per pull
     retries: int = 3  # extra attempts on UNAVAILABLE, idempotent calls only
     retry_backoff_s: float = 0.05  # first backoff; doubles, jittered, within the deadline
@@ -259,8 +259,8 @@ class TransferConfig:
     # valid this long; and one peer's pushes may evict at most this fraction of the pool's
     # pages per window (a token bucket), so pushes cannot flush everyone else's cache
     push_grant_ttl_s: float = 60.0
-    push_evict_fraction: float = 0.5
-    push_evict_window_s: float = 10.0
+    push_evict_fraction: float = 0.5  # share of the pool one peer's pushes may evict per window
+    push_evict_window_s: float = 10.0  # the window of push_evict_fraction
     # FetchPages on the serving side: what one stream, one peer and all streams may hold
     # (docs/reliability.md, "A client that stops reading")
     fetch_stream_timeout_s: float = 60.0  # a stream's server-side deadline
@@ -275,21 +275,21 @@ class TransferConfig:
 class CoordinatorConfig:
     """Coordinator actor, global index and routing."""
 
-    namespace: str = "kvmesh"
-    actor_name: str = "kvmesh-coordinator"
-    policy: str = "kv_aware"
-    overlap_weight: float = 1.0
-    temperature: float = 0.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    max_restarts: int = -1
+    namespace: str = "kvmesh"  # Ray namespace of the cluster's actors (one kvmesh per namespace)
+    actor_name: str = "kvmesh-coordinator"  # name of the coordinator actor
+    policy: str = "kv_aware"  # routing policy (a name in kvmesh.coordinator.policies)
+    overlap_weight: float = 1.0  # kv_aware: weight of the pages left to prefill vs load
+    temperature: float = 0.0  # kv_aware: softmax sampling over costs (0: always the cheapest)
+    heartbeat_interval_s: float = 1.0  # how often workers report they are alive
+    heartbeat_timeout_s: float = 5.0  # a worker silent this long is not routed to
+    max_restarts: int = -1  # Ray restarts of the coordinator actor (-1: no limit)
     # kv_aware: cost = overlap_weight * (pages to prefill + queue_weight * queued prefill pages)
     #                  + decode_weight * active decode pages
     # Dynamo weighs decode pages 1.0; decode steps do not delay a prefill in the issue's time
     # model (full workers are avoided anyway), and on the bundled trace 1.0 cut the page hit
     # ratio from 0.32 to 0.25. Raise it when decode shares the accelerator with prefill.
     decode_weight: float = 0.0
-    queue_weight: float = 1.0
+    queue_weight: float = 1.0  # kv_aware: weight of the prefill pages already queued
     pull_cost: float = 0.16  # pulling a page / computing it (6.4 ms vs ~41 ms per 512 tokens)
     # kv_aware by tier (coordinator/tiers.py): promoting a held page from host memory / disk, as
     # a fraction of recomputing it (capped at 1); the simulator's time model derives its own
@@ -300,7 +300,7 @@ class CoordinatorConfig:
     tenant_weights: str = ""
     max_load_ratio: float = 0.0  # kv_aware bounded load: skip workers above ratio * mean (0: off)
     consistent_hash_pages: int = 4  # leading pages that form the affinity key
-    consistent_hash_vnodes: int = 64
+    consistent_hash_vnodes: int = 64  # consistent_hash: ring points per worker
     consistent_hash_load_factor: float = 1.25  # bounded-load ring: cap = factor * mean load
     cache_threshold: float = 0.3  # cache_aware: min match rate for prefix affinity
     balance_abs_threshold: int = 64  # cache_aware: imbalance in active requests (absolute)
@@ -317,13 +317,13 @@ class CoordinatorConfig:
     # at scale (docs/scale.md): the index split across this many shard actors (by worker), and
     # this many router replicas, each with its own copy of every shard fed the same events
     index_shards: int = 1  # 1: one coordinator actor holds the whole index
-    router_replicas: int = 1
+    router_replicas: int = 1  # router replicas, each with every shard's copy
     # a node label: replica r's router and shards run on nodes labelled <label>=r ("": anywhere)
     replica_node_label: str = ""
     # the gRPC routing API (proto's Coordinator service) for routers outside Ray: -1 off,
     # 0 a free port; TLS, mutual TLS and the bearer token are TransferConfig's
     api_host: str = "127.0.0.1"
-    api_port: int = -1
+    api_port: int = -1  # the routing API's port: -1 off, 0 a free one
     api_deadline_s: float = 5.0  # the longest any routing API call may take on the server
 
     def __post_init__(self) -> None:
@@ -385,9 +385,9 @@ class SecurityConfig:
 class ClusterConfig:
     """What `KVMesh.connect()` starts: the whole embedded cluster."""
 
-    num_workers: int = 4
-    prefill_workers: int = 0
-    decode_workers: int = 0
+    num_workers: int = 4  # worker actors an embedded cluster starts
+    prefill_workers: int = 0  # disaggregation: prefill workers (with decode_workers)
+    decode_workers: int = 0  # disaggregation: decode workers (with prefill_workers)
     hash: HashConfig = field(default_factory=HashConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

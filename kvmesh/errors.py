@@ -195,3 +195,16 @@ class HashParityError(KVMeshError):
     form differ): the engine's events would never match, so it gets no cache affinity."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class ClusterUnreachable(KVMeshError):
+    """No kvmesh cluster answers where the caller looked (an address, ``RAY_ADDRESS``, or
+    the one `kvmesh start` recorded): nothing was started in its place."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class ClusterAlreadyRunning(KVMeshError):
+    """`kvmesh start` found a kvmesh cluster already running in its namespace."""
+
+    grpc_code = "ALREADY_EXISTS"

@@ -1,11 +1,13 @@
 """The cluster's settings, read one way by every entry point.
 
 The CLI (`kvmesh.app.commands`), the Python API (`KVMesh.connect`) and the demo
-build their `ClusterConfig` with `load_cluster_config`: the defaults, then the
-``KVMESH_*`` environment, then their explicit values (flags, arguments), so
-``KVMESH_PROFILE``, ``KVMESH_AUTH_TOKEN``, ``KVMESH_TLS_*``, ``KVMESH_SEED``,
-``KVMESH_MODEL_SEED``, ``KVMESH_DEVICE`` ... mean the same wherever they are
-set. The Ray actors never read the environment: Ray places them on any node,
+build their `ClusterConfig` with `load_cluster_config`, in layers, a later one
+winning: the defaults, then a config file (``--config`` / ``KVMESH_CONFIG``,
+TOML or YAML, `file_layer`), then the ``KVMESH_*`` environment, then their
+explicit values (flags, arguments). So ``KVMESH_PROFILE``, ``KVMESH_AUTH_TOKEN``,
+``KVMESH_TLS_*``, ``KVMESH_SEED``, ``KVMESH_MODEL_SEED``, ``KVMESH_DEVICE`` ...
+mean the same wherever they are set, and docs/configuration.md (generated
+from the dataclasses, `kvmesh config --table`) lists every one. The Ray actors never read the environment: Ray places them on any node,
 whose environment is not the operator's shell, so they take the config the
 driver loaded as an argument (`WorkerSpec.config`, the coordinator's
 `CoordinatorConfig`).
@@ -26,11 +28,16 @@ came from; the CLI prints it as one line and exits 2.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
+import tomllib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvmesh.config import (
     ClusterConfig,
@@ -80,9 +87,7 @@ REGISTRY_CHECKS: tuple[RegistryCheck, ...] = (
     RegistryCheck("coordinator.default_tier", "kvmesh.coordinator.index:TIER_NAMES", "tier"),
     RegistryCheck("transfer.transport", "kvmesh.worker.peers:TRANSPORTS", "transport"),
     RegistryCheck("model.dtype", "kvmesh.worker.model:DTYPES", "model dtype"),
-    RegistryCheck(
-        "model.device", "kvmesh.worker.dist_group:BACKENDS", "device", key=_device_type
-    ),
+    RegistryCheck("model.device", "kvmesh.worker.devices:DEVICE_KINDS", "device", key=_device_type),
     RegistryCheck("security.profile", "kvmesh.security:PROFILES", "security profile"),
 )
 """Registry of name checks: field path -> the registry its value must be a key of."""
@@ -164,13 +169,85 @@ def validate_cluster_config(
     check_environment_profile(config, os.environ if env is None else env)
 
 
+CONFIG_FILE_VARIABLE = "KVMESH_CONFIG"
+"""The environment variable naming a config file (the ``--config`` flag wins over it)."""
+
+_READERS: dict[str, Callable[[str], Any]] = {
+    ".toml": tomllib.loads,
+    ".yaml": yaml.safe_load,
+    ".yml": yaml.safe_load,
+}
+"""Config file suffix -> its parser (text -> plain values); nothing that builds objects."""
+
+
+def _unknown(source: str, key: str, known: Collection[str]) -> InvalidSetting:
+    # `policy` at the top level means `coordinator.policy`: a field's own name finds it too
+    by_name = [k for k in known if k.rpartition(".")[2] == key.rpartition(".")[2]]
+    close = by_name or difflib.get_close_matches(key, known, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return InvalidSetting(f"{source}: {key}", f"unknown setting{hint}", ())
+
+
+def file_layer(path: str | Path, source: str = "--config") -> dict[str, Setting]:
+    """The settings a TOML or YAML config file gives, by field path.
+
+    The file holds the top-level fields (``num_workers = 2``) and one table per
+    section, named as in `ClusterConfig` (``[coordinator]`` ``policy =
+    "kv_aware"``); docs/configuration.md lists them. An unknown section or key
+    is refused naming it and the closest names; values keep the file's types
+    and each section checks them, naming ``<file>: <section>.<key>``. Raises
+    `ConfigError` (missing file, unknown suffix, a syntax error) naming `source`.
+    """
+    p = Path(path)
+    reader = _READERS.get(p.suffix.lower())
+    if reader is None:
+        raise ConfigError(
+            f"{source}={str(path)!r}: a config file is TOML (.toml) or YAML (.yaml, .yml)"
+        )
+    try:
+        data = reader(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{source}={str(path)!r}: cannot read it: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        where = " ".join(str(exc).split())
+        raise ConfigError(f"{source}={str(path)!r} is not valid {p.suffix[1:]}: {where}") from None
+    data = {} if data is None else data  # an empty YAML file
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}={str(path)!r}: the file must hold a table of settings")
+    settings = cluster_settings()
+    sections = {path.partition(".")[0] for path in settings if "." in path}
+    layer: dict[str, Setting] = {}
+    for key, value in data.items():
+        key = str(key)
+        if key in sections:
+            if not isinstance(value, dict):
+                raise InvalidSetting(f"{p.name}: {key}", f"must be a table of {key} settings", ())
+            items = [(f"{key}.{sub}", v) for sub, v in value.items()]
+        elif isinstance(value, dict):
+            close = difflib.get_close_matches(key, sections, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; sections: {sorted(sections)}"
+            raise InvalidSetting(f"{p.name}: {key}", f"unknown section{hint}", ())
+        else:
+            items = [(key, value)]
+        for field_path, v in items:
+            if field_path not in settings:
+                raise _unknown(p.name, field_path, settings)
+            layer[field_path] = Setting(v, f"{p.name}: {field_path}")
+    return layer
+
+
 def load_cluster_config(
     overrides: Mapping[str, Any] | None = None,
     *,
     env: Mapping[str, str] | None = None,
     names: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
 ) -> ClusterConfig:
-    """The `ClusterConfig` of defaults < ``KVMESH_*`` environment < `overrides`, checked.
+    """The `ClusterConfig` of defaults < config file < ``KVMESH_*`` environment <
+    `overrides`, checked.
+
+    `config_file` (the ``--config`` flag, an argument) names a TOML or YAML
+    file; without it ``KVMESH_CONFIG`` in `env` may name one.
 
     `overrides` maps field paths (``"coordinator.policy"``, ``"num_workers"``, see
     `kvmesh.config.cluster_settings`) to values; None means "not given".
@@ -181,7 +258,29 @@ def load_cluster_config(
     checked where a cluster starts (`KVMesh.connect`), since it reads Ray's
     variables too.
     """
-    given = merge_layers(env_layer(env), explicit_layer(overrides or {}, names))
+    environment = os.environ if env is None else env
+    files: dict[str, Setting] = {}
+    if config_file is not None:
+        files = file_layer(config_file, "--config")
+    elif environment.get(CONFIG_FILE_VARIABLE):
+        files = file_layer(environment[CONFIG_FILE_VARIABLE], CONFIG_FILE_VARIABLE)
+    given = merge_layers(files, env_layer(environment), explicit_layer(overrides or {}, names))
     config = build_cluster_config(given)
     validate_cluster_config(config, given, env=env)
+    return config
+
+
+def settings_for(
+    config: ClusterConfig | None = None,
+    config_file: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> ClusterConfig:
+    """The settings the Python API runs with: `config` as given (checked; it cannot lower
+    ``KVMESH_PROFILE=production``), else `load_cluster_config` with `config_file`."""
+    if config is None:
+        return load_cluster_config(env=env, config_file=config_file)
+    if config_file is not None:
+        raise ConfigError("give either config or config_file, not both")
+    validate_cluster_config(config, env=env)
     return config

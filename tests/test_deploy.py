@@ -80,3 +80,102 @@ def test_dockerfile_takes_its_base_image_and_torch_index_as_build_args() -> None
     assert "ARG TORCH_INDEX_URL" in text
     assert "nvidia/cuda" in text  # the CUDA build is documented
     assert re.search(r"pip install \.", text)
+
+
+# -- the ports the image states, and the settings the deploy files give -----------------------
+
+
+def _exposed_ports() -> set[int]:
+    text = (DEPLOY / "Dockerfile").read_text()
+    return {int(p) for line in re.findall(r"^EXPOSE (.+)$", text, re.M) for p in line.split()}
+
+
+def _kuberay_containers() -> list[dict[str, Any]]:
+    rc = _load("kuberay/raycluster.yaml")
+    specs = [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]
+    return [c for spec in specs for c in spec["template"]["spec"]["containers"]]
+
+
+def _deploy_file_settings() -> Any:
+    from kvmesh.settings import file_layer
+
+    return {path: s.value for path, s in file_layer(DEPLOY / "kvmesh.toml").items()}
+
+
+def test_the_image_exposes_exactly_the_ports_the_deploy_files_use() -> None:
+    launcher = _load("ray-cluster.yaml")
+    gcs = {
+        int(p) for c in launcher["head_start_ray_commands"] for p in re.findall(r"--port=(\d+)", c)
+    }
+    container_ports = {
+        p["containerPort"] for c in _kuberay_containers() for p in c.get("ports", [])
+    }
+    worker_port = _deploy_file_settings()["transfer.port"]
+    assert worker_port > 0  # a fixed port, not "a free one", or it could not be exposed
+    assert _exposed_ports() == gcs | container_ports | {worker_port}
+    kvmesh_ports = {
+        p["containerPort"]
+        for c in _kuberay_containers()
+        for p in c.get("ports", [])
+        if p["name"] == "kvmesh-pages"
+    }
+    assert kvmesh_ports == {worker_port}
+
+
+def _manifest_environment(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as a pod would see it: secrets as stand-in values, the
+    config file's mount path as the repository's deploy/kvmesh.toml."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+        else:
+            env[item["name"]] = "secret-" + item["valueFrom"]["secretKeyRef"]["key"] + "-x" * 8
+    return env
+
+
+def test_the_kuberay_environment_and_config_file_reach_the_cluster_config() -> None:
+    from kvmesh.settings import load_cluster_config
+
+    head = _kuberay_containers()[0]
+    env = _manifest_environment(head)
+    mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
+    config_path = Path(env["KVMESH_CONFIG"])
+    assert config_path.parent == Path(mounts["kvmesh-config"])
+    env["KVMESH_CONFIG"] = str(DEPLOY / config_path.name)  # the ConfigMap holds this file
+    cfg = load_cluster_config(env=env)
+    from_file = _deploy_file_settings()
+    assert cfg.transfer.port == from_file["transfer.port"]
+    assert cfg.transfer.host == "0.0.0.0" and cfg.pool.num_pages == from_file["pool.num_pages"]
+    assert cfg.security.profile == "production"
+    assert cfg.coordinator.policy == env["KVMESH_POLICY"]
+    assert (
+        cfg.hash.seed == env["KVMESH_SEED"] and cfg.transfer.auth_token == env["KVMESH_AUTH_TOKEN"]
+    )
+    assert cfg.transfer.tls_ca == "/etc/kvmesh/tls/ca.crt"
+    for c in _kuberay_containers():  # every pod mounts the file the variable names
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {str(config_path.parent)}
+
+
+def test_the_launchers_env_file_reaches_the_cluster_config() -> None:
+    from kvmesh.settings import load_cluster_config
+
+    lines = (DEPLOY / "kvmesh.env.example").read_text().splitlines()
+    env = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    assert "--env-file /etc/kvmesh/kvmesh.env" in _load("ray-cluster.yaml")["docker"]["run_options"]
+    env["KVMESH_CONFIG"] = str(DEPLOY / Path(env["KVMESH_CONFIG"]).name)
+    cfg = load_cluster_config(env=env)
+    assert cfg.hash.seed == env["KVMESH_SEED"] and cfg.transfer.tls_cert == env["KVMESH_TLS_CERT"]
+    assert cfg.transfer.port == _deploy_file_settings()["transfer.port"]
+
+
+def test_every_kvmesh_variable_the_deploy_files_name_is_one_kvmesh_reads() -> None:
+    from kvmesh.config import cluster_settings
+
+    known = {info.env for info in cluster_settings().values()}
+    known |= {"KVMESH_CONFIG", "KVMESH_STATE_DIR"}
+    named = set()
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            named |= set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert named and not named - known, f"unknown to kvmesh: {sorted(named - known)}"

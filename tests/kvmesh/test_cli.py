@@ -11,21 +11,33 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 
 from kvmesh.app.cli import COMMANDS, main
 from kvmesh.benchmarks.cli import BENCHES
 
 CLI = [sys.executable, "-m", "kvmesh.app.cli"]
 # An explicit --address never sends Ray's token unless asked (Ray's rule); the local
-# cluster `kvmesh start` creates uses token authentication when Ray offers it.
-ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_DEDUP_LOGS": "0"}
+# cluster `kvmesh start` creates uses token authentication when Ray offers it. The
+# module's cluster records itself in a state directory of its own (not ~/.cache/kvmesh,
+# which other kvmesh processes on this machine may use), and nothing from the shell's
+# KVMESH_* or RAY_ADDRESS leaks in.
+STATE_DIR = tempfile.mkdtemp(prefix="kvmesh-test-cli-")
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_") and k != "RAY_ADDRESS"},
+    "RAY_AUTH_MODE": "token",
+    "RAY_DEDUP_LOGS": "0",
+    "KVMESH_STATE_DIR": STATE_DIR,
+}
 
 
 # -- help ---------------------------------------------------------------------------------
@@ -64,15 +76,10 @@ def test_every_benchmark_has_help(bench: str, capsys: pytest.CaptureFixture[str]
         (["generate"], "either a prompt text or --tokens"),
         (["generate", "hi", "--tokens", "1,2"], "not both"),
         (["generate", "--tokens", "1,x"], "--tokens must be integers"),
-        (["generate", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 0"),
-        (["generate", "hi", "--repeat", "0"], "--repeat must be positive"),
-        (["start", "--workers", "0"], "--workers must be positive"),
-        (["start", "--num-cpus", "-2"], "--num-cpus must be positive"),
-        (["status", "--prefill-workers", "1"], "both --prefill-workers and --decode-workers"),
-        (["status", "--num-pages", "0"], "--num-pages must be positive"),
+        (["generate", ""], "the prompt is empty"),
+        (["generate", "--tokens", "1,256"], "--tokens must be in [0, 256) for this model, got 256"),
+        (["start", "--prefill-workers", "1"], "both --prefill-workers and --decode-workers"),
         (["replay", "/nonexistent/trace.jsonl"], "does not exist"),
-        (["replay", "bundled", "--time-scale", "-1"], "--time-scale must be >= 0"),
-        (["replay", "bundled", "--limit", "0"], "--limit must be positive"),
         (["demo", "--workers", "0"], "--workers must be >= 1"),
         (["demo", "--policies", "kv_aware,nope"], "unknown policies"),
         (["demo", "--num-pages", "1"], "--num-pages must be >= 2"),
@@ -88,11 +95,49 @@ def test_bad_arguments_give_one_error_line_and_exit_2(
     assert len(err) == 1, err
     assert err[0].startswith(f"kvmesh {argv[0]}: error: ")
     assert message in err[0]
+    assert not ray.is_initialized()  # refused before anything started
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["generate", "hi", "--max-tokens", "-1"],
+            "argument --max-tokens: must be an integer >= 0",
+        ),
+        (["generate", "hi", "--repeat", "0"], "argument --repeat: must be a positive integer"),
+        (["start", "--workers", "0"], "argument --workers: must be a positive integer, got '0'"),
+        (["start", "--num-cpus", "-2"], "argument --num-cpus: must be a positive number"),
+        (["start", "--worker-gpus", "nan"], "argument --worker-gpus: must be a finite number"),
+        (["start", "--num-pages", "0"], "argument --num-pages: must be a positive integer"),
+        (
+            ["replay", "bundled", "--time-scale", "-1"],
+            "argument --time-scale: must be a number >= 0",
+        ),
+        (["replay", "bundled", "--limit", "0"], "argument --limit: must be a positive integer"),
+        (["generate", "--max-tokens", "many"], "argument --max-tokens: must be an integer"),
+        (["bench", "router", "--workers", "0"], "argument --workers: "),
+        (["bench", "router", "--routes", "0"], "argument --routes: must be a positive integer"),
+        (["bench", "router", "--pages", "-5"], "argument --pages: must be a positive integer"),
+        (["bench", "pool", "--limit", "0"], "argument --limit: must be a positive integer"),
+    ],
+)
+def test_a_bad_flag_value_is_one_usage_line_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    command = " ".join(argv[:2]) if argv[0] == "bench" else argv[0]
+    assert err[0].startswith(f"kvmesh {command}: error: {message}")
+    assert err[0].endswith(f"(see kvmesh {command} --help)")
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["nope"], ["generate", "--max-tokens", "many"], ["demo", "--no-such-flag"], ["bench", "x"]],
+    [["nope"], ["demo", "--no-such-flag"], ["bench", "x"], ["status", "--workers", "2"]],
 )
 def test_unparseable_arguments_exit_2_naming_the_problem(
     argv: list[str], capsys: pytest.CaptureFixture[str]
@@ -106,10 +151,26 @@ def test_unparseable_arguments_exit_2_naming_the_problem(
 # -- happy paths against one running cluster ----------------------------------------------------
 
 
-def _kvmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _kvmesh(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *args], env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+        [*CLI, *args],
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
+
+
+def _one_error_line(res: subprocess.CompletedProcess[str], command: str) -> str:
+    """The one line a refused command printed (exit 2, no traceback, no Ray noise)."""
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert lines[0].startswith(f"kvmesh {command}: error: ")
+    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +209,8 @@ def address() -> Iterator[str]:
                 pytest.fail("kvmesh start did not stop on Ctrl-C")
             if proc.returncode != 0 or "stopping kvmesh" not in rest:
                 pytest.fail(f"kvmesh start ended with {proc.returncode}:\n{rest[-2000:]}")
+        if list(Path(STATE_DIR).iterdir()):
+            pytest.fail(f"kvmesh start left its record behind: {list(Path(STATE_DIR).iterdir())}")
 
 
 @pytest.mark.ray
@@ -187,6 +250,62 @@ def test_replay_sends_trace_requests_through_the_cluster(address: str) -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["requests"] == 4 and report["errors"] == 0
     assert report["ttft_p50_ms"] > 0
+
+
+# -- the lifecycle: commands find the running cluster, never start a throwaway one ------------
+
+
+@pytest.mark.ray
+def test_status_without_an_address_uses_the_cluster_kvmesh_start_recorded(address: str) -> None:
+    res = _kvmesh("status", "--json")
+    assert res.returncode == 0, res.stderr
+    assert {w["worker_id"] for w in json.loads(res.stdout)["workers"]} == {"worker-0", "worker-1"}
+    [record] = Path(STATE_DIR).iterdir()
+    assert json.loads(record.read_text())["address"] == address
+
+
+@pytest.mark.ray
+def test_a_second_kvmesh_start_refuses_while_one_runs(address: str) -> None:
+    line = _one_error_line(_kvmesh("start", "--workers", "1", "--exit-after", "1"), "start")
+    assert f"a kvmesh cluster already runs here: Ray at {address}" in line
+    assert "kvmesh start --join" in line
+
+
+@pytest.mark.ray
+def test_start_on_a_cluster_where_kvmesh_runs_refuses_unless_asked_to_join(address: str) -> None:
+    refused = _kvmesh("start", "--address", address, "--exit-after", "1")
+    line = _one_error_line(refused, "start")
+    assert "kvmesh already runs in namespace 'kvmesh'" in line and "2 workers registered" in line
+    joined = _kvmesh("start", "--address", address, "--join", "--exit-after", "1")
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert "worker-0" in joined.stdout and "worker-1" in joined.stdout
+    # joining created no worker and stopped none of the running cluster's
+    stats = json.loads(_kvmesh("status", "--json").stdout)
+    assert sorted(w["worker_id"] for w in stats["workers"]) == ["worker-0", "worker-1"]
+
+
+@pytest.mark.ray
+def test_ray_address_is_honoured_by_the_cli_and_the_python_api(address: str) -> None:
+    res = _kvmesh(
+        "status", "--json", env={"RAY_ADDRESS": address, "KVMESH_STATE_DIR": "/nonexistent"}
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(json.loads(res.stdout)["workers"]) == 2
+    code = (
+        "from kvmesh.client import KVMesh\n"
+        "with KVMesh.connect() as mesh:\n"
+        "    print(sorted(w['worker_id'] for w in mesh.workers()), mesh.ray_address)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**ENV, "RAY_ADDRESS": address},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["['worker-0',", "'worker-1']", address]
 
 
 @pytest.mark.ray
@@ -250,13 +369,13 @@ def test_unset_flags_keep_the_environment_and_set_flags_override_it(
 ) -> None:
     import argparse
 
-    from kvmesh.app.commands import cluster_config, configure_status
+    from kvmesh.app.commands import cluster_config, configure_start
 
     monkeypatch.setenv("KVMESH_POLICY", "round_robin")
     monkeypatch.setenv("KVMESH_ALLOW_REMOTE", "1")
     monkeypatch.setenv("KVMESH_SEED", "cluster-secret")
     parser = argparse.ArgumentParser()
-    configure_status(parser)
+    configure_start(parser)
     from_env = cluster_config(parser.parse_args([]))
     assert from_env.coordinator.policy == "round_robin"
     assert from_env.security.allow_remote is True
@@ -267,3 +386,59 @@ def test_unset_flags_keep_the_environment_and_set_flags_override_it(
     monkeypatch.setenv("KVMESH_TRANSPORT", "dist")
     assert cluster_config(parser.parse_args([])).transfer.transport == "dist"
     assert cluster_config(parser.parse_args(["--transport", "grpc"])).transfer.transport == "grpc"
+
+
+# -- nothing running: one line, exit 2, within the connect timeout -----------------------------
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_commands_with_no_cluster_recorded_or_given_fail_and_start_nothing(
+    tmp_path: Path,
+) -> None:
+    env = {"KVMESH_STATE_DIR": str(tmp_path)}
+    for argv in (["status"], ["generate", "hi"], ["replay", "bundled", "--limit", "1"]):
+        line = _one_error_line(_kvmesh(*argv, env=env, timeout=60), argv[0])
+        assert "no kvmesh cluster is running here" in line
+        assert "kvmesh start" in line and "--address" in line and "RAY_ADDRESS" in line
+    assert not list(tmp_path.iterdir())  # nothing was started, so nothing recorded
+
+
+def test_an_address_where_nothing_listens_fails_in_one_line(tmp_path: Path) -> None:
+    where = f"127.0.0.1:{_closed_port()}"
+    env = {"KVMESH_STATE_DIR": str(tmp_path)}
+    line = _one_error_line(_kvmesh("status", "--address", where, env=env, timeout=60), "status")
+    assert f"no Ray cluster answers at --address={where}" in line
+    res = _kvmesh("generate", "hi", env={**env, "RAY_ADDRESS": where}, timeout=60)
+    assert f"no Ray cluster answers at RAY_ADDRESS={where}" in _one_error_line(res, "generate")
+    line = _one_error_line(_kvmesh("status", "--address", "nowhere", env=env), "status")
+    assert "a Ray address is HOST:PORT" in line
+
+
+def test_the_python_api_honours_ray_address_and_fails_fast_when_nothing_answers() -> None:
+    where = f"127.0.0.1:{_closed_port()}"
+    code = (
+        "from kvmesh.client import KVMesh\n"
+        "from kvmesh.errors import ClusterUnreachable\n"
+        "import ray\n"
+        "try:\n"
+        "    KVMesh.connect(num_workers=1)\n"
+        "except ClusterUnreachable as exc:\n"
+        "    print('refused:', exc, ray.is_initialized())\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**ENV, "RAY_ADDRESS": where},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith(f"refused: no Ray cluster answers at RAY_ADDRESS={where}")
+    assert res.stdout.strip().endswith("False")  # Ray was never initialised

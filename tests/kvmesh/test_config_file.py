@@ -1,0 +1,222 @@
+"""One configuration path: defaults < config file < KVMESH_* environment < explicit values,
+and the one generated table (docs/configuration.md) that documents every field.
+
+No Ray here: the CLI's and the Python API's loaders are called as they are
+called before anything starts; tests/kvmesh/test_config_actors.py proves the
+file and the environment reach the actors of a running cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvmesh.app.cli import main
+from kvmesh.app.commands import cluster_config, configure_start, configure_status
+from kvmesh.app.config_table import TABLE_PATH, render_table, undocumented
+from kvmesh.config import cluster_settings
+from kvmesh.errors import ConfigError, InvalidSetting
+from kvmesh.settings import file_layer, load_cluster_config, settings_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TOML = """\
+num_workers = 2
+
+[coordinator]
+policy = "round_robin"
+temperature = 0.5
+
+[model]
+seed = 7
+"""
+
+YAML = """\
+num_workers: 2
+coordinator:
+  policy: round_robin
+  temperature: 0.5
+model:
+  seed: 7
+"""
+
+
+@pytest.fixture(params=[("cluster.toml", TOML), ("cluster.yaml", YAML)], ids=["toml", "yaml"])
+def config_file(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    name, text = request.param
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def test_the_committed_configuration_table_is_the_generated_one() -> None:
+    committed = (ROOT / TABLE_PATH).read_text(encoding="utf-8")
+    assert committed == render_table(), (
+        "docs/configuration.md drifted from kvmesh/config.py: run `kvmesh config --table`"
+    )
+
+
+def test_every_setting_has_a_description_in_the_table() -> None:
+    assert undocumented() == [], "give these fields a comment in kvmesh/config.py"
+    table = render_table()
+    for path, info in cluster_settings().items():
+        assert f"| `{path}` | `{info.env}` |" in table
+
+
+def test_kvmesh_config_table_writes_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "configuration.md"
+    assert main(["config", "--table", "--output", str(out)]) == 0
+    assert out.read_text(encoding="utf-8") == render_table()
+
+
+# -- the file layer --------------------------------------------------------------------------
+
+
+def test_a_toml_or_yaml_file_sets_top_level_fields_and_sections(config_file: Path) -> None:
+    cfg = load_cluster_config(config_file=config_file, env={})
+    assert cfg.num_workers == 2
+    assert (cfg.coordinator.policy, cfg.coordinator.temperature) == ("round_robin", 0.5)
+    assert cfg.model.seed == 7
+    assert cfg.pool.num_pages == cluster_settings()["pool.num_pages"].default
+
+
+def test_the_environment_wins_over_the_file_and_explicit_values_over_both(
+    config_file: Path,
+) -> None:
+    env = {"KVMESH_POLICY": "random", "KVMESH_MODEL_SEED": "9"}
+    cfg = load_cluster_config(config_file=config_file, env=env)
+    assert (cfg.coordinator.policy, cfg.model.seed, cfg.num_workers) == ("random", 9, 2)
+    cfg = load_cluster_config(
+        {"coordinator.policy": "least_loaded"}, config_file=config_file, env=env
+    )
+    assert cfg.coordinator.policy == "least_loaded"
+
+
+def test_kvmesh_config_names_the_file_and_a_flag_names_another(
+    config_file: Path, tmp_path: Path
+) -> None:
+    assert load_cluster_config(env={"KVMESH_CONFIG": str(config_file)}).model.seed == 7
+    other = _write(tmp_path, "other.toml", "[model]\nseed = 11\n")
+    env = {"KVMESH_CONFIG": str(config_file)}
+    assert load_cluster_config(config_file=other, env=env).model.seed == 11
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("a.toml", "[coordinator]\npolicyy = 'kv_aware'\n", "a.toml: coordinator.policyy: unknown"),
+        ("a.toml", "policy = 'kv_aware'\n", "did you mean coordinator.policy?"),
+        (
+            "a.toml",
+            "[coordinatr]\npolicy = 'kv_aware'\n",
+            "a.toml: coordinatr: unknown section; did you mean coordinator?",
+        ),
+        ("a.yaml", "pool: 12\n", "a.yaml: pool: must be a table of pool settings"),
+        ("a.yaml", "pool:\n  num_pages: '64'\n", "a.yaml: pool.num_pages='64': must be an integer"),
+        ("a.yaml", "pool:\n  num_pages: 1\n", "a.yaml: pool.num_pages=1: must be at least 2"),
+        ("a.toml", "[model]\nseed = -1\n", "a.toml: model.seed=-1: must be >= 0"),
+        ("a.toml", "[coordinator]\npolicy = 'fastest'\n", "unknown routing policy 'fastest'"),
+        ("a.toml", "[coordinator\n", "is not valid toml"),
+        ("a.yaml", "- 1\n- 2\n", "must hold a table of settings"),
+        ("a.ini", "x = 1\n", "a config file is TOML (.toml) or YAML (.yaml, .yml)"),
+    ],
+)
+def test_a_bad_file_is_one_error_naming_the_key(
+    tmp_path: Path, name: str, text: str, message: str
+) -> None:
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ConfigError) as bad:
+        load_cluster_config(config_file=path, env={})
+    assert message in str(bad.value)
+    assert "\n" not in str(bad.value)
+
+
+def test_a_missing_file_is_named_by_where_it_was_given(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"^KVMESH_CONFIG='.*nope.toml': cannot read it"):
+        load_cluster_config(env={"KVMESH_CONFIG": missing})
+    with pytest.raises(ConfigError, match=r"^--config='.*nope.toml': cannot read it"):
+        load_cluster_config(config_file=missing, env={})
+
+
+def test_an_empty_yaml_file_sets_nothing(tmp_path: Path) -> None:
+    assert file_layer(_write(tmp_path, "empty.yaml", "")) == {}
+
+
+# -- entry points: the CLI and the Python API read the same layers -------------------------
+
+
+def test_the_cli_reads_the_file_the_environment_and_its_flags_in_that_order(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = argparse.ArgumentParser()
+    configure_start(parser)
+    monkeypatch.delenv("KVMESH_POLICY", raising=False)
+    monkeypatch.setenv("KVMESH_CONFIG", str(config_file))
+    cfg = cluster_config(parser.parse_args([]))
+    assert (cfg.num_workers, cfg.coordinator.policy, cfg.model.seed) == (2, "round_robin", 7)
+    monkeypatch.setenv("KVMESH_NUM_WORKERS", "3")
+    assert cluster_config(parser.parse_args([])).num_workers == 3
+    assert cluster_config(parser.parse_args(["--workers", "5"])).num_workers == 5
+    monkeypatch.delenv("KVMESH_CONFIG")
+    monkeypatch.delenv("KVMESH_NUM_WORKERS")
+    status = argparse.ArgumentParser()
+    configure_status(status)
+    flagged = cluster_config(status.parse_args(["--config", str(config_file)]))
+    assert flagged.coordinator.policy == "round_robin"
+
+
+def test_the_python_api_reads_the_file_as_the_cli_does(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("KVMESH_POLICY", "KVMESH_MODEL_SEED", "KVMESH_NUM_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+    assert settings_for(config_file=config_file).coordinator.policy == "round_robin"
+    monkeypatch.setenv("KVMESH_CONFIG", str(config_file))
+    assert settings_for().model.seed == 7
+    with pytest.raises(ConfigError, match="either config or config_file"):
+        settings_for(load_cluster_config(env={}), config_file)
+
+
+def test_kvmesh_config_prints_each_value_and_where_it_came_from(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KVMESH_CONFIG", raising=False)
+    monkeypatch.setenv("KVMESH_MODEL_SEED", "9")
+    monkeypatch.setenv("KVMESH_AUTH_TOKEN", "a-secret-token-of-32-characters!")
+    assert main(["config", "--config", str(config_file)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["num_workers"].endswith(f"[{config_file.name}: num_workers]")
+    assert "9  [KVMESH_MODEL_SEED]" in lines["model.seed"]
+    assert "[default]" in lines["pool.num_pages"]
+    assert "a-secret" not in lines["transfer.auth_token"]
+    assert "(set)" in lines["transfer.auth_token"]
+
+
+def test_kvmesh_config_refuses_a_bad_file_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, "bad.toml", "[pool]\nnum_pagez = 3\n")
+    assert main(["config", "--config", str(path)]) == 2
+    [err] = capsys.readouterr().err.splitlines()
+    assert err.startswith(
+        "kvmesh config: error: bad.toml: pool.num_pagez: unknown setting; did you mean "
+        "pool.num_pages"
+    )
+
+
+def test_an_unknown_setting_error_is_an_invalid_setting(tmp_path: Path) -> None:
+    path = _write(tmp_path, "a.toml", "[pool]\nsize = 3\n")
+    with pytest.raises(InvalidSetting):
+        load_cluster_config(config_file=path, env={})
