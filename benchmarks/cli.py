@@ -20,6 +20,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvmesh.benchmarks.bench_tiers",
         "promoting a page from host memory or disk vs recomputing it, ms per page",
     ),
+    "tiers": (
+        "kvmesh.benchmarks.bench_tiers",
+        "promoting a page from host memory or disk vs recomputing it, ms per page",
+    ),
     "engines": (
         "kvmesh.benchmarks.bench_engines",
         "the gateway in front of two real vLLM CPU engines: kv_aware vs round_robin vs "

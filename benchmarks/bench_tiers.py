@@ -1,0 +1,184 @@
+"""`kvmesh bench tiers`: promoting a page from host memory or disk against recomputing it.
+
+On the worker's tiny model (`ModelConfig`'s defaults, on its device), one run
+measures, for a prompt of ``--pages`` full pages:
+
+- ``recompute``: the model's chunked prefill of the prompt's tokens (what a
+  miss costs; the serving engine's prefill, chunk by chunk);
+- ``host``: `TieredCache.promote` of the prompt's pages from the host tier
+  (pinned memory on a GPU) into the device pool: the copy and the bookkeeping;
+- ``disk``: the same from the disk tier: read, header and checksum checks,
+  delete, copy. With ``--cold`` (default) each page file is dropped from the
+  OS page cache first (``posix_fadvise(DONTNEED)``), so the read comes from
+  the device, not from memory.
+
+Each figure is the median of ``--repeats`` runs, in ms per page, and the
+ratios recompute / promotion are printed beside them (both sides from the
+same run). Pages sit in the lower tier by being evicted from the device
+pool, exactly as in serving; only the promotion is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh.arguments import positive_int
+from kvmesh.config import ModelConfig
+from kvmesh.hashing import PageHasher, RequestHashes
+from kvmesh.worker.cache_manager import KVCacheManager, Request
+from kvmesh.worker.kv_store import KVStore
+from kvmesh.worker.model import TinyTransformer
+from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.tiered_cache import TieredCache
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pages", type=positive_int, default=64, help="full pages per prompt")
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per page")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="runs per figure")
+    parser.add_argument(
+        "--warm", dest="cold", action="store_false", help="read disk pages from the OS page cache"
+    )
+    parser.add_argument("--disk-dir", default=None, help="disk tier folder (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _recompute_s(model: TinyTransformer, tokens: list[int]) -> float:
+    kv = model.empty_kv(len(tokens))
+    chunk = model.cfg.prefill_chunk_tokens
+    _sync(model.device)
+    t0 = time.perf_counter()
+    for lo in range(0, len(tokens), chunk):
+        model.prefill_into(kv, lo, tokens[lo : lo + chunk])
+    _sync(model.device)
+    return time.perf_counter() - t0
+
+
+def _promote_s(
+    model: TinyTransformer,
+    hasher: PageHasher,
+    tokens: list[int],
+    tier: str,
+    disk_dir: Path,
+    cold: bool,
+) -> float:
+    """Seconds `promote` takes to bring the prompt's pages back from `tier`."""
+    n = len(tokens) // hasher.page_size
+    store = KVStore(
+        n + 2,
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+        hasher.page_size,
+        model.dtype,
+        model.device,
+    )
+    pool = PagePool(n + 2, page_size=hasher.page_size)
+    tiers = TieredCache(
+        pool,
+        store,
+        host_pages=n if tier == "host" else 0,
+        disk_dir=disk_dir if tier == "disk" else None,
+        disk_bytes=(n + 1) * (store.page_nbytes + 4096),
+        disk_fsync=False,
+        disk_adopt=False,
+    )
+    manager = KVCacheManager(pool, hasher.page_size, tiers=tiers)
+    request = Request("bench", RequestHashes(hasher, [*tokens, 0]))
+    manager.allocate_slots(request, len(tokens) + 1)
+    ids = [p.page_id for p in manager.get_pages("bench")]
+    store.write_pages(ids, torch.randn((len(ids), *store.page_shape)).to(store.dtype))
+    manager.free(request)
+    evict = pool.get_new_pages(pool.get_num_free_pages())  # every cached page goes a tier down
+    pool.free_pages(evict)
+    if tier == "disk" and cold:
+        for path in disk_dir.iterdir():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    _sync(model.device)
+    t0 = time.perf_counter()
+    promoted = tiers.promote(request.page_hashes, n)
+    _sync(model.device)
+    elapsed = time.perf_counter() - t0
+    if promoted != n:
+        raise RuntimeError(f"promoted {promoted} of {n} pages from {tier}")
+    return elapsed
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark and return its figures (the `--json` object)."""
+    model = TinyTransformer(ModelConfig())
+    hasher = PageHasher(args.page_size)
+    rng = random.Random(0)
+    tokens = [rng.randrange(model.cfg.vocab_size) for _ in range(args.pages * args.page_size)]
+    _recompute_s(model, tokens)  # warm the kernels and the allocator
+    recompute = statistics.median(_recompute_s(model, tokens) for _ in range(args.repeats))
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-", dir=args.disk_dir) as tmp:
+        promote: dict[str, float] = {}
+        for tier in ("host", "disk"):
+            runs = []
+            for _ in range(args.repeats + 1):  # the first run warms up
+                runs.append(_promote_s(model, hasher, tokens, tier, Path(tmp), args.cold))
+            promote[tier] = statistics.median(runs[1:])
+    per_page = 1e3 / args.pages
+    out: dict[str, Any] = {
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "pages": args.pages,
+        "page_size": args.page_size,
+        "page_bytes": model.num_layers
+        * 2
+        * args.page_size
+        * model.num_kv_heads
+        * model.head_dim
+        * model.dtype.itemsize,
+        "disk_cold": args.cold,
+        "recompute_ms_per_page": recompute * per_page,
+        "host_promote_ms_per_page": promote["host"] * per_page,
+        "disk_promote_ms_per_page": promote["disk"] * per_page,
+    }
+    out["host_vs_recompute"] = recompute / promote["host"]
+    out["disk_vs_recompute"] = recompute / promote["disk"]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"tiny model on {result['device']} ({result['dtype']}), {result['pages']} pages of "
+        f"{result['page_size']} tokens ({result['page_bytes']} bytes each), "
+        f"median of {args.repeats}"
+    )
+    print(f"  recompute          {result['recompute_ms_per_page']:.4f} ms/page")
+    print(
+        f"  promote from host  {result['host_promote_ms_per_page']:.4f} ms/page  "
+        f"({result['host_vs_recompute']:.1f}x faster than recomputing)"
+    )
+    cold = "cold" if result["disk_cold"] else "page cache"
+    print(
+        f"  promote from disk  {result['disk_promote_ms_per_page']:.4f} ms/page  "
+        f"({result['disk_vs_recompute']:.1f}x faster than recomputing; {cold})"
+    )
+    return 0
