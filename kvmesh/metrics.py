@@ -328,11 +328,6 @@ POOL_PAGES = Gauge(
     "(hittable now); updated every heartbeat",
     ["worker", "tier", "state"],
 )
-EVICTIONS = Counter(
-    "kvmesh_evictions",
-    "Cached pages a worker's tier lost (evicted for reuse or dropped), from its KV events",
-    ["worker", "tier"],
-)
 TRANSFER_BYTES = Counter(
     "kvmesh_transfer_bytes",
     "Page bytes a worker received (pull) or sent (push) from or to a peer, by transport",

@@ -42,6 +42,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ from kvmesh.metrics import (
     PAGES_PUSHED,
     POOL_PAGES,
     PROMPT_PAGES,
+    TIER_EVICTIONS,
     TRANSFER_BYTES,
     TRANSFER_SECONDS,
     WORKER_ERRORS,
@@ -62,7 +64,7 @@ from kvmesh.metrics import (
 )
 from kvmesh.requests import GenerateRequest, PrefillResult, Role, WorkerSpec, WorkerStats
 from kvmesh.security import check_bind_address
-from kvmesh.types import PageHash, WorkerId
+from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.cancellation import (
     CallerWatch,
     StopSignals,
@@ -75,6 +77,7 @@ from kvmesh.worker.cancellation import (
 from kvmesh.worker.events_reporter import remote_cause
 
 if TYPE_CHECKING:
+    from kvmesh.worker.page_pool import PageMeta
     from kvmesh.worker.page_service import PullOutcome
     from kvmesh.worker.serving import PullRequest
 
@@ -189,6 +192,8 @@ class WorkerActor:
         self.tiers = TieredCache.for_worker(
             cfg, self.cache_manager, self.store, self.pages, self.worker_id
         )
+        if self.tiers is None:  # no tier below counts the pool's evictions: count them here
+            pool.spill_listener = self._count_evictions
         self.model = TinyTransformer(cfg.model)
         # Warm the kernels (and the allocator, at a full chunk) before anything is timed.
         warm = min(cfg.model.prefill_chunk_tokens, cfg.model.max_positions - 2)
@@ -379,6 +384,11 @@ class WorkerActor:
         outcome = self.peers.get(address).push(self.pages, hashes[:held], ticket)
         self._count_transfer("push", outcome.transport, outcome.sent, t0)
         return outcome.stored
+
+    def _count_evictions(self, evicted: list[tuple[PageId, PageMeta]]) -> None:
+        """The pool's `spill_listener` without tiers: evicted pages per tenant, one add each."""
+        for tenant, n in Counter(meta.tenant for _, meta in evicted).items():
+            TIER_EVICTIONS.labels(self.worker_id, self.pool.medium, tenant).inc(n)
 
     def _count_transfer(self, direction: str, transport: str, pages: int, t0: float) -> None:
         TRANSFER_SECONDS.labels(self.worker_id, direction, transport).observe(
