@@ -7,10 +7,13 @@
         r.tokens, r.timings.ttft_ms, r.pages_hit_local
 
 One request: the client hashes the prompt's pages (same seed and page size
-as the workers), asks the coordinator actor for a `RouteDecision`, calls the
-chosen worker actor with what the decision promised (local pages, and pages
-a peer could give), and then tells the coordinator what the worker really
-hit and pulled (`record_result`), so that predicted vs realized is counted.
+as the workers), asks the coordinator actor for a `RouteDecision` (the one
+coordinator call it makes), and calls the chosen worker actor with the
+hashes and what the decision promised (local pages, and pages a peer could
+give). The worker checks the hashes cheaply instead of hashing the prompt
+again, and tells the coordinator what it really hit and pulled with its
+report of the request's events (one call it does not wait for), so that
+predicted vs realized is counted.
 
 The client holds only handles: `KVMesh.attach` joins a running cluster and
 creates nothing; starting one (an embedded Ray, the coordinator, workers) is
@@ -60,7 +63,7 @@ from kvmesh.errors import (
     NoWorkers,
     WorkerDied,
 )
-from kvmesh.hashing import ExtraKeys, PageHasher
+from kvmesh.hashing import ExtraKeys, PageHasher, reusable_pages
 from kvmesh.logs import request_scope
 from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
 from kvmesh.requests import GenerateRequest, WorkerStats
@@ -431,6 +434,7 @@ class KVMesh:
             lora_id,
             timeout_s=self.request_timeout_s,  # each worker call waits this long (`_call`)
             caller_job=_caller_job(),
+            page_hashes=tuple(hashes),
         )
         disaggregated = self.config.prefill_workers > 0 and self.config.decode_workers > 0
         last: BaseException | None = None
@@ -571,7 +575,7 @@ class KVMesh:
 
     def _promise(self, decision: Any, num_tokens: int) -> tuple[int, int, str | None]:
         """What a worker can really reuse of the decision: never the prompt's last token."""
-        limit = (num_tokens - 1) // self.config.hash.page_size
+        limit = reusable_pages(num_tokens, self.config.hash.page_size)
         local = min(decision.local_pages, limit)
         if not self.pull or decision.peer_id is None or decision.peer_pages <= 0:
             return local, 0, None
@@ -588,9 +592,7 @@ class KVMesh:
         request = dataclasses.replace(
             base, promised_local=local, promised_pull=pull, peer_address=peer
         )
-        result = await self._call(w.actor.generate.remote(request), w.worker_id)
-        await self._record(local, pull, result.pages_hit_local, result.pages_pulled)
-        return result
+        return await self._call(w.actor.generate.remote(request), w.worker_id)
 
     async def _disaggregated(self, base: Any, hashes: Sequence[PageHash]) -> Any:
         n = len(base.token_ids)
@@ -607,17 +609,10 @@ class KVMesh:
         pre = await self._call(
             pre_w.actor.prefill.remote(pre_req, dec_w.address, ticket), pre_w.worker_id
         )
-        await self._record(local, pull, pre.pages_hit_local, pre.pages_pulled)
-        limit = (n - 1) // self.config.hash.page_size
+        limit = reusable_pages(n, self.config.hash.page_size)
         promised = min(limit, max(dec_d.local_pages, pre.pages_pushed))
         dec_req = dataclasses.replace(base, promised_local=promised)
-        result = await self._call(dec_w.actor.generate.remote(dec_req), dec_w.worker_id)
-        await self._record(promised, 0, result.pages_hit_local, result.pages_pulled)
-        return result
-
-    async def _record(self, p_local: int, p_pull: int, r_local: int, r_pull: int) -> None:
-        ref = self._coordinator.record_result.remote(p_local, p_pull, r_local, r_pull)
-        await self._call(ref, None)
+        return await self._call(dec_w.actor.generate.remote(dec_req), dec_w.worker_id)
 
     async def _forget(self, worker_id: WorkerId) -> None:
         """Drop a dead worker here and at the coordinator (so it is not routed to again)."""

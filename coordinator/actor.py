@@ -60,9 +60,9 @@ from kvmesh.coordinator.service import (
 )
 from kvmesh.errors import KVMeshError, TransportError
 from kvmesh.logs import configure_logging, request_scope
-from kvmesh.metrics import in_ray_actor
+from kvmesh.metrics import COORDINATOR_CALLS, in_ray_actor
 from kvmesh.rendezvous import DistRendezvous, LinkBook
-from kvmesh.requests import Role
+from kvmesh.requests import Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,10 @@ class CoordinatorActor:
         if in_ray_actor():  # this process is the actor's own: log as kvmesh does
             configure_logging()
         self.core = Coordinator(config)
+        self._calls = {
+            m: COORDINATOR_CALLS.labels(self.core.name, m)
+            for m in ("route", "report", "heartbeat", "record_result")
+        }
         self._api: CoordinatorAPIServer | None = None
         self.store = WorkerStore(config)
         self._ready = asyncio.Event()
@@ -277,10 +281,15 @@ class CoordinatorActor:
         worker_id: WorkerId,
         encoded_batches: Sequence[bytes] = (),
         load: WorkerLoad | None = None,
+        outcomes: Sequence[RouteOutcome] = (),
     ) -> ReportResult:
-        return self.core.report(worker_id, encoded_batches, load)
+        """A worker's events, load and request outcomes (`Coordinator.report`): the one
+        call a request costs a worker, sent without waiting for the reply."""
+        self._calls["report"].inc()
+        return self.core.report(worker_id, encoded_batches, load, outcomes)
 
     async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
+        self._calls["heartbeat"].inc()
         return self.core.heartbeat(worker_id, load)
 
     async def route(
@@ -293,6 +302,8 @@ class CoordinatorActor:
         policy: str | None = None,
         request_id: str = "",
     ) -> RouteDecision:
+        """The one call a request costs its client (`Coordinator.route`)."""
+        self._calls["route"].inc()
         with request_scope(request_id):  # its id on our logs and on the error we raise
             return self.core.route(
                 hashes,
@@ -339,7 +350,15 @@ class CoordinatorActor:
     async def record_result(
         self, promised_local: int, promised_pull: int, realized_local: int, realized_pull: int
     ) -> bool:
+        """One outcome on its own (tools, the gRPC API); workers send theirs with `report`."""
+        self._calls["record_result"].inc()
         return self.core.record_result(promised_local, promised_pull, realized_local, realized_pull)
+
+    async def calls(self) -> dict[str, int]:
+        """How many calls of each counted method this coordinator served (its metric
+        ``kvmesh_coordinator_calls``): what a request costs, seen from here."""
+        counts = COORDINATOR_CALLS.values_by("method", coordinator=self.core.name)
+        return {method: int(n) for method, n in counts.items()}
 
     async def stats(self) -> dict[str, Any]:
         return self.core.stats().as_dict()

@@ -109,6 +109,23 @@ class WorkerRegistry:
         self._workers[worker_id] = info
         return info
 
+    def routed(self, worker_id: WorkerId, prefill_tokens: int) -> WorkerLoad | None:
+        """Add a request just routed to `worker_id` to its load, until its next report
+        replaces the load with what it measured; returns the new load (None: unknown).
+
+        The router thus weighs the work it sent at once, without the worker
+        telling it (one call less per request)."""
+        info = self._workers.get(worker_id)
+        if info is None:
+            return None
+        load = replace(
+            info.load,
+            active_prefill_tokens=info.load.active_prefill_tokens + max(0, prefill_tokens),
+            active_requests=info.load.active_requests + 1,
+        )
+        self._workers[worker_id] = replace(info, load=load)
+        return load
+
     def expire(self, now: float | None = None, timeout: float = 5.0) -> list[WorkerId]:
         """Drop and return the workers whose last heartbeat is older than `timeout` seconds."""
         t = self.clock() if now is None else now

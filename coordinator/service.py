@@ -65,7 +65,7 @@ from kvmesh.metrics import (
     WORKERS_EXPIRED,
 )
 from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
-from kvmesh.requests import Role
+from kvmesh.requests import Role, RouteOutcome
 from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, WorkerId
 
@@ -229,15 +229,18 @@ class Coordinator:
         worker_id: WorkerId,
         encoded_batches: Sequence[bytes] = (),
         load: WorkerLoad | None = None,
+        outcomes: Sequence[RouteOutcome] = (),
     ) -> ReportResult:
-        """Heartbeat plus event batches, applied in order.
+        """Heartbeat plus event batches, applied in order, plus the outcomes of the
+        worker's requests since its last report (`record_result` for each).
 
-        Every batch is decoded and checked (it must come from `worker_id`)
-        before any is applied, so a bad one rejects the whole report with
-        `EventDecodeError` and changes nothing. Batches of another incarnation
-        than the registered one are ignored. Raises `UnknownWorker` when the
-        worker must register again.
+        Every batch is decoded and checked (it must come from `worker_id`), and
+        every outcome, before any is applied, so a bad one rejects the whole
+        report (`EventDecodeError`, `InvalidInput`) and changes nothing. Batches
+        of another incarnation than the registered one are ignored. Raises
+        `UnknownWorker` when the worker must register again.
         """
+        checked = [o.check() for o in outcomes]
         decoded: list[EventBatch] = []
         try:
             for data in encoded_batches:
@@ -268,7 +271,10 @@ class Coordinator:
                 self._count_batch(worker_id, results[-1])
             self._loads.clear()
             self._export_gauges()
-            return ReportResult(tuple(results), self.index.is_stale(worker_id))
+            reply = ReportResult(tuple(results), self.index.is_stale(worker_id))
+        for o in checked:
+            self.record_result(o.promised_local, o.promised_pull, o.realized_local, o.realized_pull)
+        return reply
 
     def _count_batch(self, worker_id: WorkerId, result: ApplyResult) -> None:
         EVENT_BATCHES.labels(self.name, worker_id, result.value).inc()
@@ -449,6 +455,8 @@ class Coordinator:
                 request, matched.pages, self._current_loads(role), tiers
             )
             elapsed_s = (time.perf_counter_ns() - t0) / 1e9
+            if request_id:  # a request on its way (not a look), counted in its worker's load
+                self._count_routed(decision, request)
         name, policy_name = self.name, policy or self.config.policy
         ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
         ROUTES.labels(name, policy_name, decision.worker_id).inc()
@@ -458,6 +466,24 @@ class Coordinator:
         if allow_pull:
             PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
         return decision
+
+    def _count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
+        """The chosen worker's load, here and in the cached loads, plus this request's
+        prefill (O(workers)); its next report replaces it with what it measured."""
+        reused = decision.local_pages + (decision.peer_pages if request.allow_pull else 0)
+        prefill = request.num_tokens - reused * request.page_size
+        load = self.registry.routed(decision.worker_id, prefill)
+        if load is None:
+            return
+        for loads in self._loads.values():
+            for i, cached in enumerate(loads):
+                if cached.worker_id == decision.worker_id:
+                    loads[i] = replace(
+                        cached,
+                        active_prefill_tokens=load.active_prefill_tokens,
+                        active_requests=load.active_requests,
+                    )
+                    break
 
     def record_result(
         self,

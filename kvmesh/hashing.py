@@ -205,6 +205,16 @@ class PageHasher:
         return hashes
 
 
+def reusable_pages(num_tokens: int, page_size: int) -> int:
+    """How many leading full pages of a `num_tokens` prompt a cache hit may cover.
+
+    Never the last token: the answer needs its logits, so it is always
+    computed, and a prompt of whole pages recomputes its last page. Routers,
+    clients, simulators and workers all clamp with this one rule.
+    """
+    return (num_tokens - 1) // page_size if num_tokens > 0 else 0
+
+
 class RequestHashes:
     """A request's tokens and their page hashes, extended incrementally.
 
@@ -221,6 +231,43 @@ class RequestHashes:
         self.keys = keys
         self.token_ids: list[int] = list(token_ids)
         self.hashes: list[PageHash] = hasher.hash_prompt(self.token_ids, keys)
+
+    @classmethod
+    def given(
+        cls,
+        hasher: PageHasher,
+        token_ids: Sequence[int],
+        keys: ExtraKeys,
+        hashes: Sequence[PageHash],
+    ) -> RequestHashes | None:
+        """The request's hashes as its sender computed them, if they pass a cheap check;
+        None when they do not (hash the tokens yourself then).
+
+        Two page hashes instead of one per page: the first page (its parent is
+        the cluster root, so it catches another seed) and the last (it chains
+        from the sender's previous hash, so it catches another algorithm, page
+        size, salt or LoRA at the chain's end). A sender that disagrees
+        anywhere in between is a trusted caller's bug, not a threat: pages
+        received from peers are still proven one by one (`ProofBook`).
+        """
+        p = hasher.page_size
+        tokens = list(token_ids)
+        full = len(tokens) // p
+        if len(hashes) != full:
+            return None
+        if full:
+            last = full - 1
+            try:
+                first = hasher.hash_page(None, tokens[:p], keys.for_page(0, p))
+                parent = hashes[last - 1] if last else None
+                end = hasher.hash_page(parent, tokens[last * p : full * p], keys.for_page(last, p))
+            except InvalidInput:  # e.g. a parent of another digest size
+                return None
+            if first != hashes[0] or end != hashes[last]:
+                return None
+        out = cls.__new__(cls)
+        out.hasher, out.keys, out.token_ids, out.hashes = hasher, keys, tokens, list(hashes)
+        return out
 
     def extend(self, new_tokens: Sequence[int]) -> list[PageHash]:
         """Add tokens; return only the hashes of pages completed by them."""

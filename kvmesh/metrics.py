@@ -317,6 +317,12 @@ PROMPT_PAGES = Counter(
     "hit in its own pool), pulled (from a peer), computed",
     ["worker", "source"],
 )
+REQUEST_HASH_MISMATCHES = Counter(
+    "kvmesh_request_hash_mismatches",
+    "Requests whose router-computed page hashes failed the worker's check (it hashed the "
+    "prompt itself): router and worker disagree on the hash seed, algorithm or keys",
+    ["worker"],
+)
 PAGES_PUSHED = Counter(
     "kvmesh_pages_pushed",
     "Pages a prefill worker pushed to decode workers (disaggregation)",
@@ -453,6 +459,11 @@ COORDINATOR_ERRORS = Counter(
     "kvmesh_coordinator_errors",
     "Calls a coordinator refused, by kind (the KVMeshError subclass)",
     ["coordinator", "kind"],
+)
+COORDINATOR_CALLS = Counter(
+    "kvmesh_coordinator_calls",
+    "Calls a coordinator actor served, by method (the request path makes a route and a report)",
+    ["coordinator", "method"],
 )
 
 # ---------------------------------------------------------------- the gateway

@@ -13,7 +13,7 @@ from typing import Literal
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import InvalidInput
 from kvmesh.hashing import ExtraKeys
-from kvmesh.types import WorkerId
+from kvmesh.types import PageHash, WorkerId
 
 Role = Literal["prefill", "decode", "both"]
 """Which half of a request a worker serves: "both" (the default), or one half of disaggregation."""
@@ -54,6 +54,11 @@ class GenerateRequest:
     so that clocks of different nodes need not agree). `caller_job`: the
     caller's Ray job id (hex), so that the worker stops the request when the
     caller's process is gone. None: no limit / not watched.
+
+    `page_hashes`: the prompt's chained page hashes as the client computed them
+    to route it, so that the worker need not hash the prompt again; it checks
+    them cheaply (`RequestHashes.given`) and hashes the tokens itself only when
+    they are missing (empty) or disagree.
     """
 
     request_id: str
@@ -66,10 +71,43 @@ class GenerateRequest:
     peer_address: str | None = None
     timeout_s: float | None = None
     caller_job: str | None = None
+    page_hashes: tuple[PageHash, ...] = ()
 
     @property
     def extra_keys(self) -> ExtraKeys:
         return ExtraKeys(lora_id=self.lora_id, cache_salt=self.cache_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteOutcome:
+    """What a worker made of a route's promise: pages promised vs pages it really reused.
+
+    The worker sends it with its next report (one call, not awaited by the
+    request), so that predicted vs realized is counted without a call of its
+    own; a difference is a mismatch (e.g. router and worker hash differently).
+    """
+
+    promised_local: int
+    promised_pull: int
+    realized_local: int
+    realized_pull: int
+
+    def check(self) -> RouteOutcome:
+        """Itself, or `InvalidInput` when a count is not a non-negative int (it crossed a
+        process boundary, so its constructor may not have run)."""
+        for name in ("promised_local", "promised_pull", "realized_local", "realized_pull"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise InvalidInput(f"route outcome {name} must be a non-negative int, got {v!r}")
+        return self
+
+    @property
+    def kept(self) -> bool:
+        """Whether the worker reused exactly what the route promised."""
+        return (self.promised_local, self.promised_pull) == (
+            self.realized_local,
+            self.realized_pull,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,4 +165,12 @@ class WorkerStats:
         return self.pages_hit_local / self.prompt_pages if self.prompt_pages else 0.0
 
 
-__all__ = ["ROLES", "GenerateRequest", "PrefillResult", "Role", "WorkerSpec", "WorkerStats"]
+__all__ = [
+    "ROLES",
+    "GenerateRequest",
+    "PrefillResult",
+    "Role",
+    "RouteOutcome",
+    "WorkerSpec",
+    "WorkerStats",
+]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
-from kvmesh.hashing import PageHasher
+from kvmesh.hashing import PageHasher, RequestHashes
 from kvmesh.load import WorkerLoad
 from kvmesh.logs import configure_logging, request_scope
 from kvmesh.metrics import (
@@ -62,7 +62,14 @@ from kvmesh.metrics import (
     WORKER_REQUESTS,
     in_ray_actor,
 )
-from kvmesh.requests import GenerateRequest, PrefillResult, Role, WorkerSpec, WorkerStats
+from kvmesh.requests import (
+    GenerateRequest,
+    PrefillResult,
+    Role,
+    RouteOutcome,
+    WorkerSpec,
+    WorkerStats,
+)
 from kvmesh.security import check_bind_address
 from kvmesh.types import PageHash, PageId, WorkerId
 from kvmesh.worker.cancellation import (
@@ -262,7 +269,8 @@ class WorkerActor:
             return self._generate(request)
 
     def _generate(self, request: GenerateRequest) -> Any:
-        """Serve one request and report the pool's events before answering.
+        """Serve one request; its report (events, load, route outcome) is sent before the
+        answer and never waited for (`EventReporter.report_request`).
 
         Returns the engine's `GenerationResult`. Raises the engine's
         `KVMeshError`s (bad input, full pool); a failed pull is not an error
@@ -276,9 +284,7 @@ class WorkerActor:
         deadline = request_deadline(request.timeout_s, request.caller_job, self.engine.clock)
         hint = RouteHint(request.promised_local, request.promised_pull, request.peer_address)
         pull = self._pull if request.peer_address else None
-        reuse = (request.promised_local + request.promised_pull) * self.hasher.page_size
-        if self._rpc is not None:
-            self.reporter.announce(self._load(max(0, len(request.token_ids) - reuse)))
+        outcome: RouteOutcome | None = None
         with contextlib.ExitStack() as scope:
             caller_gone = None
             if request.caller_job is not None:
@@ -294,6 +300,13 @@ class WorkerActor:
                     pull_fn=pull,
                     cancelled=signals.cancelled,
                     deadline=deadline,
+                    page_hashes=request.page_hashes,
+                )
+                outcome = RouteOutcome(
+                    request.promised_local,
+                    request.promised_pull,
+                    result.pages_hit_local,
+                    result.pages_pulled,
                 )
             except RequestCancelled as exc:
                 count_cancelled(self.worker_id, signals.reason(exc))
@@ -302,7 +315,7 @@ class WorkerActor:
                 WORKER_ERRORS.labels(self.worker_id, type(exc).__name__).inc()
                 raise
             finally:
-                self.reporter.flush_quietly()
+                self.reporter.report_request(outcome)
         wid = self.worker_id
         WORKER_REQUESTS.labels(wid).inc()
         PROMPT_PAGES.labels(wid, "local").inc(result.pages_hit_local)
@@ -338,7 +351,9 @@ class WorkerActor:
         prefill_only = dataclasses.replace(request, max_tokens=0)
         result = self.generate(prefill_only)
         t1 = time.perf_counter()
-        hashes = self.hasher.hash_prompt(request.token_ids, request.extra_keys)
+        tokens, keys = request.token_ids, request.extra_keys
+        given = RequestHashes.given(self.hasher, tokens, keys, request.page_hashes)
+        hashes = given.hashes if given is not None else self.hasher.hash_prompt(tokens, keys)
         pushed, push_error = 0, None
         try:
             pushed = self._push(push_to, hashes, ticket) if hashes else 0

@@ -10,18 +10,28 @@ says the worker is stale or unknown, the next report carries a snapshot
 batch (the whole cached set) instead; `snapshot` serves the same batch to a
 restarting coordinator. Every batch, snapshot or not, takes the next seq
 under one lock, so the coordinator sees one ordered stream.
+
+The report after a request (`report_request`) is the one coordinator call a
+request costs its worker, and the answer never waits for it: it is sent
+(in order, under the lock) before the answer leaves and acknowledged in the
+background. It also carries the request's `RouteOutcome` (promised vs
+reused pages), sent once; an outcome whose report failed goes with the next.
+The lock is never held while a reply is awaited, so a slow coordinator
+delays the heartbeat thread, not a request.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvmesh.errors import InvariantViolation, UnknownWorker
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.load import WorkerLoad
+from kvmesh.requests import RouteOutcome
 from kvmesh.types import WorkerId
 
 if TYPE_CHECKING:
@@ -37,8 +47,8 @@ def remote_cause(exc: BaseException) -> BaseException:
 
 
 class CoordinatorRpc:
-    """Calls on the coordinator: a Ray actor handle, awaited up to `timeout_s` unless the
-    caller does not wait, or, in one process (tests, tools), a plain `Coordinator`."""
+    """Calls on the coordinator: a Ray actor handle, awaited up to `timeout_s`, or, in one
+    process (tests, tools), a plain `Coordinator`, called at once."""
 
     __slots__ = ("coordinator", "timeout_s")
 
@@ -46,17 +56,33 @@ class CoordinatorRpc:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
 
-    def __call__(self, method: str, *args: Any, wait: bool = True, **kwargs: Any) -> Any:
+    def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
         fn = getattr(self.coordinator, method)
         remote = getattr(fn, "remote", None)
         if remote is None:
             return fn(*args, **kwargs)
-        ref = remote(*args, **kwargs)
-        if not wait:
-            return None
         import ray  # only a worker inside Ray gets a handle; tools and tests need no Ray
 
-        return ray.get(ref, timeout=self.timeout_s)
+        return ray.get(remote(*args, **kwargs), timeout=self.timeout_s)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Send the call now without waiting; its reply (or error) comes in the future.
+
+        Ray runs one caller's calls on an actor in the order they were sent, so
+        calls submitted under one lock arrive in that order. In one process the
+        call is made here and the future is already done.
+        """
+        fn = getattr(self.coordinator, method)
+        remote = getattr(fn, "remote", None)
+        if remote is not None:
+            future: Future[Any] = remote(*args, **kwargs).future()
+            return future
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
 
 
 class EventReporter:
@@ -89,10 +115,13 @@ class EventReporter:
         self._lock = threading.Lock()  # seqs are handed out in order under it
         self._next_seq = 0
         self._unacked: list[bytes] = []
+        self._outcomes: list[RouteOutcome] = []  # not sent yet (or their report failed)
         self._needs_snapshot = True  # the first report carries the whole (empty) cached set
+        self._register_due = False  # a background report found the worker unknown
         self.batches_sent = 0
         self.snapshots_sent = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(
             target=self._heartbeat_loop, name=f"kvmesh-heartbeat-{worker_id}", daemon=True
         )
@@ -115,6 +144,7 @@ class EventReporter:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def snapshot(self) -> bytes:
         """A snapshot batch of the whole cached set, taking the next seq (for a coordinator
@@ -128,14 +158,64 @@ class EventReporter:
             return data
 
     def flush(self) -> bool:
-        """Report queued events and the load now; True when acknowledged.
+        """Report queued events, outcomes and the load now; True when acknowledged.
 
         Raises nothing when the coordinator is away: the batches stay queued and
-        go out (again) with the next report.
+        go out (again) with the next report. Registers again first if a
+        background report found this worker unknown, and when this one does.
         """
         if self._rpc is None:
             self._pages.take_events()
             return False
+        if self._register_due:
+            self._register_again()
+        sent = self._submit()
+        if sent is None:
+            return False
+        future, batches, outcomes = sent
+        try:
+            reply = future.result(timeout=self._rpc.timeout_s)
+        except Exception as exc:
+            self._failed(exc, outcomes, register_now=True)
+            return False
+        self._settle(batches, reply)
+        return True
+
+    def flush_quietly(self) -> None:
+        """`flush`, logging instead of raising: reporting must never fail a request."""
+        try:
+            self.flush()
+        except Exception:
+            log.exception("flushing events failed")
+
+    def report_request(self, outcome: RouteOutcome | None = None) -> None:
+        """Report what a request changed, and its `outcome`, without waiting for the reply.
+
+        The call is sent before this returns (so before the answer leaves, and
+        the next route sees the request's pages) and acknowledged in the
+        background; a failure is logged and what it carried goes with the next
+        report. Never raises: reporting must never fail a request.
+        """
+        if self._rpc is None:
+            self._pages.take_events()
+            return
+        try:
+            with self._lock:
+                if outcome is not None:
+                    self._outcomes.append(outcome)
+            sent = self._submit()
+            if sent is None:
+                return
+            future, batches, outcomes = sent
+            future.add_done_callback(lambda done: self._acknowledged(done, batches, outcomes))
+        except Exception:
+            log.exception("reporting a request's events failed")
+
+    def _submit(self) -> tuple[Future[Any], list[bytes], list[RouteOutcome]] | None:
+        """Build the next batch and send every unacknowledged one with the queued outcomes;
+        None when sending failed at once (logged; everything stays queued)."""
+        if self._rpc is None:  # pragma: no cover - callers check
+            return None
         with self._lock:
             if self._needs_snapshot:
                 self._unacked.clear()  # the snapshot covers them
@@ -146,42 +226,60 @@ class EventReporter:
                 data = self._batch(snapshot=False)
             if data is not None:
                 self._unacked.append(data)
-            batches = list(self._unacked)
+            batches, outcomes = list(self._unacked), self._outcomes
+            self._outcomes = []
             try:
-                reply = self._rpc("report", self.worker_id, batches, self._load())
+                future = self._rpc.submit("report", self.worker_id, batches, self._load(), outcomes)
             except Exception as exc:
-                cause = remote_cause(exc)
-                if isinstance(cause, UnknownWorker):  # expired, or the coordinator lost us
-                    self._needs_snapshot = True
-                    try:
-                        self.register()
-                    except Exception as again:
-                        log.warning("re-registering failed (will retry): %s", remote_cause(again))
-                else:
-                    log.warning("report to the coordinator failed (will resend): %s", cause)
-                return False
-            self._unacked.clear()
+                self._outcomes[:0] = outcomes
+                log.warning("report to the coordinator failed (will resend): %s", exc)
+                return None
+        return future, batches, outcomes
+
+    def _acknowledged(
+        self, done: Future[Any], batches: list[bytes], outcomes: list[RouteOutcome]
+    ) -> None:
+        """The reply to a `report_request`, on whatever thread delivered it."""
+        try:
+            reply = done.result()
+        except Exception as exc:
+            self._failed(exc, outcomes, register_now=False)
+            return
+        self._settle(batches, reply)
+
+    def _settle(self, batches: Sequence[bytes], reply: Any) -> None:
+        """An acknowledged report: its batches leave the queue; a stale index asks a snapshot."""
+        with self._lock:
+            acked = {id(b) for b in batches}
+            self._unacked = [b for b in self._unacked if id(b) not in acked]
             self.batches_sent += len(batches)
             if reply.needs_snapshot:
                 self._needs_snapshot = True
-            return True
 
-    def flush_quietly(self) -> None:
-        """`flush`, logging instead of raising: reporting must never fail a request."""
-        try:
-            self.flush()
-        except Exception:
-            log.exception("flushing events failed")
-
-    def announce(self, load: WorkerLoad) -> None:
-        """Tell the coordinator `load` without waiting (best effort): routing weighs
-        queued prefill work, which it would otherwise learn of only after it ended."""
-        if self._rpc is None:
+    def _failed(
+        self, exc: BaseException, outcomes: Sequence[RouteOutcome], *, register_now: bool
+    ) -> None:
+        """A report that failed: its outcomes wait for the next; an unknown worker registers
+        again (now, or from the heartbeat thread, woken, when a reply thread saw it)."""
+        with self._lock:
+            self._outcomes[:0] = outcomes
+        cause = remote_cause(exc)
+        if not isinstance(cause, UnknownWorker):  # expired, or the coordinator lost us
+            log.warning("report to the coordinator failed (will resend): %s", cause)
             return
+        self._needs_snapshot = True
+        self._register_due = True
+        if register_now:
+            self._register_again()
+        else:
+            self._wake.set()
+
+    def _register_again(self) -> None:
         try:
-            self._rpc("heartbeat", self.worker_id, load, wait=False)
-        except Exception as exc:
-            log.warning("load announcement failed: %s", remote_cause(exc))
+            self.register()
+            self._register_due = False
+        except Exception as again:
+            log.warning("re-registering failed (will retry): %s", remote_cause(again))
 
     def _batch(self, snapshot: bool) -> bytes | None:
         """Drain events into the next batch; a snapshot batch carries the whole cached set.
@@ -206,8 +304,11 @@ class EventReporter:
         return encode_batch(batch)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.flush_quietly()
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.flush_quietly()
 
 
 __all__ = ["CoordinatorRpc", "EventReporter", "remote_cause"]

@@ -6,7 +6,7 @@ Pure of Ray and gRPC: the actor owns a `ServingEngine` and injects the pull
 same code in one process. The engine never inserts a page itself: it takes
 from the pool what the pull cached. The steps of `ServingEngine.serve`::
 
-    tokens ─► page hashes (chained, with extra keys)
+    tokens ─► page hashes (the client's, checked cheaply; or chained here)
            ─► local match  ── pages the pool already holds      (pages_hit_local)
            ─► pull_fn      ── pages the route's peer holds      (pages_pulled)
            ─► compute      ── the rest, chunk by chunk over the cached KV,
@@ -44,7 +44,8 @@ from kvmesh.errors import (
     RequestExpired,
 )
 from kvmesh.events import KVEvent
-from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes
+from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes, reusable_pages
+from kvmesh.metrics import REQUEST_HASH_MISMATCHES
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.free_queue import KVPage
@@ -277,6 +278,7 @@ class ServingEngine:
         self._state = threading.Lock()
         self._active: dict[str, list[int]] = {}  # request id -> [prefill, decode] tokens to go
         self._waiting = 0
+        self._warned_hashes = False
 
     # ------------------------------------------------------------------ serving
 
@@ -292,8 +294,14 @@ class ServingEngine:
         arrival_time: float | None = None,
         cancelled: Callable[[], bool] | None = None,
         deadline: float | None = None,
+        page_hashes: Sequence[PageHash] = (),
     ) -> GenerationResult:
         """Answer one request with `max_tokens` greedy tokens; see the module docstring.
+
+        `page_hashes`: the prompt's hashes as the router computed them; taken
+        after a two-page check (`RequestHashes.given`), else (none given, or
+        they disagree: counted in ``kvmesh_request_hash_mismatches``) the
+        prompt is hashed here.
 
         `arrival_time` (on `clock`) starts the queue time; default: now. Raises
         `InvalidInput` for bad tokens, lengths or a request id already running, and
@@ -317,7 +325,7 @@ class ServingEngine:
                 f"but the pool has only {self.pool.num_pages - 1}; shorten the prompt or grow "
                 "the pool (num_pages)"
             )
-        request = Request(request_id, RequestHashes(self.hasher, tokens, extra_keys))
+        request = Request(request_id, self._hashes(tokens, extra_keys, page_hashes))
         with self._admitted(request_id, len(tokens), max_tokens, stop):
             stop.check("before it started")
             started = self.clock()
@@ -388,6 +396,26 @@ class ServingEngine:
             return self.cache_manager.take_events()
 
     # ----------------------------------------------------------------- steps
+
+    def _hashes(
+        self, tokens: list[int], keys: ExtraKeys, given: Sequence[PageHash]
+    ) -> RequestHashes:
+        if given:
+            checked = RequestHashes.given(self.hasher, tokens, keys, given)
+            if checked is not None:
+                return checked
+            REQUEST_HASH_MISMATCHES.labels(self.worker_id).inc()
+            if not self._warned_hashes:  # once: a misconfigured router sends many
+                self._warned_hashes = True
+                log.warning(
+                    "the router's page hashes of a %d-token prompt disagree with this "
+                    "worker's (hash seed %r, %s): hashing prompts here; check the "
+                    "cluster's hash settings (kvmesh_request_hash_mismatches counts them)",
+                    len(tokens),
+                    self.hasher.seed,
+                    self.hasher.algo,
+                )
+        return RequestHashes(self.hasher, tokens, keys)
 
     def _check_request(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -494,7 +522,7 @@ class ServingEngine:
         """Have `pull_fn` bring the pages past the local prefix from the hinted peer into the
         pool; notes which hashes it asked for and why it failed, if it did."""
         hashes = request.page_hashes
-        limit = min((request.num_tokens - 1) // self.page_size, len(hashes))
+        limit = min(reusable_pages(request.num_tokens, self.page_size), len(hashes))
         end = min(hint.promised_local + hint.promised_pull, limit)
         with self.lock:
             start = len(self.pool.match_prefix(hashes, limit))

@@ -15,6 +15,7 @@ from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, EventDecodeError, InvalidInput, NoWorkers, UnknownWorker
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import PageHasher
+from kvmesh.requests import RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.page_pool import PagePool
 
@@ -242,6 +243,39 @@ def test_predicted_and_realized_pages_are_counted_and_mismatches_show_up() -> No
     assert (s.results_recorded, s.mismatches, s.realized_local_pages) == (2, 1, 4)
     with pytest.raises(InvalidInput):
         coord.record_result(-1, 0, 0, 0)
+
+
+def test_outcomes_ride_with_a_report_and_are_counted_like_record_result() -> None:
+    coord, (w0, *_), _ = cluster(1)
+    w0.serve(prompt(2, tag=30))
+    kept, missed = RouteOutcome(2, 0, 2, 0), RouteOutcome(3, 1, 0, 0)
+    coord.report(w0.worker_id, [w0.batch()], None, [kept, missed])
+    s = coord.stats()
+    assert (s.results_recorded, s.mismatches, s.realized_local_pages) == (2, 1, 2)
+    assert coord.index.worker_pages(w0.worker_id) == frozenset(w0.pool.cached_hashes())
+
+
+def test_a_bad_outcome_refuses_the_whole_report_and_changes_nothing() -> None:
+    coord, (w0, *_), _ = cluster(1)
+    w0.serve(prompt(2, tag=31))
+    with pytest.raises(InvalidInput, match="realized_pull"):
+        coord.report(w0.worker_id, [w0.batch()], None, [RouteOutcome(1, 0, 1, -2)])
+    assert coord.stats().results_recorded == 0
+    assert coord.index.worker_pages(w0.worker_id) == frozenset()
+
+
+def test_a_routed_request_weighs_on_its_worker_until_the_worker_reports() -> None:
+    coord, _, _ = cluster(2)
+    p = prompt(3, tag=32)
+    coord.route(p, 3 * PAGE + 2)  # a look: nothing is sent
+    assert all(load.active_prefill_tokens == 0 for load in coord.view(p).loads)
+    decision = coord.route(p, 3 * PAGE + 2, request_id="r1")
+    loads = {load.worker_id: load for load in coord.view(p).loads}
+    routed = loads[decision.worker_id]
+    assert (routed.active_prefill_tokens, routed.active_requests) == (3 * PAGE + 2, 1)
+    assert sum(load.active_requests for load in loads.values()) == 1
+    coord.report(decision.worker_id, [], WorkerLoad(decision.worker_id))  # measured: idle
+    assert all(load.active_prefill_tokens == 0 for load in coord.view(p).loads)
 
 
 def test_stats_count_routes_batches_and_pages() -> None:

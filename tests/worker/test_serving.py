@@ -23,6 +23,7 @@ from kvmesh.errors import (
 )
 from kvmesh.events import PagesStored
 from kvmesh.hashing import ExtraKeys, PageHasher, RequestHashes
+from kvmesh.metrics import REQUEST_HASH_MISMATCHES
 from kvmesh.types import PageHash
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.kv_store import KVStore, PageBlob
@@ -187,6 +188,32 @@ def test_serving_caches_the_full_prompt_pages_and_announces_them(model: TinyTran
     assert stored == PageHasher(PAGE).hash_prompt(p)
     assert engine.pool.cached_hashes() == set(stored)
     assert engine.take_events() == []
+
+
+def test_the_routers_page_hashes_are_taken_when_they_check_out(model: TinyTransformer) -> None:
+    engine = make_engine(model)
+    p = prompt(4 * PAGE + 3, seed=21)
+    hashes = PageHasher(PAGE).hash_prompt(p)
+    before = REQUEST_HASH_MISMATCHES.value(worker=engine.worker_id)
+    first = engine.serve("a", p, 3, page_hashes=hashes)
+    again = engine.serve("b", p, 3, page_hashes=hashes)
+    assert engine.pool.cached_hashes() == set(hashes)
+    assert again.pages_hit_local == 4
+    assert list(first.tokens) == list(again.tokens) == engine.compute_from_scratch(p, 3)
+    assert REQUEST_HASH_MISMATCHES.value(worker=engine.worker_id) == before
+
+
+def test_a_routers_hashes_of_another_seed_are_counted_and_replaced_by_the_workers(
+    model: TinyTransformer,
+) -> None:
+    engine = make_engine(model)
+    p = prompt(3 * PAGE + 1, seed=22)
+    wrong = PageHasher(PAGE, seed="another cluster").hash_prompt(p)
+    before = REQUEST_HASH_MISMATCHES.value(worker=engine.worker_id)
+    result = engine.serve("a", p, 2, page_hashes=wrong)
+    assert REQUEST_HASH_MISMATCHES.value(worker=engine.worker_id) == before + 1
+    assert engine.pool.cached_hashes() == set(PageHasher(PAGE).hash_prompt(p))
+    assert list(result.tokens) == engine.compute_from_scratch(p, 2)
 
 
 def test_cache_salts_separate_tenants_completely(model: TinyTransformer) -> None:

@@ -9,7 +9,7 @@ without Ray. Heartbeats are made rare so that only explicit flushes report.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ from kvmesh.config import TransferConfig
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportError
 from kvmesh.events import decode_batch
-from kvmesh.requests import WorkerSpec
+from kvmesh.requests import RouteOutcome, WorkerSpec
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor
 from kvmesh.worker.grpc_wire import WireChannel
@@ -45,17 +45,25 @@ class Link:
     def __init__(self, target: Coordinator) -> None:
         self.target = target
         self.batches: list[bytes] = []
+        self.outcomes: list[RouteOutcome] = []
         self.fail_next = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
 
-    def report(self, worker_id: WorkerId, batches: list[bytes], load: Any = None) -> Any:
+    def report(
+        self,
+        worker_id: WorkerId,
+        batches: list[bytes],
+        load: Any = None,
+        outcomes: Sequence[RouteOutcome] = (),
+    ) -> Any:
         if self.fail_next:
             self.fail_next -= 1
             raise TransportError("injected: the coordinator is unreachable")
         self.batches.extend(batches)
-        return self.target.report(worker_id, batches, load)
+        self.outcomes.extend(outcomes)
+        return self.target.report(worker_id, batches, load, outcomes)
 
 
 @pytest.fixture()
