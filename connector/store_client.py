@@ -27,6 +27,7 @@ from kvmesh.proto import kvmesh_pb2 as pb
 CONTROL_SERVICE = "kvmesh.v1.EngineStore"
 PAGE_SERVICE = "kvmesh.v1.KVWorker"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+RECONNECT_BACKOFF_MS = (100, 1000)  # first and longest wait before redialling the store
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,11 @@ class StoreClient:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # a restarted store on loopback is found again within a second (gRPC's default
+            # backoff grows to 120 s, which would leave the engine without its store)
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
         ]
         self._control = grpc.insecure_channel(control_address, options=options)
         self._pages = grpc.insecure_channel(page_address, options=options)
