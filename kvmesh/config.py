@@ -144,7 +144,7 @@ class ModelConfig:
     max_positions: int = 8192  # longest prompt plus answer, in tokens
     seed: int = field(default=1234, metadata={"env": "KVMESH_MODEL_SEED"})  # model weights
     dtype: str = "float32"  # model and KV page dtype (a name in kvmesh.worker.model.DTYPES)
-    device: str = "cpu"  # where the model and KV pages live: "cpu", "cuda" or "cuda:N"
+    device: str = "auto"  # model and KV pages: "auto" (cuda if the worker has one), "cpu", "cuda:N"
     rope_theta: float = 10000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMS norm epsilon
     prefill_chunk_tokens: int = 512  # chunked prefill: tokens per model call (rounded to pages)
