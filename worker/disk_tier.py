@@ -27,7 +27,7 @@ import os
 import struct
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -223,17 +223,40 @@ class DiskTier:
         size = len(head) + len(data)
         evicted = self._make_room(size, meta.tenant)
         self._write(self.path_of(meta.page_hash), head, data)
+        return evicted + self.admit(meta, size)
+
+    def write(self, meta: PageMeta, blob: PageBlob) -> int:
+        """Only the file of `put` (crash-safe), touching no state, so that a background
+        writer can run it without the owner's lock; `admit` it then. Returns its size."""
+        if blob.dtype != self.dtype or tuple(blob.shape) != self.page_shape:
+            raise InvalidInput(
+                f"disk tier holds {self.dtype} {list(self.page_shape)} pages, got "
+                f"{blob.dtype} {list(blob.shape)}"
+            )
+        head, data = encode_page_file(meta, blob)
+        self._write(self.path_of(meta.page_hash), head, data)
+        return len(head) + len(data)
+
+    def admit(self, meta: PageMeta, size: int) -> list[PageMeta]:
+        """Hold a page whose file `write` made; returns the pages evicted to fit the budget."""
+        if meta.page_hash in self._entries:  # written twice: the file was replaced whole
+            self._entries.move_to_end(meta.page_hash)
+            return []
         self._entries[meta.page_hash] = DiskEntry(meta, size)
         self.tenant_pages[meta.tenant] += 1
         self.used_bytes += size
-        return evicted
+        if self.used_bytes <= self.budget_bytes:
+            return []
+        return self._make_room(0, meta.tenant, keep=meta.page_hash)  # never its own victim
 
-    def _make_room(self, size: int, tenant: str) -> list[PageMeta]:
+    def _make_room(self, size: int, tenant: str, keep: PageHash | None = None) -> list[PageMeta]:
         evicted: list[PageMeta] = []
         capacity = max(1, self.budget_bytes // self.page_file_bytes)
-        while self.used_bytes + size > self.budget_bytes and self._entries:
+        while self.used_bytes + size > self.budget_bytes and len(self._entries) > (
+            keep is not None
+        ):
             (victim,) = self.policy.choose(
-                ((h, e.meta.tenant) for h, e in self._entries.items()),
+                ((h, e.meta.tenant) for h, e in self._entries.items() if h != keep),
                 self.tenant_pages,
                 capacity,
                 1,
@@ -369,9 +392,13 @@ class DiskTier:
                 path.unlink(missing_ok=True)
         return []
 
-    def check_invariants(self) -> None:
-        """Raise `InvariantViolation` unless entries, files, bytes and tenant counts agree."""
+    def check_invariants(self, in_flight: Iterable[PageHash] = ()) -> None:
+        """Raise `InvariantViolation` unless entries, files, bytes and tenant counts agree.
+
+        `in_flight`: hashes a background writer may have written but not admitted yet.
+        """
         files = {p.name for p in self.directory.iterdir() if p.name.endswith(SUFFIX)}
+        files -= {h.hex() + SUFFIX for h in in_flight if h not in self._entries}
         names = {h.hex() + SUFFIX for h in self._entries}
         if files != names:
             raise InvariantViolation(

@@ -41,8 +41,11 @@ worker's pool lock covers every call, as for the pool itself.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -51,7 +54,13 @@ from torch import Tensor
 from kvmesh.config import ClusterConfig, PoolConfig
 from kvmesh.errors import ConfigError, DiskPageCorrupt, InvariantViolation
 from kvmesh.events import PagesRemoved, PagesStored
-from kvmesh.metrics import TIER_EVICTIONS, TIER_PAGES, TIER_PROMOTIONS, TIER_SPILLS
+from kvmesh.metrics import (
+    DISK_PAGES_DROPPED,
+    TIER_EVICTIONS,
+    TIER_PAGES,
+    TIER_PROMOTIONS,
+    TIER_SPILLS,
+)
 from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.cache_manager import KVCacheManager
@@ -62,6 +71,8 @@ from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PageMeta, PagePool, wire_tenant
 from kvmesh.worker.page_service import PageService
 from kvmesh.worker.tenant_share import EvictionPolicy, make_eviction
+
+log = logging.getLogger(__name__)
 
 DEVICE = "gpu"
 HOST = "cpu"
@@ -93,7 +104,8 @@ class TieredCache:
         weights: TenantWeights | None = None,
         pin_memory: bool | None = None,
         worker: str = "worker",
-        clock: Callable[[], float] = time.perf_counter,
+        lock: AbstractContextManager[object] | None = None,
+        max_queued_writes: int = 1024,
     ) -> None:
         if store.num_pages != pool.num_pages:
             raise ConfigError(
@@ -117,7 +129,6 @@ class TieredCache:
         self.pool = pool
         self.store = store
         self.worker = worker
-        self.clock = clock
         self.policy: EvictionPolicy = make_eviction(eviction, weights)
         if eviction != "lru":
             pool.eviction = self.policy
@@ -142,6 +153,12 @@ class TieredCache:
             else None
         )
         self._published: dict[str, set[str]] = {tier: set() for tier in TIER_ORDER}
+        # with the owner's lock, disk writes leave the request path (DiskWriter)
+        self.writer: DiskWriter | None = (
+            DiskWriter(self, self.disk, lock, max_queued_writes)
+            if self.disk is not None and lock is not None
+            else None
+        )
         pool.spill_listener = self._spill
         pool.snapshot_hook = self.snapshot_events
         self.publish()
@@ -154,8 +171,10 @@ class TieredCache:
         cfg: PoolConfig,
         weights: TenantWeights | None = None,
         worker: str = "worker",
+        lock: AbstractContextManager[object] | None = None,
     ) -> TieredCache:
-        """Tiers as `cfg` asks (`weights`: the cluster's, ``CoordinatorConfig.tenant_weights``)."""
+        """Tiers as `cfg` asks (`weights`: the cluster's, ``CoordinatorConfig.tenant_weights``;
+        `lock`: the owner's, to write disk pages in the background)."""
         return cls(
             pool,
             store,
@@ -167,6 +186,7 @@ class TieredCache:
             eviction=cfg.eviction,
             weights=weights,
             worker=worker,
+            lock=lock,
         )
 
     @classmethod
@@ -179,12 +199,14 @@ class TieredCache:
         worker: str = "worker",
     ) -> TieredCache | None:
         """The tiers `config` asks for, attached to a worker's cache manager (lookups promote)
-        and page service (pulls promote), or None when it asks for none."""
+        and page service (pulls promote; its lock covers background disk writes), or None
+        when it asks for none."""
         cfg = config.pool
         if not (cfg.host_pages or cfg.disk_dir or cfg.eviction != "lru"):
             return None
         weights = TenantWeights.parse(config.coordinator.tenant_weights)
-        tiers = cls.from_config(manager.pool, store, cfg, weights, worker)
+        lock = service.lock if service is not None else None
+        tiers = cls.from_config(manager.pool, store, cfg, weights, worker, lock)
         manager.attach_tiers(tiers)
         if service is not None:
             service.tiers = tiers
@@ -245,16 +267,43 @@ class TieredCache:
         disk = self.disk
         if disk is None:
             return
+        if self.writer is not None:
+            self.writer.submit(pages)
+            return
         dtype = self.store.dtype_name
         for meta, page in pages:
             if meta.page_hash in disk:
                 disk.put(meta, page_blob(page, dtype))  # refreshes its place in the LRU
                 continue
-            dropped = disk.put(meta, page_blob(page, dtype))
-            self._stored([meta], DISK)
-            for m in dropped:
-                TIER_EVICTIONS.labels(self.worker, DISK, m.tenant).inc()
-            self._removed(dropped, DISK)
+            self._on_disk(meta, disk.put(meta, page_blob(page, dtype)))
+
+    def _on_disk(self, meta: PageMeta, dropped: list[PageMeta]) -> None:
+        """`meta` entered the disk tier, `dropped` left it for room: say so."""
+        self._stored([meta], DISK)
+        for m in dropped:
+            TIER_EVICTIONS.labels(self.worker, DISK, m.tenant).inc()
+        self._removed(dropped, DISK)
+
+    def admit_written(self, meta: PageMeta, size: int) -> None:
+        """A background write of `meta` finished (`DiskWriter`; the owner's lock is held)."""
+        disk = self.disk
+        if disk is None:
+            return
+        if meta.page_hash in disk:
+            disk.admit(meta, size)  # refreshed; the file was replaced by the same bytes
+            return
+        self._on_disk(meta, disk.admit(meta, size))
+        self.publish()
+
+    def flush(self) -> None:
+        """Wait until every queued disk write is on disk and admitted (call without the lock)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Finish the queued disk writes and stop the writer thread."""
+        if self.writer is not None:
+            self.writer.close()
 
     def _stored(self, metas: Sequence[PageMeta], tier: str) -> None:
         size = self.pool.page_size
@@ -328,11 +377,18 @@ class TieredCache:
         (dropped and its removal recorded)."""
         taken: list[tuple[PageMeta, Tensor | PageBlob, str]] = []
         host, disk = self.host, self.disk
-        for h in run:
-            if host is not None and h in host:
-                (meta,), data = host.take([h])
-                taken.append((meta, data[0], HOST))
+        i = 0
+        while i < len(run):
+            end = i
+            while host is not None and end < len(run) and run[end] in host:
+                end += 1
+            if end > i and host is not None:  # a stretch in host memory: one copy
+                metas, data = host.take(run[i:end])
+                taken.extend((m, data[k], HOST) for k, m in enumerate(metas))
+                i = end
                 continue
+            h = run[i]
+            i += 1
             if disk is None:
                 break
             entry = disk.get(h)
@@ -410,7 +466,7 @@ class TieredCache:
                     f"host tier holds {len(self.host)} > {self.host.num_pages}"
                 )
         if self.disk is not None:
-            self.disk.check_invariants()
+            self.disk.check_invariants(self.writer.in_flight() if self.writer else frozenset())
 
 
 def _parents_first(events: list[PagesStored]) -> list[PagesStored]:
@@ -433,3 +489,83 @@ def _parents_first(events: list[PagesStored]) -> list[PagesStored]:
         stack.extend(reversed(by_parent.get(ev.page_hashes[0], [])))
     ordered.extend(ev for ev in events if (ev.page_hashes[0], ev.medium) not in emitted)
     return ordered
+
+
+class DiskWriter:
+    """Writes the host tier's evictions to the disk tier off the request path (one thread).
+
+    `submit` never blocks: a page that finds `max_queued` pages waiting is dropped
+    (it was evicted; the disk just never sees it) and counted as a disk eviction.
+    The thread writes each file (temp, fsync, rename) without the owner's lock and
+    then admits it under the lock, recording its `PagesStored`; until then a lookup
+    misses it. A failed write (disk full, I/O error) drops the page, logged and
+    counted (``kvmesh_disk_pages_dropped_total{reason="write_error"}``).
+    """
+
+    def __init__(
+        self,
+        tiers: TieredCache,
+        disk: DiskTier,
+        lock: AbstractContextManager[object],
+        max_queued: int,
+    ) -> None:
+        self._tiers = tiers
+        self._disk = disk
+        self._lock = lock
+        self._queue: queue.Queue[tuple[PageMeta, Tensor] | None] = queue.Queue(max(1, max_queued))
+        self._pending: set[PageHash] = set()
+        self._state = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvmesh-disk-writer-{tiers.worker}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, pages: Iterable[tuple[PageMeta, Tensor]]) -> None:
+        for meta, page in pages:
+            with self._state:
+                self._pending.add(meta.page_hash)
+            try:
+                self._queue.put_nowait((meta, page))
+            except queue.Full:
+                with self._state:
+                    self._pending.discard(meta.page_hash)
+                TIER_EVICTIONS.labels(self._tiers.worker, DISK, meta.tenant).inc()
+
+    def in_flight(self) -> frozenset[PageHash]:
+        """Hashes queued or being written (their files may exist before they are admitted)."""
+        with self._state:
+            return frozenset(self._pending)
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        dtype = self._tiers.store.dtype_name
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                meta, page = item
+                try:
+                    size = self._disk.write(meta, page_blob(page, dtype))
+                except OSError as exc:
+                    log.warning(
+                        "disk tier write of %s failed, page dropped: %s",
+                        meta.page_hash.hex()[:16],
+                        exc,
+                    )
+                    DISK_PAGES_DROPPED.labels(self._tiers.worker, "write_error").inc()
+                    continue
+                with self._lock:
+                    self._tiers.admit_written(meta, size)
+            finally:
+                if item is not None:
+                    with self._state:
+                        self._pending.discard(item[0].page_hash)
+                self._queue.task_done()

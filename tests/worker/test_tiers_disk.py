@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from kvmesh.events import PagesRemoved, PagesStored
 from kvmesh.metrics import DISK_PAGES_DROPPED
 from kvmesh.types import PageHash
 from kvmesh.worker.disk_tier import SUFFIX, DiskTier
+from kvmesh.worker.kv_store import PageBlob
 from kvmesh.worker.page_pool import PageMeta, PagePool
 from kvmesh.worker.tiered_cache import DISK, HOST, TieredCache, page_blob
 
@@ -182,3 +184,55 @@ def test_bytes_read_back_from_a_disk_file_are_the_pages_own(tmp_path: Path) -> N
         assert got is not None and got[0] == meta
         store.import_page(1, got[1])  # type: ignore[arg-type]
         assert same_bits(store.read_page(1), page)  # type: ignore[arg-type]
+
+
+def test_spilling_to_disk_never_waits_for_the_disk(tmp_path: Path) -> None:
+    lock = threading.RLock()
+    rig = TierRig(4, disk_dir=tmp_path, disk_bytes=1 << 20, lock=lock, worker="w-async")
+    disk, writer = rig.tiers.disk, rig.tiers.writer
+    assert disk is not None and writer is not None
+    release = threading.Event()
+    write = disk.write
+
+    def slow_write(meta: PageMeta, blob: PageBlob) -> int:
+        release.wait(30)  # a disk that takes its time
+        return write(meta, blob)
+
+    disk.write = slow_write  # type: ignore[method-assign]
+    first = prompt(1, 2)
+    with lock:
+        rig.serve(first)
+        rig.serve(prompt(2, 2))  # evicts first's pages to the (stalled) disk
+    heads = rig.request(first).page_hashes
+    assert writer.in_flight() >= set(heads) and len(disk) == 0  # not admitted yet
+    held: dict[str, set[PageHash]] = {}
+    replay_by_tier(rig.pool.take_events(), held)
+    assert not held.get(DISK)
+    release.set()
+    rig.tiers.flush()
+    replay_by_tier(rig.pool.take_events(), held)
+    assert held[DISK] == set(heads) == {e.meta.page_hash for e in disk.entries()}
+    with lock:
+        rig.tiers.check_invariants()
+        assert rig.serve(first) == 2
+    rig.tiers.close()
+
+
+def test_a_failed_disk_write_drops_the_page_and_counts_it(tmp_path: Path) -> None:
+    lock = threading.RLock()
+    rig = TierRig(4, disk_dir=tmp_path, disk_bytes=1 << 20, lock=lock, worker="w-wfail")
+    disk = rig.tiers.disk
+    assert disk is not None
+
+    def failing_write(meta: PageMeta, blob: PageBlob) -> int:
+        raise OSError(28, "No space left on device")
+
+    disk.write = failing_write  # type: ignore[method-assign]
+    before = dropped("w-wfail", "write_error")
+    with lock:
+        rig.serve(prompt(1, 2))
+        rig.serve(prompt(2, 2))
+    rig.tiers.flush()
+    assert dropped("w-wfail", "write_error") == before + 2
+    assert len(disk) == 0 and not list(tmp_path.glob("*" + SUFFIX))
+    rig.tiers.close()
