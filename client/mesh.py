@@ -66,7 +66,7 @@ from kvmesh.errors import (
 from kvmesh.hashing import ExtraKeys, PageHasher, reusable_pages
 from kvmesh.logs import request_scope
 from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
-from kvmesh.requests import GenerateRequest, WorkerStats
+from kvmesh.requests import GenerateRequest, GenerationResult, RouteDecision, WorkerStats
 from kvmesh.security import TenantPolicy, check_cluster
 from kvmesh.settings import settings_for, validate_cluster_config
 from kvmesh.types import PageHash, WorkerId
@@ -375,7 +375,7 @@ class KVMesh:
         lora_id: int | None = None,
         *,
         api_key: str | None = None,
-    ) -> Any:
+    ) -> GenerationResult:
         """Route and serve one request; returns the worker's `GenerationResult`."""
         return _run(self.agenerate(prompt, max_tokens, cache_salt, lora_id, api_key=api_key))
 
@@ -387,7 +387,7 @@ class KVMesh:
         *,
         role: str | None = None,
         api_key: str | None = None,
-    ) -> Any:
+    ) -> RouteDecision:
         """The coordinator's `RouteDecision` for `prompt` (nothing is served)."""
         return _run(self.aroute(prompt, cache_salt, lora_id, role=role, api_key=api_key))
 
@@ -402,7 +402,7 @@ class KVMesh:
         *,
         role: str | None = None,
         api_key: str | None = None,
-    ) -> Any:
+    ) -> RouteDecision:
         tokens = self.tokens(prompt)
         hashes = self.hashes(tokens, cache_salt, lora_id, api_key=api_key)
         return await self._route(tokens, hashes, role, "")
@@ -415,7 +415,7 @@ class KVMesh:
         lora_id: int | None = None,
         *,
         api_key: str | None = None,
-    ) -> Any:
+    ) -> GenerationResult:
         """Async `generate`: awaits object refs, never blocks the event loop."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidInput(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
@@ -531,7 +531,7 @@ class KVMesh:
 
     async def _route(
         self, tokens: Sequence[int], hashes: Sequence[PageHash], role: str | None, rid: str
-    ) -> Any:
+    ) -> RouteDecision:
         args = (list(hashes), len(tokens), self.config.hash.page_size, self.pull, role, self.policy)
         try:
             return await self._call(self._coordinator.route.remote(*args, rid), None)
@@ -573,7 +573,7 @@ class KVMesh:
             )
         return w
 
-    def _promise(self, decision: Any, num_tokens: int) -> tuple[int, int, str | None]:
+    def _promise(self, decision: RouteDecision, num_tokens: int) -> tuple[int, int, str | None]:
         """What a worker can really reuse of the decision: never the prompt's last token."""
         limit = reusable_pages(num_tokens, self.config.hash.page_size)
         local = min(decision.local_pages, limit)
@@ -585,7 +585,7 @@ class KVMesh:
             return local, 0, None
         return local, pull, peer.address
 
-    async def _serve(self, base: Any, hashes: Sequence[PageHash]) -> Any:
+    async def _serve(self, base: GenerateRequest, hashes: Sequence[PageHash]) -> GenerationResult:
         decision = await self._route(base.token_ids, hashes, None, base.request_id)
         w = await self._handle(decision.worker_id)
         local, pull, peer = self._promise(decision, len(base.token_ids))
@@ -594,7 +594,9 @@ class KVMesh:
         )
         return await self._call(w.actor.generate.remote(request), w.worker_id)
 
-    async def _disaggregated(self, base: Any, hashes: Sequence[PageHash]) -> Any:
+    async def _disaggregated(
+        self, base: GenerateRequest, hashes: Sequence[PageHash]
+    ) -> GenerationResult:
         n = len(base.token_ids)
         pre_d = await self._route(base.token_ids, hashes, "prefill", base.request_id)
         dec_d = await self._route(base.token_ids, hashes, "decode", base.request_id)

@@ -34,6 +34,7 @@ from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.tiers import TierCosts, TierPages
 from kvmesh.errors import ConfigError, InvalidInput, NoWorkers
 from kvmesh.load import WorkerLoad  # re-exported: callers still import it from here
+from kvmesh.requests import RouteDecision  # re-exported, as WorkerLoad
 from kvmesh.types import PageHash, WorkerId
 
 _EPS = 1e-9
@@ -59,29 +60,6 @@ class RouteRequest:
     def num_pages(self) -> int:
         """Pages the prompt occupies (a partial last page counts)."""
         return max(len(self.hashes), -(-self.num_tokens // self.page_size))
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """Where a request goes and what it can reuse there.
-
-    `local_pages`: the prefix the chosen worker holds (as far as the index
-    trusts it). `peer_id`/`peer_pages`: a worker holding a longer prefix and
-    how many pages beyond `local_pages` it could give. `degraded`: the worker
-    was picked from stale, full or draining workers because no healthy one was
-    left.
-    """
-
-    worker_id: WorkerId
-    local_pages: int
-    peer_id: WorkerId | None
-    peer_pages: int
-    total_pages: int
-    policy: str
-    cost: float = 0.0
-    degraded: bool = False
-    promote_pages: int = 0
-    """Pages of `local_pages` in the worker's host or disk tier, to promote (`kv_aware`)."""
 
 
 class RoutingPolicy(Protocol):

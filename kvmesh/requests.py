@@ -1,7 +1,8 @@
 """What a worker is built from and what it is asked and answers: the types components share.
 
-The client builds `GenerateRequest`s and reads `WorkerStats`; the coordinator
-registers workers by `Role`; the worker serves them. They live here, in the
+The client builds `GenerateRequest`s, reads the coordinator's `RouteDecision`,
+the worker's `GenerationResult` and `WorkerStats`; the coordinator registers
+workers by `Role`; the worker serves them. They live here, in the
 base, so that no component imports another to speak to it.
 """
 
@@ -111,6 +112,62 @@ class RouteOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where the coordinator sends a request and what it can reuse there.
+
+    `local_pages`: the prefix the chosen worker holds (as far as the index
+    trusts it). `peer_id`/`peer_pages`: a worker holding a longer prefix and
+    how many pages beyond `local_pages` it could give. `degraded`: the worker
+    was picked from stale, full or draining workers because no healthy one was
+    left. The coordinator's policies make it; clients read it.
+    """
+
+    worker_id: WorkerId
+    local_pages: int
+    peer_id: WorkerId | None
+    peer_pages: int
+    total_pages: int
+    policy: str
+    cost: float = 0.0
+    degraded: bool = False
+    promote_pages: int = 0
+    """Pages of `local_pages` in the worker's host or disk tier, to promote (`kv_aware`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Milliseconds: queue (arrival to start), pull, prefill, to first token, total."""
+
+    queue_ms: float
+    pull_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A worker's answer and how it was produced: pages hit, pulled, computed vs promised.
+
+    Page counts are over the prompt's pages (the last, partial one included):
+    ``pages_hit_local + pages_pulled + pages_computed == ceil(prompt_tokens / page_size)``.
+    """
+
+    request_id: str
+    worker_id: WorkerId
+    tokens: tuple[int, ...]
+    timings: RequestTimings
+    prompt_tokens: int
+    cached_tokens: int
+    pages_hit_local: int
+    pages_pulled: int
+    pages_computed: int
+    promised_local: int
+    promised_pull: int
+    pull_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
     """What a prefill worker did for one request before handing it to a decode worker."""
 
@@ -168,8 +225,11 @@ class WorkerStats:
 __all__ = [
     "ROLES",
     "GenerateRequest",
+    "GenerationResult",
     "PrefillResult",
+    "RequestTimings",
     "Role",
+    "RouteDecision",
     "RouteOutcome",
     "WorkerSpec",
     "WorkerStats",

@@ -62,8 +62,10 @@ from kvmesh.metrics import (
     WORKER_REQUESTS,
     in_ray_actor,
 )
+from kvmesh.rendezvous import DistRendezvous
 from kvmesh.requests import (
     GenerateRequest,
+    GenerationResult,
     PrefillResult,
     Role,
     RouteOutcome,
@@ -262,13 +264,13 @@ class WorkerActor:
 
     # ---------------------------------------------------------------- serving
 
-    def generate(self, request: GenerateRequest) -> Any:
+    def generate(self, request: GenerateRequest) -> GenerationResult:
         """`_generate` in the request's scope: its id on this worker's log records and on
         the `KVMeshError` it raises (`kvmesh.logs.request_scope`)."""
         with request_scope(request.request_id):
             return self._generate(request)
 
-    def _generate(self, request: GenerateRequest) -> Any:
+    def _generate(self, request: GenerateRequest) -> GenerationResult:
         """Serve one request; its report (events, load, route outcome) is sent before the
         answer and never waited for (`EventReporter.report_request`).
 
@@ -413,13 +415,13 @@ class WorkerActor:
             pages * self.store.page_nbytes
         )
 
-    def _open_link(self, address: str) -> Any:
+    def _open_link(self, address: str) -> DistRendezvous:
         """The coordinator's rendezvous for a link from this worker to `address`."""
         if self._rpc is None:  # pragma: no cover - links get no opener without one
             raise TransportError("no coordinator to open a torch.distributed link through")
         return self._rpc("dist_link", self.worker_id, address)
 
-    def dist_accept(self, rendezvous: Any) -> bool:
+    def dist_accept(self, rendezvous: DistRendezvous) -> bool:
         """Join a link a peer opened through the coordinator and serve it in a thread
         (`DistLinks.accept`, which says what it refuses); returns at once."""
         self.links.accept(rendezvous)

@@ -46,6 +46,7 @@ from kvmesh.errors import (
 from kvmesh.events import KVEvent
 from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher, RequestHashes, reusable_pages
 from kvmesh.metrics import REQUEST_HASH_MISMATCHES
+from kvmesh.requests import GenerationResult, RequestTimings
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.free_queue import KVPage
@@ -108,39 +109,6 @@ PullFn = Callable[[PullRequest], PullOutcome]
 """Fetches pages from a peer into this worker's pool through its `PageService` (each page
 checked and proven once, on the way in) and says how it went. A failure part-way is the
 outcome's `error`; raising a `KVMeshError` (e.g. `TransportError`) means nothing came."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    """Milliseconds: queue (arrival to start), pull, prefill, to first token, total."""
-
-    queue_ms: float
-    pull_ms: float
-    prefill_ms: float
-    ttft_ms: float
-    total_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    """The answer and how it was produced: pages hit, pulled, computed vs promised.
-
-    Page counts are over the prompt's pages (the last, partial one included):
-    ``pages_hit_local + pages_pulled + pages_computed == ceil(prompt_tokens / page_size)``.
-    """
-
-    request_id: str
-    worker_id: WorkerId
-    tokens: tuple[int, ...]
-    timings: RequestTimings
-    prompt_tokens: int
-    cached_tokens: int
-    pages_hit_local: int
-    pages_pulled: int
-    pages_computed: int
-    promised_local: int
-    promised_pull: int
-    pull_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
