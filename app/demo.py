@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from kvmesh.app.report import SHARED_ROWS, Row, plot_comparison, print_comparison
+from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import ClusterConfig, ModelConfig
 from kvmesh.errors import ConfigError, KVMeshError
 from kvmesh.stats import mean, percentiles
@@ -275,23 +276,25 @@ def print_reports(reports: Sequence[PolicyReport], console: Console | None = Non
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4, help="worker actors (default 4)")
+    parser.add_argument("--workers", type=positive_int, default=4, help="worker actors (default 4)")
     parser.add_argument(
-        "--requests", type=int, default=200, help="requests of the trace slice per policy"
+        "--requests", type=positive_int, default=200, help="requests of the trace slice per policy"
     )
     parser.add_argument(
         "--min-turns",
-        type=int,
+        type=non_negative_int,
         default=10,
         help="slice: conversations with at least this many turns",
     )
     parser.add_argument(
-        "--pages-per-block", type=int, default=2, help="pages of 16 tokens per trace block"
+        "--pages-per-block", type=positive_int, default=2, help="pages of 16 tokens per trace block"
     )
-    parser.add_argument("--max-tokens", type=int, default=4, help="cap on tokens per answer")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=4, help="cap on tokens per answer"
+    )
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=1,
         help="requests in flight (default 1: TTFT is then the prefill work a policy leaves, "
         "not CPU contention on a small machine)",
@@ -312,7 +315,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=",".join(DEMO_POLICIES),
         help="comma-separated routing policies to compare (default: kv_aware,round_robin)",
     )
-    parser.add_argument("--num-pages", type=int, default=4096, help="pages per worker pool")
+    parser.add_argument(
+        "--num-pages", type=positive_int, default=4096, help="pages per worker pool"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
     parser.add_argument(
         "--address",

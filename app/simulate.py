@@ -28,6 +28,7 @@ from kvmesh.app.sim_engine import (
     TimeModel,
     prepare_trace,
 )
+from kvmesh.arguments import non_negative_float, non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig, from_env
 from kvmesh.coordinator.policies import REGISTRY, make_policy
 from kvmesh.errors import ConfigError
@@ -157,10 +158,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="TRACE",
         help="Mooncake-format JSONL(.gz) trace, or 'bundled' (default): the conversation trace",
     )
-    parser.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    parser.add_argument(
+        "--workers", type=positive_int, default=8, help="simulated workers (default 8)"
+    )
     parser.add_argument(
         "--capacity-pages",
-        type=int,
+        type=positive_int,
         default=10_000,
         help="pages of 512 tokens per worker (default 10000)",
     )
@@ -176,24 +179,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per policy per line")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write a comparison PNG")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
-    parser.add_argument("--seed", type=int, help="routing RNG seed (default: CoordinatorConfig)")
-    parser.add_argument("--overlap-weight", type=float, help="kv_aware weight of pages to prefill")
-    parser.add_argument("--decode-weight", type=float, help="kv_aware weight of decode pages")
+    parser.add_argument("--limit", type=positive_int, help="replay only the first N requests")
     parser.add_argument(
-        "--queue-weight", type=float, help="kv_aware weight of queued prefill pages"
+        "--seed", type=non_negative_int, help="routing RNG seed (default: CoordinatorConfig)"
     )
     parser.add_argument(
-        "--temperature", type=float, help="kv_aware softmax sampling temperature (0: argmin)"
+        "--overlap-weight", type=non_negative_float, help="kv_aware weight of pages to prefill"
     )
-    parser.add_argument("--max-load-ratio", type=float, help="kv_aware bounded load (0: off)")
+    parser.add_argument(
+        "--decode-weight", type=non_negative_float, help="kv_aware weight of decode pages"
+    )
+    parser.add_argument(
+        "--queue-weight", type=non_negative_float, help="kv_aware weight of queued prefill pages"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        help="kv_aware softmax sampling temperature (0: argmin)",
+    )
+    parser.add_argument(
+        "--max-load-ratio", type=non_negative_float, help="kv_aware bounded load (0: off)"
+    )
     t = parser.add_argument_group("tiers and tenants (the workers' real TieredCache)")
     t.add_argument(
-        "--host-pages", type=int, default=0, help="host-memory pages per worker (default 0: none)"
+        "--host-pages",
+        type=non_negative_int,
+        default=0,
+        help="host-memory pages per worker (default 0: none)",
     )
     t.add_argument(
         "--disk-pages",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="disk pages per worker, real page files in a temporary folder (default 0: none)",
     )
@@ -206,7 +222,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--tenant-weights", default="", help="fair shares: 'tenant=weight,...'")
     t.add_argument(
         "--flood",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="tenant mix: the trace is one tenant's, beside a neighbour sending N unique "
@@ -214,22 +230,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--host-hit-cost",
-        type=float,
+        type=non_negative_float,
         help="kv_aware cost of a host hit per page, as a fraction of a recompute "
         "(default: host-page-ms / a page's prefill time)",
     )
     t.add_argument(
         "--disk-hit-cost",
-        type=float,
+        type=non_negative_float,
         help="kv_aware cost of a disk hit per page (default: disk-page-ms / a page's prefill time)",
     )
     g = parser.add_argument_group("time model")
-    g.add_argument("--prefill-base-ms", type=float, default=tm.prefill_base_ms)
-    g.add_argument("--prefill-token-us", type=float, default=tm.prefill_token_us)
-    g.add_argument("--decode-token-ms", type=float, default=tm.decode_token_ms)
-    g.add_argument("--pull-page-ms", type=float, default=tm.pull_page_ms)
-    g.add_argument("--host-page-ms", type=float, default=tm.host_page_ms)
-    g.add_argument("--disk-page-ms", type=float, default=tm.disk_page_ms)
+    g.add_argument("--prefill-base-ms", type=non_negative_float, default=tm.prefill_base_ms)
+    g.add_argument("--prefill-token-us", type=non_negative_float, default=tm.prefill_token_us)
+    g.add_argument("--decode-token-ms", type=non_negative_float, default=tm.decode_token_ms)
+    g.add_argument("--pull-page-ms", type=non_negative_float, default=tm.pull_page_ms)
+    g.add_argument("--host-page-ms", type=non_negative_float, default=tm.host_page_ms)
+    g.add_argument("--disk-page-ms", type=non_negative_float, default=tm.disk_page_ms)
 
 
 def settings_from_args(args: argparse.Namespace) -> tuple[SimSettings, CoordinatorConfig]:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
@@ -47,26 +48,37 @@ POLICIES = ("kv_aware", "round_robin", "approx_prefix")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=250, help="requests in the slice")
+    parser.add_argument("--requests", type=positive_int, default=250, help="requests in the slice")
     parser.add_argument(
-        "--min-turns", type=int, default=8, help="conversations of at least this many turns"
+        "--min-turns",
+        type=non_negative_int,
+        default=8,
+        help="conversations of at least this many turns",
     )
-    parser.add_argument("--concurrency", type=int, default=4, help="clients sending at once")
-    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=4, help="clients sending at once"
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=4, help="tokens generated per request"
+    )
     parser.add_argument(
         "--block-tokens",
-        type=int,
+        type=positive_int,
         default=32,
         help="token ids per trace block, and the engines' block size (a multiple of 32)",
     )
-    parser.add_argument("--engine-blocks", type=int, default=384, help="KV blocks per engine")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="the engines' context")
+    parser.add_argument(
+        "--engine-blocks", type=positive_int, default=384, help="KV blocks per engine"
+    )
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=4096, help="the engines' context"
+    )
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated, run in this order"
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=1,
         help="replays per policy, in alternating order (figures pool every round)",
     )

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvmesh.arguments import non_negative_float, non_negative_int, positive_float, positive_int
 from kvmesh.stats import percentile
 
 PAGE_SIZE = 16
@@ -46,35 +47,49 @@ MiB = 1024 * 1024
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients in the load")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load")
+    parser.add_argument(
+        "--clients", type=positive_int, default=8, help="concurrent clients in the load"
+    )
+    parser.add_argument("--duration", type=positive_float, default=20.0, help="seconds of load")
     parser.add_argument(
         "--baseline-duration",
-        type=float,
+        type=positive_float,
         default=None,
         help="seconds of the single-client baseline (default: half of --duration)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="worker actors")
-    parser.add_argument("--num-pages", type=int, default=96, help="pages per worker pool")
-    parser.add_argument("--prefixes", type=int, default=12, help="distinct shared prefixes")
-    parser.add_argument("--prefix-pages", type=int, default=4, help="full pages per prefix")
+    parser.add_argument("--workers", type=positive_int, default=2, help="worker actors")
+    parser.add_argument("--num-pages", type=positive_int, default=96, help="pages per worker pool")
     parser.add_argument(
-        "--suffix-tokens", type=int, default=24, help="random tokens after the prefix"
+        "--prefixes", type=positive_int, default=12, help="distinct shared prefixes"
     )
-    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
     parser.add_argument(
-        "--warmup", type=float, default=30.0, help="most seconds spent filling the pools"
+        "--prefix-pages", type=positive_int, default=4, help="full pages per prefix"
+    )
+    parser.add_argument(
+        "--suffix-tokens", type=non_negative_int, default=24, help="random tokens after the prefix"
+    )
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=4, help="tokens generated per request"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative_float,
+        default=30.0,
+        help="most seconds spent filling the pools",
     )
     parser.add_argument(
         "--warmup-cycles",
-        type=float,
+        type=non_negative_float,
         default=2.0,
         help="warm up until each worker has written every pool page this many times",
     )
     parser.add_argument(
-        "--route-duration", type=float, default=None, help="seconds per route burst (default 2)"
+        "--route-duration",
+        type=positive_float,
+        default=None,
+        help="seconds per route burst (default 2)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="prompt RNG seed")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

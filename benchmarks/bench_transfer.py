@@ -40,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvmesh.arguments import positive_float, positive_int
+
 DEFAULT_PAGES = 256
 DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
 PAGE_SIZE = 16
@@ -48,10 +50,10 @@ TRANSPORT_CHOICES = ("grpc", "dist", "both")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pages", type=int, default=DEFAULT_PAGES, help="pages to move")
+    parser.add_argument("--pages", type=positive_int, default=DEFAULT_PAGES, help="pages to move")
     parser.add_argument(
         "--page-bytes",
-        type=int,
+        type=positive_int,
         default=DEFAULT_PAGE_BYTES,
         help="bytes per page (float16; a multiple of 64)",
     )
@@ -61,10 +63,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="transports to measure next to the raw TCP baseline",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per transport")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per transport")
     parser.add_argument(
         "--batch-bytes",
-        type=int,
+        type=positive_int,
         default=None,
         help="dist: largest payload tensor per send (default: the transport's)",
     )
@@ -73,9 +75,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="dist: gather every batch into one buffer (no in-place runs, no per-page messages)",
     )
-    parser.add_argument("--grpc-streams", type=int, default=None, help="grpc: concurrent streams")
     parser.add_argument(
-        "--grpc-chunk-bytes", type=int, default=None, help="grpc: page bytes per message"
+        "--grpc-streams", type=positive_int, default=None, help="grpc: concurrent streams"
+    )
+    parser.add_argument(
+        "--grpc-chunk-bytes", type=positive_int, default=None, help="grpc: page bytes per message"
     )
     parser.add_argument(
         "--grpc-malloc-tune",
@@ -83,7 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="grpc: TransferConfig.grpc_malloc_tune in both processes (glibc keeps freed "
         "transfer buffers mapped; process-wide, off by default)",
     )
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for any one step")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=120.0, help="seconds for any one step"
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per transport (tcp first)"
     )

@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from kvmesh.arguments import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh.config import CoordinatorConfig, from_env
 from kvmesh.errors import ConfigError
 
@@ -69,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--tokenizer", required=True, help="the folder holding the engines' tokenizer.json"
     )
-    h.add_argument("--block-size", type=int, default=16, help="the engines' --block-size")
+    h.add_argument("--block-size", type=positive_int, default=16, help="the engines' --block-size")
     h.add_argument("--hash-algo", default="sha256", help="the engines' --prefix-caching-hash-algo")
     h.add_argument("--hash-seed", default=None, help="the engines' PYTHONHASHSEED, if set")
     h.add_argument(
@@ -86,12 +87,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument(
         "--history-blocks",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="approx_prefix: blocks it assumes each engine keeps (0: unbounded)",
     )
     r.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    r.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    r.add_argument("--port", type=tcp_port, default=8000, help="port (default 8000)")
     r.add_argument(
         "--allow-remote",
         action="store_true",
@@ -104,9 +105,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="JSON/YAML {api_key: cache_salt}: bind each tenant's salt to its key "
         "(default KVMESH_API_KEYS_FILE / KVMESH_API_KEYS; none: salts come with requests)",
     )
-    r.add_argument("--request-timeout", type=float, default=300.0, help="seconds (default 300)")
-    r.add_argument("--connect-timeout", type=float, default=2.0, help="seconds (default 2)")
-    r.add_argument("--health-interval", type=float, default=1.0, help="seconds (default 1)")
+    r.add_argument(
+        "--request-timeout", type=positive_float, default=300.0, help="seconds (default 300)"
+    )
+    r.add_argument(
+        "--connect-timeout", type=positive_float, default=2.0, help="seconds (default 2)"
+    )
+    r.add_argument(
+        "--health-interval", type=positive_float, default=1.0, help="seconds (default 1)"
+    )
     r.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
 
 

@@ -58,9 +58,18 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port, 0..65535 (0: the system picks a free one)."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {text!r}")
+    return value
+
+
 __all__ = [
     "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "tcp_port",
 ]

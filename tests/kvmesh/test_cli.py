@@ -8,6 +8,7 @@ The happy paths run the real CLI in subprocesses against one cluster that
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -18,11 +19,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
-from kvmesh.app.cli import COMMANDS, main
+import kvmesh.arguments
+from kvmesh.app.cli import COMMANDS, build_parser, main
 from kvmesh.benchmarks.cli import BENCHES
 
 CLI = [sys.executable, "-m", "kvmesh.app.cli"]
@@ -80,11 +83,9 @@ def test_every_benchmark_has_help(bench: str, capsys: pytest.CaptureFixture[str]
         (["generate", "--tokens", "1,256"], "--tokens must be in [0, 256) for this model, got 256"),
         (["start", "--prefill-workers", "1"], "both --prefill-workers and --decode-workers"),
         (["replay", "/nonexistent/trace.jsonl"], "does not exist"),
-        (["demo", "--workers", "0"], "--workers must be >= 1"),
         (["demo", "--policies", "kv_aware,nope"], "unknown policies"),
         (["demo", "--num-pages", "1"], "--num-pages must be >= 2"),
         (["simulate", "/nonexistent/trace.jsonl"], "does not exist"),
-        (["simulate", "--workers", "0"], "workers"),
     ],
 )
 def test_bad_arguments_give_one_error_line_and_exit_2(
@@ -120,6 +121,13 @@ def test_bad_arguments_give_one_error_line_and_exit_2(
         (["bench", "router", "--routes", "0"], "argument --routes: must be a positive integer"),
         (["bench", "router", "--pages", "-5"], "argument --pages: must be a positive integer"),
         (["bench", "pool", "--limit", "0"], "argument --limit: must be a positive integer"),
+        (["bench", "load", "--clients", "0"], "argument --clients: must be a positive integer"),
+        (["bench", "transfer", "--rounds", "0"], "argument --rounds: must be a positive integer"),
+        (["bench", "engines", "--requests", "-1"], "argument --requests: must be a positive"),
+        (["demo", "--workers", "0"], "argument --workers: must be a positive integer"),
+        (["simulate", "--workers", "0"], "argument --workers: must be a positive integer"),
+        (["simulate", "--temperature", "-1"], "argument --temperature: must be a number >= 0"),
+        (["gateway", "--port", "70000"], "argument --port: must be a TCP port in 0..65535"),
     ],
 )
 def test_a_bad_flag_value_is_one_usage_line_naming_the_flag(
@@ -133,6 +141,26 @@ def test_a_bad_flag_value_is_one_usage_line_naming_the_flag(
     command = " ".join(argv[:2]) if argv[0] == "bench" else argv[0]
     assert err[0].startswith(f"kvmesh {command}: error: {message}")
     assert err[0].endswith(f"(see kvmesh {command} --help)")
+
+
+def _numeric_flags(
+    parser: argparse.ArgumentParser, command: str = "kvmesh"
+) -> Iterator[tuple[str, str, Any]]:
+    """(command, flag, type) of every flag of every command and benchmark that takes a number."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _numeric_flags(sub, f"{command} {name}")
+        elif action.type is not None and action.option_strings:
+            yield command, action.option_strings[-1], action.type
+
+
+def test_every_numeric_flag_of_every_command_is_checked_by_one_shared_type() -> None:
+    shared = {getattr(kvmesh.arguments, name) for name in kvmesh.arguments.__all__}
+    flags = list(_numeric_flags(build_parser()))
+    bare = [(c, f) for c, f, t in flags if t in (int, float)]
+    assert not bare, f"give these a type from kvmesh.arguments (range checked): {bare}"
+    assert sum(t in shared for _, _, t in flags) > 50
 
 
 @pytest.mark.parametrize(

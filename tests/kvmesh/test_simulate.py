@@ -299,9 +299,10 @@ def test_cli_prints_a_table_of_all_policies_and_writes_a_plot(
 
 
 def test_a_bad_argument_is_one_line_and_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["simulate", "--workers", "0", "--limit", "5"])
+    with pytest.raises(SystemExit) as usage:  # a flag's range: argparse's one usage line
+        main(["simulate", "--workers", "0", "--limit", "5"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2
+    assert usage.value.code == 2
     assert len(err) == 1 and err[0].startswith("kvmesh simulate: error:") and "workers" in err[0]
     rc = main(["simulate", "--policy", "fastest", "--limit", "5"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -68,13 +68,17 @@ def test_table_shows_every_transport_next_to_tcp() -> None:
     "argv",
     [
         ["--page-bytes", "100"],
-        ["--pages", "0"],
         ["--page-bytes", "4096", "--batch-bytes", "1024"],
     ],
 )
 def test_impossible_sizes_are_refused_before_anything_starts(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         bench_transfer.spec_from_args(parse(argv))
+
+
+def test_a_count_below_one_is_a_usage_error_of_its_flag() -> None:
+    with pytest.raises(SystemExit):  # kvmesh.arguments.positive_int
+        parse(["--pages", "0"])
 
 
 def test_grpc_flags_and_kvmesh_variables_reach_both_processes_config(
