@@ -252,8 +252,28 @@ def configure_start(parser: argparse.ArgumentParser) -> None:
         help="when kvmesh already runs there (or `kvmesh start` recorded one here), use its "
         "workers instead of refusing",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=positive_int,
+        default=None,
+        help="the embedded cluster's Prometheus port: every actor's metrics, as ray_kvmesh_* "
+        "(default: one Ray picks, printed at start)",
+    )
     # Tests and scripts: stop by themselves after this many seconds instead of Ctrl-C.
     parser.add_argument("--exit-after", type=positive_float, default=None, help=argparse.SUPPRESS)
+
+
+def _check_metrics_port(port: int | None, embedded: bool) -> None:
+    """--metrics-port is the embedded cluster's: a running one's was set where Ray started."""
+    if port is None:
+        return
+    if port > 65535:
+        raise ConfigError(f"--metrics-port must be a TCP port (1..65535), got {port}")
+    if not embedded:
+        raise ConfigError(
+            "--metrics-port sets the port of a cluster `kvmesh start` creates; a running Ray "
+            "cluster serves its metrics where `ray start --metrics-export-port` put them"
+        )
 
 
 def run_start(args: argparse.Namespace) -> int:
@@ -265,6 +285,7 @@ def run_start(args: argparse.Namespace) -> int:
         remove_record,
         write_record,
     )
+    from kvmesh.metrics import ray_metrics_endpoints
     from kvmesh.ray_address import address_from_environment
 
     cfg = cluster_config(args)
@@ -280,6 +301,7 @@ def run_start(args: argparse.Namespace) -> int:
                 "`kvmesh start --join`"
             )
         address, embedded = recorded.address, False
+    _check_metrics_port(args.metrics_port, embedded)
     options: dict[str, Any] = {"worker_num_gpus": args.worker_gpus}
     if args.worker_cpus is not None:
         options["worker_num_cpus"] = args.worker_cpus
@@ -289,6 +311,7 @@ def run_start(args: argparse.Namespace) -> int:
         config=cfg,
         num_cpus=args.num_cpus,
         join_existing=args.join,
+        metrics_port=args.metrics_port,
         **options,
     ) as mesh:
         record = RecordedCluster(mesh.ray_address, ns, os.getpid())
@@ -296,6 +319,8 @@ def run_start(args: argparse.Namespace) -> int:
             write_record(record)
         try:
             print_workers(mesh, console)
+            for endpoint in ray_metrics_endpoints():
+                console.print(f"metrics (Prometheus): {endpoint}", highlight=False)
             auth = "RAY_AUTH_MODE=token " if os.environ.get("RAY_AUTH_MODE") == "token" else ""
             console.print(
                 f"kvmesh is running; Ray address: {mesh.ray_address}\n"

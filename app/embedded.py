@@ -72,6 +72,7 @@ def connect(
     worker_max_concurrency: int = 8,
     tenants: TenantPolicy | None = None,
     join_existing: bool = True,
+    metrics_port: int | None = None,
 ) -> KVMesh:
     """A `KVMesh` over the cluster at `address` (or ``RAY_ADDRESS``), or over a new
     embedded one; the coordinator and workers it lacks are created.
@@ -85,7 +86,9 @@ def connect(
     Otherwise `num_workers` (default: the config's; or `prefill_workers` +
     `decode_workers`) are created, owned by the returned client, stopped by
     its `close`. When Ray is already initialised in this process its cluster
-    is used, and `config` sets only this client's side.
+    is used, and `config` sets only this client's side. `metrics_port`: the
+    Prometheus port of an embedded cluster's node, where every actor's metrics
+    are served (None: one Ray chooses; `kvmesh.metrics.ray_metrics_endpoints`).
     """
     import ray
 
@@ -116,6 +119,7 @@ def connect(
                 log_to_driver=False,
                 namespace=cfg.coordinator.namespace,
                 configure_logging=False,
+                _metrics_export_port=metrics_port,
             )
         else:
             KVMesh.join_ray(address, cfg, source)

@@ -263,6 +263,19 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     return int(server.server_port)
 
 
+def ray_metrics_endpoints() -> list[str]:
+    """Where this Ray cluster's metrics are served: every live node's Prometheus endpoint
+    (``http://IP:PORT/metrics``, the port ``ray.init(_metrics_export_port=...)`` or ``ray
+    start --metrics-export-port`` set, or one Ray chose). Needs ``ray.init()`` first."""
+    import ray
+
+    return [
+        f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("MetricsExportPort")
+    ]
+
+
 class InstanceNames:
     """Label values for objects that count under a name of their own, unique while alive.
 
