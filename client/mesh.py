@@ -50,7 +50,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
@@ -70,6 +70,9 @@ from kvmesh.requests import GenerateRequest, GenerationResult, RouteDecision, Wo
 from kvmesh.security import TenantPolicy, check_cluster
 from kvmesh.settings import settings_for, validate_cluster_config
 from kvmesh.types import PageHash, WorkerId
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 T = TypeVar("T")
 
@@ -131,7 +134,7 @@ class WorkerHandle:
     worker_id: WorkerId
     role: str
     address: str
-    actor: Any
+    actor: ActorHandle
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -158,7 +161,7 @@ class KVMesh:
     def __init__(
         self,
         config: ClusterConfig,
-        coordinator: Any,
+        coordinator: ActorHandle,
         workers: dict[WorkerId, WorkerHandle],
         *,
         owns_ray: bool,
@@ -486,7 +489,7 @@ class KVMesh:
             for w in self._workers.values()
         ]
 
-    def worker(self, worker_id: str) -> Any:
+    def worker(self, worker_id: str) -> ActorHandle:
         """The Ray actor handle of a worker (for tests and tools)."""
         try:
             return self._workers[WorkerId(worker_id)].actor
