@@ -49,7 +49,7 @@ import ray
 from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
-from kvmesh.coordinator.policies import RouteDecision, WorkerLoad
+from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
     Coordinator,
@@ -314,6 +314,10 @@ class CoordinatorActor:
                 policy=policy,
                 request_id=request_id,
             )
+
+    async def count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
+        """A router in front of shards routed a request to one of this shard's workers."""
+        self.core.count_routed(decision, request)
 
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return self.core.match(hashes)

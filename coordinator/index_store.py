@@ -94,6 +94,16 @@ def _zeros(shape: int | tuple[int, int], dtype: type[np.generic]) -> npt.NDArray
     return np.frombuffer(private, dtype, count).reshape(shape)
 
 
+def _mapped(array: npt.NDArray[Any]) -> bool:
+    """Whether `array` lives in a map of its own (`_zeros`), not in Python's heap."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer's view of the map
+        base = base.obj
+    return isinstance(base, mmap.mmap)
+
+
 def _grown(column: npt.NDArray[Any], rows: int) -> npt.NDArray[Any]:
     """`column` with `rows` rows, its rows first and zeros after (see `_zeros`)."""
     out = _zeros((rows, *column.shape[1:]) if column.ndim == 2 else rows, column.dtype.type)
@@ -678,8 +688,10 @@ class PageStore:
         return sorted(zip(hashes, parents, masks, strict=True))
 
     def extra_bytes(self) -> int:
-        """Bytes held outside Python's allocator (roaring bitmaps), which tracemalloc cannot see."""
-        total = 0
+        """Bytes held outside Python's allocator, which tracemalloc cannot see: the roaring
+        bitmaps, and the columns and lookup table that live in maps of their own (`_zeros`)."""
+        arrays = (self._digest, self._length, self._holders, self._parent, self._kids, self._table)
+        total = sum(a.nbytes for a in arrays if _mapped(a))
         for pages in self._slots:
             stats = pages.get_statistics()
             total += stats["n_bytes_array_containers"] + stats["n_bytes_run_containers"]

@@ -133,6 +133,7 @@ class RouterActor:
         self._addresses: dict[WorkerId, str] = {}
         self._down_until: dict[int, float] = {}  # replica -> loop time it is skipped until
         self._slow = SlowShards(max(config.heartbeat_interval_s, HEDGE_AFTER_S))
+        self._background: set[asyncio.Task[Any]] = set()  # routed-load updates under way
         self._ready = asyncio.Event()
         self._api: CoordinatorAPIServer | None = None
         loop = asyncio.get_running_loop()
@@ -430,7 +431,27 @@ class RouterActor:
     ) -> RouteDecision:
         request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
         view = await self.view(request.hashes, role)
-        return self.router.decide(request, view, policy)
+        decision = self.router.decide(request, view, policy)
+        if request_id:  # a request on its way: its worker's load counts it (`Coordinator.route`)
+            self._count_routed(decision, request)
+        return decision
+
+    def _count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
+        """Tell the chosen worker's shard in every replica, as a state change, without
+        holding the reply: replicas see the same increments (not their own routes only)."""
+        shard = shard_of(decision.worker_id, self.num_shards)
+        task = asyncio.get_running_loop().create_task(
+            self._everywhere(shard, "count_routed", decision, request)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "router %d: a routed request was not counted: %s", self.replica, task.exception()
+            )
 
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         results = await asyncio.gather(

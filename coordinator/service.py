@@ -261,11 +261,15 @@ class Coordinator:
             info = self.registry.heartbeat(worker_id, load)
             results: list[ApplyResult] = []
             now = time.time()
+            # batches of another incarnation are ignored; the others go in as one call
+            applied = iter(
+                self.index.apply_many([b for b in decoded if b.incarnation == info.incarnation])
+            )
             for batch in decoded:
                 if batch.incarnation != info.incarnation:
                     results.append(ApplyResult.IGNORED)
                 else:
-                    results.append(self.index.apply_decoded(batch))
+                    results.append(next(applied))
                     if batch.ts > 0:  # stamped by its sender (wall clock)
                         EVENT_LAG.labels(self.name, worker_id).observe(max(0.0, now - batch.ts))
                 self._count_batch(worker_id, results[-1])
@@ -466,6 +470,12 @@ class Coordinator:
         if allow_pull:
             PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
         return decision
+
+    def count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
+        """What `route` does for a request on its way, for one a sharded router decided:
+        the chosen worker's shard counts it in that worker's load."""
+        with self._lock:
+            self._count_routed(decision, request)
 
     def _count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
         """The chosen worker's load, here and in the cached loads, plus this request's

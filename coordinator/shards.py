@@ -345,7 +345,10 @@ class ShardedCoordinator:
     ) -> RouteDecision:
         """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""
         request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
-        return self.router.decide(request, self.view(request.hashes, role), policy)
+        decision = self.router.decide(request, self.view(request.hashes, role), policy)
+        if request_id:  # a request on its way, counted in its worker's load (`Coordinator.route`)
+            self.shard(decision.worker_id).count_routed(decision, request)
+        return decision
 
     def stats(self) -> dict[str, Any]:
         return merge_stats([s.stats().as_dict() for s in self.shards], self.router.stats())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -349,3 +351,61 @@ def test_a_removed_parent_is_still_named_by_its_held_child() -> None:
     ix.apply(batch(A, 2, PagesRemoved((P[2],), "gpu")))  # the last kid: the parent goes too
     assert len(ix) == 1
     ix.check_invariants()
+
+
+def _random_reports(rng: random.Random, n: int) -> list[list[EventBatch]]:
+    """Reports of a few workers: in-order runs mostly, with gaps, repeats, snapshots, restarts."""
+    pages = chain(40)
+    seqs = {A: 0, B: 0, C: 0}
+    incs = {A: "i1", B: "i1", C: "i1"}
+    reports: list[list[EventBatch]] = []
+    for _ in range(n):
+        w = rng.choice((A, B, C))
+        report: list[EventBatch] = []
+        for _ in range(rng.randint(1, 5)):
+            start = rng.randrange(len(pages))
+            roll = rng.random()
+            if roll < 0.6:
+                ev: KVEvent = stored(pages[start : start + rng.randint(1, 8)])
+            elif roll < 0.9:
+                ev = PagesRemoved(tuple(pages[start : start + 3]), rng.choice((None, "gpu")))
+            else:
+                ev = AllPagesCleared()
+            roll = rng.random()
+            if roll < 0.05:
+                seqs[w] += 1  # a lost batch: a gap
+            elif roll < 0.08:
+                incs[w], seqs[w] = f"i{rng.randrange(10**6)}", 0  # a restart
+            seq = seqs[w] - 1 if roll > 0.97 and seqs[w] else seqs[w]  # a repeat
+            report.append(batch(w, seq, ev, inc=incs[w], snapshot=0.08 <= roll < 0.1))
+            seqs[w] = max(seqs[w], seq + 1)
+        reports.append(report)
+    return reports
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_apply_many_gives_what_applying_one_by_one_gives(seed: int) -> None:
+    one_by_one, many = GlobalIndex(), GlobalIndex()
+    for report in _random_reports(random.Random(seed), 60):
+        want = [one_by_one.apply_decoded(b) for b in report]
+        assert many.apply_many(report) == want
+        assert many.snapshot() == one_by_one.snapshot()
+    many.check_invariants()
+    assert many.match(chain(40)).pages == one_by_one.match(chain(40)).pages
+
+
+def test_apply_many_runs_in_order_batches_of_one_worker_as_one() -> None:
+    ix = GlobalIndex()
+    ix.apply(batch(A, 0, stored(P[:2])))
+    runs: list[int] = []
+    original = ix._apply_run
+
+    def counting(run: Sequence[EventBatch]) -> None:
+        runs.append(len(run))
+        original(run)
+
+    ix._apply_run = counting  # type: ignore[method-assign]
+    report = [batch(A, 1, stored(P[2:4], P[1])), batch(A, 2, stored(P[4:6], P[3])), batch(A, 4)]
+    assert ix.apply_many(report) == [ApplyResult.APPLIED, ApplyResult.APPLIED, ApplyResult.STALE]
+    assert runs == [2]  # the third is past a gap: one by one, held back
+    assert ix.match(P).pages == {A: 6}

@@ -237,10 +237,14 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
                 c.report(w.worker_id, [data], load)
         req = reqs[rng.randrange(len(reqs))]
         hashes = req.page_hashes[: rng.randint(1, MAX_PAGES)]
-        only_a = rng.random() < 0.3  # a's own history: requests b never sees
+        only_a = rng.random() < 0.3  # a's own history: looks b never sees
         da = a.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
         if only_a:
-            a.route(hashes[:1], 16, request_id=f"x{n}", policy="random")
+            # a routed it alone; its load reaches every replica as a state change (RouterActor)
+            routed = RouteRequest(tuple(hashes), req.input_tokens, request_id=f"r{n}")
+            b.shard(da.worker_id).count_routed(da, routed)
+            # and a look (no request id: no load counts it) that b never sees
+            a.route(hashes[:1], 16, policy="random")
             continue
         db = b.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
         assert da == db, n
