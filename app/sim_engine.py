@@ -50,6 +50,7 @@ import torch
 
 from kvmesh.coordinator.index import ApplyResult, GlobalIndex
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, RoutingPolicy, WorkerLoad
+from kvmesh.coordinator.tenant_shares import TenantShares
 from kvmesh.coordinator.tiers import TierCosts
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
 from kvmesh.events import EventBatch
@@ -531,6 +532,11 @@ class Simulation:
         self.settings = settings
         self.timer = timer
         self.index = GlobalIndex()
+        # with several tenants, the router counts their pages from the events, as the coordinator does
+        self.tenant_shares: TenantShares | None = None
+        if len({r.tenant for r in trace.requests}) > 1:
+            self.tenant_shares = TenantShares(TenantWeights.parse(settings.tenant_weights))
+            self.index.add_observer(self.tenant_shares)
         self._disk_dir: tempfile.TemporaryDirectory[str] | None = None
         if settings.disk_pages:
             self._disk_dir = tempfile.TemporaryDirectory(prefix="kvmesh-sim-disk-")
@@ -628,7 +634,10 @@ class Simulation:
         loads = [w.load(cap, self._now) for w in self.workers]
         size = self.settings.page_size
         t0 = self.timer()
-        route = RouteRequest(req.page_hashes, req.input_tokens, size, self._pull, req.request_id)
+        crowded = self.tenant_shares.over_share_pages(req.tenant) if self.tenant_shares else None
+        route = RouteRequest(
+            req.page_hashes, req.input_tokens, size, self._pull, req.request_id, crowded
+        )
         matched = self.index.match(req.page_hashes)
         tiers = self.index.tier_pages(req.page_hashes, matched)
         if tiers:

@@ -49,6 +49,9 @@ class RouteRequest:
     page_size: int = 16
     allow_pull: bool = False
     request_id: str = ""
+    tenant_pages: Mapping[WorkerId, int] | None = None
+    """Given when the request's tenant holds more than its fair share of the cluster's
+    pages: the pages it holds on each worker (`coordinator.tenant_shares`)."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -226,7 +229,11 @@ class KVAwarePolicy(CandidatePolicy):
     from `GlobalIndex.tier_pages`) count `host_hit_cost` / `disk_hit_cost`
     each (`coordinator.tiers.TierCosts`), so route, promotion, pull and
     recomputation are weighed in one cost; the decision names the pages to
-    promote. The queued prefill term is what makes a worker that
+    promote. A request whose tenant is above its fair share of the cluster
+    (`request.tenant_pages`) is charged ``tenant_share_weight`` per page it
+    would store beyond what that tenant already holds on the worker: the
+    pages it would take from other tenants there, so a flooding tenant fills
+    the workers it already crowds. The queued prefill term is what makes a worker that
     holds the prefix but has a long queue lose to an idle one: the cost is,
     in pages, the prefill work the request waits for. `max_load_ratio` > 0
     additionally skips workers whose queued prefill plus this request's
@@ -247,6 +254,7 @@ class KVAwarePolicy(CandidatePolicy):
         self.pull_cost = config.pull_cost
         self.max_load_ratio = config.max_load_ratio
         self.tier_costs = TierCosts.from_config(config)
+        self.tenant_share_weight = config.tenant_share_weight
         self.rng = rng
 
     def choose(
@@ -275,6 +283,8 @@ class KVAwarePolicy(CandidatePolicy):
     ) -> tuple[int, float]:
         peer_n = best_peer(cands, request.page_size)[1] if request.allow_pull else 0
         costs = self.costs(request, cands, peer_n, tiers)
+        if request.tenant_pages is not None and self.tenant_share_weight > 0:
+            costs = self._over_share(request, cands, costs, request.tenant_pages)
         keys = costs
         if self.max_load_ratio > 0:
             allowed = self._bounded(request, cands)
@@ -342,6 +352,20 @@ class KVAwarePolicy(CandidatePolicy):
                 w * (prefill + qw * load.active_prefill_tokens) + dw * load.active_decode_pages
             )
         return out
+
+    def _over_share(
+        self,
+        request: RouteRequest,
+        cands: Candidates,
+        costs: list[float],
+        tenant_pages: Mapping[WorkerId, int],
+    ) -> list[float]:
+        """`costs` plus, per worker, the pages an over-share tenant would take from others."""
+        total, wt = request.num_pages, self.tenant_share_weight
+        return [
+            c + wt * max(0, total - local - tenant_pages.get(load.worker_id, 0))
+            for c, load, local in zip(costs, cands.loads, cands.overlaps, strict=True)
+        ]
 
     def _bounded(self, request: RouteRequest, cands: Candidates) -> list[bool]:
         """Consistent-hashing-with-bounded-loads rule, in pages of queued prefill.

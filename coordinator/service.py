@@ -446,13 +446,22 @@ class Coordinator:
         role: Role | None = None,
         policy: str | None = None,
         request_id: str = "",
+        tenant: str | None = None,
     ) -> RouteDecision:
-        """Pick a worker for a request (one index walk + one policy call); raises `NoWorkers`."""
+        """Pick a worker for a request (one index walk + one policy call); raises `NoWorkers`.
+
+        `tenant` (`kvmesh.tenants.tenant_of` the request's salt): when it holds more than its
+        fair share of the cluster's pages, `kv_aware` weighs the pages it would take from
+        other tenants on each worker."""
         if policy is not None and policy not in REGISTRY:
             make_policy(policy)  # raises ConfigError naming the known policies
         request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
         with self._lock:
             t0 = time.perf_counter_ns()
+            if tenant is not None:
+                crowded = self.tenant_shares.over_share_pages(tenant)
+                if crowded is not None:
+                    request = replace(request, tenant_pages=crowded)
             matched = self.index.match(request.hashes)
             tiers = self.index.tier_pages(request.hashes, matched)
             decision = self._policy(policy).choose(

@@ -138,3 +138,14 @@ class TenantShares:
         """Whether `tenant` holds more of the cluster's pages than its fair share."""
         share = self.shares().get(tenant)
         return share is not None and share.over_share
+
+    def over_share_pages(self, tenant: str) -> dict[WorkerId, int] | None:
+        """The pages `tenant` holds per worker when it is above its share (what `kv_aware`
+        weighs as `RouteRequest.tenant_pages`); None when it is not."""
+        if not self.over_share(tenant):
+            return None
+        return {
+            wid: n
+            for wid, counts in self._by_worker.items()
+            if (n := sum(c for (_, t), c in counts.items() if t == tenant))
+        }

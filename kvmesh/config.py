@@ -298,6 +298,8 @@ class CoordinatorConfig:
     # fair share of the cluster's pages per tenant: "tenant=weight,..." (kvmesh.tenants); a
     # tenant not named weighs 1
     tenant_weights: str = ""
+    # kv_aware: per page a tenant above its share would take from other tenants on a worker
+    tenant_share_weight: float = 0.5
     max_load_ratio: float = 0.0  # kv_aware bounded load: skip workers above ratio * mean (0: off)
     consistent_hash_pages: int = 4  # leading pages that form the affinity key
     consistent_hash_vnodes: int = 64  # consistent_hash: ring points per worker
@@ -350,6 +352,7 @@ class CoordinatorConfig:
                 "max_load_ratio",
                 "host_hit_cost",
                 "disk_hit_cost",
+                "tenant_share_weight",
                 "balance_abs_threshold",
                 "balance_rel_threshold",
                 "seed",

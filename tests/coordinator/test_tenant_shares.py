@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.coordinator.tenant_shares import TenantShares
 from kvmesh.errors import ConfigError
@@ -142,3 +146,33 @@ def test_the_coordinator_tracks_tenant_shares_from_the_reports_with_configured_w
     assert view[NOISY].over_share and view[NOISY].pages_by_tier == {"cpu": 6}
     with pytest.raises(ConfigError, match="name=weight"):
         Coordinator(CoordinatorConfig(tenant_weights="quiet"))
+
+
+def test_an_over_share_tenant_is_routed_where_it_already_holds_pages() -> None:
+    c = Cluster()
+    c.send(W0, [stored("q", 2, QUIET)])
+    c.send(W1, [stored("n", 8, NOISY)])
+    assert c.shares.over_share_pages(QUIET) is None
+    assert c.shares.over_share_pages(NOISY) == {W1: 8}
+    loads = [WorkerLoad(w, free_pages=100, total_pages=100) for w in (W0, W1)]
+    request = RouteRequest(pages("new", 4), 4 * 16, 16, tenant_pages={W1: 8})
+    policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(0))
+    for _ in range(5):  # without the share term the tie would go either way
+        d = policy.choose(request, {}, loads)
+        assert d.worker_id == W1 and d.cost == pytest.approx(4.0)
+    costs = make_policy("kv_aware", CoordinatorConfig(tenant_share_weight=0.5), random.Random(0))
+    assert costs.choose(replace(request, tenant_pages={}), {}, loads).cost == pytest.approx(6.0)
+
+
+def test_the_coordinator_weighs_shares_only_for_a_tenant_above_its_share() -> None:
+    coord = Coordinator(CoordinatorConfig(tenant_share_weight=2.0), rng=random.Random(0))
+    for wid in (W0, W1):
+        coord.register_worker(wid, "127.0.0.1:1", 100, "i")
+    coord.report(W1, [encode_batch(make_batch([stored("n", 9, NOISY)], W1, "i", 0))])
+    coord.report(W0, [encode_batch(make_batch([stored("q", 1, QUIET)], W0, "i", 0))])
+    coord.report(W1, [], WorkerLoad(W1, 2 * 16, free_pages=100, total_pages=100))
+    new = list(pages("fresh", 3))
+    # W1 has 2 queued pages; the noisy tenant holds 9 of 10 pages, all on W1: it goes there
+    assert coord.route(new, 3 * 16, tenant=NOISY).worker_id == W1
+    assert coord.route(new, 3 * 16, tenant=QUIET).worker_id == W0
+    assert coord.route(new, 3 * 16).worker_id == W0
