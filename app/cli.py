@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvmesh.errors import KVMeshError
+from kvmesh.logs import configure_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mod = importlib.import_module(args._module)
     run = getattr(mod, f"run_{args._name}", None) or mod.run
     try:
+        configure_logging()  # KVMESH_LOG_FORMAT / KVMESH_LOG_LEVEL (a bad value: one line)
         return int(run(args) or 0)
     except KVMeshError as exc:
         print(f"kvmesh {args._name}: error: {exc}", file=sys.stderr)

@@ -5,8 +5,8 @@ module logs under it: ``kvmesh.worker.actor``, ``kvmesh.coordinator...``),
 replacing the one it installed before, so the CLI, the gateway and the Ray
 actors log the same way. `LogSettings.from_env` reads ``KVMESH_LOG_FORMAT``
 (``text``, the default, or ``json``: one object per line, for a log
-shipper) and ``KVMESH_LOG_LEVEL``; a bad value is an `InvalidSetting`
-naming the variable.
+shipper) and ``KVMESH_LOG_LEVEL`` (default ``WARNING``); a bad value is an
+`InvalidSetting` naming the variable, which the CLI prints as one line.
 
 Request ids. A request's id is made once, by the client (`KVMesh.generate`),
 and travels with it: the coordinator's ``route(request_id=...)``, the
@@ -98,7 +98,7 @@ class LogSettings:
     """How kvmesh logs: `format` one of `LOG_FORMATS`, `level` one of `LOG_LEVELS`."""
 
     format: str = "text"
-    level: str = "INFO"
+    level: str = "WARNING"  # quiet unless asked, as Python's own default
 
     def __post_init__(self) -> None:
         if self.format not in LOG_FORMATS:
@@ -116,7 +116,7 @@ class LogSettings:
         a bad value is an `InvalidSetting` naming the variable."""
         env = os.environ if env is None else env
         fmt = env.get(FORMAT_VARIABLE, "text").strip().lower() or "text"
-        level = env.get(LEVEL_VARIABLE, "INFO").strip().upper() or "INFO"
+        level = env.get(LEVEL_VARIABLE, "WARNING").strip().upper() or "WARNING"
         if fmt not in LOG_FORMATS:
             raise InvalidSetting(f"{FORMAT_VARIABLE}={fmt!r}", f"choose one of {LOG_FORMATS}")
         if level not in LOG_LEVELS:

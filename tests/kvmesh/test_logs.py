@@ -80,7 +80,7 @@ def test_configuring_again_replaces_the_handler_instead_of_doubling_lines(
 def test_the_environment_selects_format_and_level() -> None:
     env = {"KVMESH_LOG_FORMAT": "JSON", "KVMESH_LOG_LEVEL": "debug"}
     assert LogSettings.from_env(env) == LogSettings("json", "DEBUG")
-    assert LogSettings.from_env({}) == LogSettings("text", "INFO")
+    assert LogSettings.from_env({}) == LogSettings("text", "WARNING")
 
 
 @pytest.mark.parametrize(
@@ -145,3 +145,14 @@ def test_requests_served_at_once_on_one_loop_keep_their_own_ids() -> None:
 
     asyncio.run(both())
     assert seen == {"a": ["a"] * 3, "b": ["b"] * 3}
+
+
+def test_the_cli_refuses_a_bad_log_format_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], stream: io.StringIO
+) -> None:
+    from kvmesh.app.cli import main
+
+    monkeypatch.setenv("KVMESH_LOG_FORMAT", "xml")
+    assert main(["config", "--table", "--output", "/dev/null"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvmesh config: error: KVMESH_LOG_FORMAT='xml': choose one of")
