@@ -90,6 +90,7 @@ _MEDIUM_ALIASES: dict[str, int] = {
 _TIERS_OF_BITS: tuple[tuple[str, ...], ...] = tuple(
     tuple(name for i, name in enumerate(TIER_NAMES) if bits >> i & 1) for bits in range(16)
 )
+_GPU_ONLY = _TIERS_OF_BITS[1]
 SNAPSHOT_FORMAT = "kvmesh-index"
 SNAPSHOT_VERSION = 1
 
@@ -282,6 +283,8 @@ class GlobalIndex:
         self._by_slot: list[WorkerId | None] = []
         self._free_slots: list[int] = []
         self._ones = 0  # bit 0 of every live worker's nibble
+        # workers of a set of nibble-low bits, for `match`; cleared whenever a slot changes hands
+        self._wids_of: dict[int, tuple[WorkerId, ...]] = {}
         self._observers: list[IndexObserver] = []
 
     def add_observer(self, observer: IndexObserver) -> None:
@@ -302,6 +305,7 @@ class GlobalIndex:
         self._store.ensure_slot(slot)
         self._workers[worker_id] = w
         self._ones |= 1 << w.shift
+        self._wids_of.clear()
         return w
 
     def register_worker(self, worker_id: WorkerId, incarnation: str | None = None) -> None:
@@ -325,6 +329,7 @@ class GlobalIndex:
         self._by_slot[slot] = None
         self._free_slots.append(slot)
         self._ones &= ~(1 << w.shift)
+        self._wids_of.clear()
         return n
 
     def workers(self) -> list[WorkerId]:
@@ -585,17 +590,34 @@ class GlobalIndex:
             dropped.append((alive, n))
         pages: dict[WorkerId, int] = {}
         tier_names: dict[WorkerId, tuple[str, ...]] = {}
-        by_slot = self._by_slot
         for bits, length in dropped:
-            while bits:
-                low = bits & -bits
-                pos = low.bit_length() - 1
-                wid = by_slot[pos >> 2]
-                if wid is not None:
-                    pages[wid] = length
-                    tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
-                bits ^= low
+            wids = self._wids_of.get(bits)
+            if wids is None:
+                wids = self._workers_of(bits)
+            pages.update(dict.fromkeys(wids, length))
+            if not tiers & bits * 0b1110:  # all of them on the device only: the common case
+                tier_names.update(dict.fromkeys(wids, _GPU_ONLY))
+                continue
+            for wid in wids:
+                pos = self._workers[wid].shift
+                tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
         return MatchResult(pages, tier_names, len(hashes))
+
+    def _workers_of(self, bits: int) -> tuple[WorkerId, ...]:
+        """The workers whose nibble's low bit `bits` sets, in slot order (cached)."""
+        out: list[WorkerId] = []
+        by_slot = self._by_slot
+        rest = bits
+        while rest:
+            low = rest & -rest
+            wid = by_slot[(low.bit_length() - 1) >> 2]
+            if wid is not None:
+                out.append(wid)
+            rest ^= low
+        if len(self._wids_of) >= 4096:  # bounded: distinct holder sets of live prefixes
+            self._wids_of.clear()
+        wids = self._wids_of[bits] = tuple(out)
+        return wids
 
     def tier_pages(
         self, hashes: Sequence[PageHash], matched: MatchResult
@@ -741,6 +763,7 @@ class GlobalIndex:
         self._by_slot = fresh._by_slot
         self._free_slots = fresh._free_slots
         self._ones = fresh._ones
+        self._wids_of.clear()
 
     def _load(self, data: bytes) -> None:
         if not isinstance(data, bytes | bytearray | memoryview):
