@@ -206,7 +206,7 @@ class PagePool:
 
         With an `eviction` policy and several tenants cached, the policy picks
         which free pages (oldest first, for `tenant`) are reused instead. A reused
-        page loses its old hash first (one `PagesRemoved` for all of them; the
+        page loses its old hash first (one `PagesRemoved` per tenant losing hashes; the
         `spill_listener` sees the last copies before). Raises `PoolExhausted` when
         fewer than `n` pages are free, and then changes nothing.
         """
@@ -228,24 +228,22 @@ class PagePool:
             self.free_queue.remove_n(pages)
         else:
             pages = self.free_queue.popleft_n(n)
+        if len(self.tenant_pages) > 1:
+            self._reuse(pages)
+            return pages
+        # One tenant holds every cached page (the common case): no per-page owner lookups.
+        owner = next(iter(self.tenant_pages), DEFAULT_TENANT)
         removed: list[PageHash] | None = None
-        removed_by: dict[str, list[PageHash]] | None = None  # other tenants than the first
-        first_owner = ""
         spilled: list[tuple[PageId, PageMeta]] | None = None
         listener = self.spill_listener
         cached = self._cached
-        tenants = self.page_tenants
-        counts = self.tenant_pages
+        lost = 0
         for page in pages:
             page.ref_cnt = 1
             key = page.page_hash
             if key is not None:
+                lost += 1
                 entry = cached.get(key)
-                owner = tenants[page.page_id] or DEFAULT_TENANT
-                tenants[page.page_id] = None
-                counts[owner] -= 1
-                if not counts[owner]:
-                    del counts[owner]
                 if entry is page:
                     del cached[key]
                     if listener is not None:
@@ -256,27 +254,61 @@ class PagePool:
                             spilled.append((page.page_id, meta))
                     if removed is None:
                         removed = [key]
-                        first_owner = owner
-                    elif owner == first_owner:
-                        removed.append(key)
                     else:
-                        if removed_by is None:
-                            removed_by = {}
-                        removed_by.setdefault(owner, []).append(key)
+                        removed.append(key)
                     page.page_hash = page.parent_hash = None
                 else:
                     page.page_hash = page.parent_hash = None
                     self._drop_copy(key, entry, page)
+        if lost:
+            self._uncount(owner, lost)
         if spilled is not None and listener is not None:
             listener(spilled)
         if removed is not None:
-            medium = self.medium
-            events = self._events
-            events.append(PagesRemoved(tuple(removed), medium, wire_tenant(first_owner)))
-            if removed_by is not None:
-                for owner, keys in removed_by.items():
-                    events.append(PagesRemoved(tuple(keys), medium, wire_tenant(owner)))
+            self._events.append(PagesRemoved(tuple(removed), self.medium, wire_tenant(owner)))
         return pages
+
+    def _reuse(self, pages: list[KVPage]) -> None:
+        """`get_new_pages`' bookkeeping when several tenants hold cached pages: the pages
+        lose their hashes, each tenant its count, one `PagesRemoved` per tenant."""
+        removed: dict[str, list[PageHash]] = {}
+        lost: dict[str, int] = {}
+        spilled: list[tuple[PageId, PageMeta]] = []
+        listener = self.spill_listener
+        cached = self._cached
+        tenants = self.page_tenants
+        for page in pages:
+            page.ref_cnt = 1
+            key = page.page_hash
+            if key is None:
+                continue
+            owner = tenants[page.page_id] or DEFAULT_TENANT
+            lost[owner] = lost.get(owner, 0) + 1
+            entry = cached.get(key)
+            if entry is page:
+                del cached[key]
+                if listener is not None:
+                    spilled.append(
+                        (page.page_id, PageMeta(key, page.parent_hash, page.lora_id, owner))
+                    )
+                removed.setdefault(owner, []).append(key)
+                page.page_hash = page.parent_hash = None
+            else:
+                page.page_hash = page.parent_hash = None
+                self._drop_copy(key, entry, page)
+        for owner, n in lost.items():
+            self._uncount(owner, n)
+        if spilled and listener is not None:
+            listener(spilled)
+        for owner, keys in removed.items():
+            self._events.append(PagesRemoved(tuple(keys), self.medium, wire_tenant(owner)))
+
+    def _uncount(self, tenant: str, n: int) -> None:
+        left = self.tenant_pages[tenant] - n
+        if left:
+            self.tenant_pages[tenant] = left
+        else:
+            del self.tenant_pages[tenant]
 
     def _free_candidates(self) -> Iterator[tuple[KVPage, str | None]]:
         """Free pages oldest first with their tenant (None: no cached data to lose)."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -244,8 +245,7 @@ class TieredCache:
 
     def _spill(self, evicted: list[tuple[PageId, PageMeta]]) -> None:
         """The pool evicted these hashes' last pages: keep their bytes a tier lower."""
-        for _, meta in evicted:
-            TIER_EVICTIONS.labels(self.worker, DEVICE, meta.tenant).inc()
+        self._count_evictions(DEVICE, [meta for _, meta in evicted])
         if self.host is None and self.disk is None:
             self.publish()
             return
@@ -255,8 +255,7 @@ class TieredCache:
         if self.host is not None:
             put = self.host.put(metas, data)
             self._stored(put.kept, HOST)
-            for meta, _ in put.evicted:
-                TIER_EVICTIONS.labels(self.worker, HOST, meta.tenant).inc()
+            self._count_evictions(HOST, [m for m, _ in put.evicted + put.overflow])
             self._to_disk(put.evicted + put.overflow)
             self._removed([m for m, _ in put.evicted], HOST)
         else:
@@ -280,9 +279,12 @@ class TieredCache:
     def _on_disk(self, meta: PageMeta, dropped: list[PageMeta]) -> None:
         """`meta` entered the disk tier, `dropped` left it for room: say so."""
         self._stored([meta], DISK)
-        for m in dropped:
-            TIER_EVICTIONS.labels(self.worker, DISK, m.tenant).inc()
+        self._count_evictions(DISK, dropped)
         self._removed(dropped, DISK)
+
+    def _count_evictions(self, tier: str, metas: Iterable[PageMeta]) -> None:
+        for tenant, n in Counter(m.tenant for m in metas).items():
+            TIER_EVICTIONS.labels(self.worker, tier, tenant).inc(n)
 
     def admit_written(self, meta: PageMeta, size: int) -> None:
         """A background write of `meta` finished (`DiskWriter`; the owner's lock is held)."""
