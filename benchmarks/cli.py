@@ -20,9 +20,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "kvmesh.benchmarks.bench_tiers",
         "promoting a page from host memory or disk vs recomputing it, ms per page",
     ),
-    "tiers": (
-        "kvmesh.benchmarks.bench_tiers",
-        "promoting a page from host memory or disk vs recomputing it, ms per page",
+    "capacity": (
+        "kvmesh.benchmarks.bench_capacity",
+        "the simulator: host tiers vs a large device pool, a quiet tenant beside a flood "
+        "(LRU vs fair share)",
     ),
     "engines": (
         "kvmesh.benchmarks.bench_engines",
