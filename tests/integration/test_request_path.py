@@ -61,7 +61,9 @@ def test_a_request_costs_one_route_and_one_report(mesh: KVMesh) -> None:
         [rng.randrange(CONFIG.model.vocab_size) for _ in range(3 * 16 + 2)]
         for _ in range(REQUESTS // 2)
     ]
+    start = coordinator_calls()
     mesh.generate(prompts[0], max_tokens=1)  # warm: the workers' connections, the model
+    settled(start, 1)  # its report is not awaited: let it land before counting
     before = coordinator_calls()
     results = [mesh.generate(p, max_tokens=2) for p in prompts + prompts]
     made = settled(before, REQUESTS)
