@@ -263,6 +263,23 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     return int(server.server_port)
 
 
+def metrics_table() -> str:
+    """Every metric as a Markdown table (docs/operations.md holds it; a test keeps it in
+    step): the name a scrape shows (``_total`` on counters; ``ray_`` before it when an
+    actor exports it), its kind, labels and help."""
+    rows = [
+        "| metric | kind | labels | what it counts |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name in sorted(ALL_METRICS):
+        d = ALL_METRICS[name].definition
+        shown = name + ("_total" if d.kind == "counter" else "")
+        labels = ", ".join(f"`{label}`" for label in d.labels) or "-"
+        text = " ".join(d.help.split()).replace("|", "\\|")
+        rows.append(f"| `{shown}` | {d.kind} | {labels} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
 def ray_metrics_endpoints() -> list[str]:
     """Where this Ray cluster's metrics are served: every live node's Prometheus endpoint
     (``http://IP:PORT/metrics``, the port ``ray.init(_metrics_export_port=...)`` or ``ray
