@@ -553,6 +553,8 @@ class WorkerActor:
         self._callers.close()
         self.peers.close()
         self._server.stop()
+        if self.tiers is not None:
+            self.tiers.close()  # finish queued disk writes
 
     def check_invariants(self) -> None:
         """The pool's invariants (raises `InvariantViolation`)."""
