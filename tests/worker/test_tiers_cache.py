@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from tiers_kit import TierRig, make_store, page_data, prompt, replay_by_tier, same_bits
 
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
+from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.errors import ConfigError, InvalidSetting, PagesInUse
-from kvmesh.events import AllPagesCleared, PagesRemoved, PagesStored
+from kvmesh.events import AllPagesCleared, PagesRemoved, PagesStored, make_batch
 from kvmesh.metrics import TIER_PROMOTIONS
-from kvmesh.types import PageHash
+from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.cache_manager import KVCacheGroupSpec, KVCacheManager
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_service import PageService
@@ -156,30 +157,40 @@ OPS = st.lists(
 )
 
 
+def index_by_tier(index: GlobalIndex, worker: WorkerId) -> dict[str, set[PageHash]]:
+    """Per tier, the pages the coordinator's index believes `worker` holds there."""
+    out: dict[str, set[PageHash]] = {DEVICE: set(), HOST: set(), DISK: set()}
+    for h in index.all_pages():
+        for tier in index.holders(h).get(worker, ()):
+            out[tier].add(h)
+    return out
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(ops=OPS, host=st.integers(0, 4), fair=st.booleans())
-def test_pools_and_their_events_agree_after_random_spills_and_promotions(
+def test_the_index_and_the_pools_agree_after_random_spills_and_promotions(
     tmp_path_factory: pytest.TempPathFactory,
     ops: list[tuple[int, int, str | None]],
     host: int,
     fair: bool,
 ) -> None:
-    disk_dir = tmp_path_factory.mktemp("disk")
     rig = TierRig(
         5,
         host_pages=host,
-        disk_dir=disk_dir,
+        disk_dir=tmp_path_factory.mktemp("disk"),
         disk_bytes=6 * 700,
         eviction="fair" if fair else "lru",
     )
-    held: dict[str, set[PageHash]] = {}
-    for seed, pages, salt in ops:
+    wid = WorkerId("w")
+    index = GlobalIndex()
+    index.register_worker(wid, "inc")
+    for seq, (seed, pages, salt) in enumerate(ops):
         rig.serve(prompt(seed, pages), salt)  # checks every hit page's bytes
-        replay_by_tier(rig.pool.take_events(), held)
+        index.apply(make_batch(rig.pool.take_events(), wid, "inc", seq))
         rig.tiers.check_invariants()
-        assert {t: held.get(t, set()) for t in (DEVICE, HOST, DISK)} == rig.tiers.hashes_by_tier()
-    again: dict[str, set[PageHash]] = {}
-    replay_by_tier(rig.pool.snapshot_events(), again)
-    assert {t: again.get(t, set()) for t in (DEVICE, HOST, DISK)} == rig.tiers.hashes_by_tier()
+        assert index_by_tier(index, wid) == rig.tiers.hashes_by_tier()
+    rebuilt = GlobalIndex()
+    rebuilt.apply(make_batch(rig.pool.snapshot_events(), wid, "inc2", 0, snapshot=True))
+    assert index_by_tier(rebuilt, wid) == rig.tiers.hashes_by_tier()
