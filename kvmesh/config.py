@@ -291,10 +291,10 @@ class CoordinatorConfig:
     decode_weight: float = 0.0
     queue_weight: float = 1.0  # kv_aware: weight of the prefill pages already queued
     pull_cost: float = 0.16  # pulling a page / computing it (6.4 ms vs ~41 ms per 512 tokens)
-    # kv_aware by tier (coordinator/tiers.py): promoting a held page from host memory / disk, as
-    # a fraction of recomputing it (capped at 1); the simulator's time model derives its own
-    host_hit_cost: float = 0.06  # 64 MB page over PCIe (~25 GB/s, 2.6 ms) vs ~41 ms of prefill
-    disk_hit_cost: float = 0.31  # 64 MB page from NVMe (~5 GB/s, 12.8 ms) vs ~41 ms of prefill
+    # kv_aware by tier (coordinator/tiers.py), as fractions of recomputing a page (capped at 1),
+    # from `kvmesh bench tiers` on the tiny model (docs/tiers.md: 0.68 / 6.11 vs 20.1 ms a page)
+    host_hit_cost: float = 0.034  # kv_aware cost of a hit in host memory (promotion / recompute)
+    disk_hit_cost: float = 0.30  # kv_aware cost of a hit on disk (read + promotion / recompute)
     # fair share of the cluster's pages per tenant: "tenant=weight,..." (kvmesh.tenants); a
     # tenant not named weighs 1
     tenant_weights: str = ""
