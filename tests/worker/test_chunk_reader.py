@@ -11,6 +11,7 @@ import struct
 
 import grpc
 import pytest
+from worker_kit import Recorder
 
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.worker.chunk_reader import read_chunk_message
@@ -45,19 +46,6 @@ class BytesStream:
         return WireStatus(code, details)
 
 
-class Landing:
-    """A ChunkSink that lands each chunk's data in a fresh buffer and keeps both."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[pb.PageChunk, bytes]] = []
-
-    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
-        return memoryview(bytearray(nbytes))
-
-    def landed(self, meta: pb.PageChunk, data: memoryview) -> None:
-        self.got.append((meta, bytes(data)))
-
-
 def framed(body: bytes, compressed: int = 0) -> bytes:
     return bytes([compressed]) + struct.pack(">I", len(body)) + body
 
@@ -69,34 +57,34 @@ def test_chunks_arrive_with_their_fields_and_data_until_the_stream_ends() -> Non
         + framed(encode_chunk(0, 4, b"ef"))
         + framed(encode_chunk(1, 0, b"", missing=True))
     )
-    sink = Landing()
+    sink = Recorder()
     while read_chunk_message(stream, sink, 1 << 20):
         pass
-    assert [(m.page_index, m.offset, m.missing, d) for m, d in sink.got] == [
+    assert [(m.page_index, m.offset, m.missing, d) for m, d in sink.chunks] == [
         (0, 0, False, b"abcd"),
         (0, 4, False, b"ef"),
         (1, 0, True, b""),
     ]
-    assert sink.got[0][0].header == header and not sink.got[0][0].data
+    assert sink.chunks[0][0].header == header and not sink.chunks[0][0].data
     assert not stream.failed
 
 
 def test_a_message_over_the_limit_is_resource_exhausted_before_it_is_read() -> None:
     stream = BytesStream(framed(encode_chunk(0, 0, b"x" * 100)))
     with pytest.raises(WireStatus) as err:
-        read_chunk_message(stream, Landing(), 50)
+        read_chunk_message(stream, Recorder(), 50)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stream.pos == 5
 
 
 def test_compressed_messages_are_refused() -> None:
     with pytest.raises(WireStatus, match="compressed"):
-        read_chunk_message(BytesStream(framed(encode_chunk(0, 0, b"x"), 1)), Landing(), 1 << 20)
+        read_chunk_message(BytesStream(framed(encode_chunk(0, 0, b"x"), 1)), Recorder(), 1 << 20)
 
 
 def test_data_that_is_not_the_last_field_is_refused() -> None:
     body = encode_chunk(0, 0, b"xy") + pb.PageChunk(offset=9).SerializeToString()
     with pytest.raises(WireStatus, match="last field"):
-        read_chunk_message(BytesStream(framed(body)), Landing(), 1 << 20)
+        read_chunk_message(BytesStream(framed(body)), Recorder(), 1 << 20)
 
 
 @pytest.mark.parametrize(
@@ -110,5 +98,5 @@ def test_data_that_is_not_the_last_field_is_refused() -> None:
 def test_malformed_fields_fail_the_call_as_internal(body: bytes, error: str) -> None:
     stream = BytesStream(framed(body))
     with pytest.raises(WireStatus, match=error) as err:
-        read_chunk_message(stream, Landing(), 1 << 20)
+        read_chunk_message(stream, Recorder(), 1 << 20)
     assert err.value.code() == grpc.StatusCode.INTERNAL and stream.failed

@@ -22,7 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from worker_kit import proofs_for
+from worker_kit import Recorder, proofs_for
 
 from kvmesh import errors
 from kvmesh.config import TransferConfig
@@ -136,19 +136,6 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(WireChannel, "call", call)
     return runs
-
-
-class Recorder:
-    """A `ChunkSink` keeping every chunk's fields and bytes (buffers of its own)."""
-
-    def __init__(self) -> None:
-        self.chunks: list[tuple[pb.PageChunk, bytes]] = []
-
-    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
-        return memoryview(bytearray(nbytes))
-
-    def landed(self, meta: pb.PageChunk, data: memoryview) -> None:
-        self.chunks.append((meta, bytes(data)))
 
 
 # ------------------------------------------------------------ against the grpc server

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
 from kvmesh.hashing import NO_EXTRA, ExtraKeys, PageHasher
+from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.requests import GenerateRequest, WorkerSpec
 from kvmesh.types import WorkerId
 from kvmesh.worker.actor import WorkerActor
@@ -26,6 +27,19 @@ BASE = dataclasses.replace(
 )
 PAGE = BASE.hash.page_size
 HASHER = PageHasher.from_config(BASE.hash)
+
+
+class Recorder:
+    """A `ChunkSink` keeping every chunk's fields and bytes (buffers of its own)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[pb.PageChunk, bytes]] = []
+
+    def target(self, meta: pb.PageChunk, nbytes: int) -> memoryview:
+        return memoryview(bytearray(nbytes))
+
+    def landed(self, meta: pb.PageChunk, data: memoryview) -> None:
+        self.chunks.append((meta, bytes(data)))
 
 
 def proofs_for(hasher: PageHasher, tokens: Sequence[int], keys: ExtraKeys = NO_EXTRA) -> ProofBook:
