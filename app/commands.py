@@ -5,10 +5,10 @@ Each subcommand is a ``configure_<name>(parser)`` / ``run_<name>(args)`` pair
 only, so ``kvmesh --help`` stays fast. Bad arguments raise a `KVMeshError`
 subclass, which `kvmesh.app.cli.main` prints as one line with exit status 2.
 
-`kvmesh start` starts a cluster: an embedded local one (recorded in the
-state directory, `kvmesh.app.local_cluster`, until it stops), or kvmesh on
-the Ray cluster at ``--address`` / ``RAY_ADDRESS``; it refuses when kvmesh
-already runs there, unless ``--join``. `status`, `generate` and `replay` act
+`kvmesh start` starts a cluster: an embedded local one, or kvmesh on the
+Ray cluster at ``--address`` / ``RAY_ADDRESS``, recorded in the state
+directory (`kvmesh.app.local_cluster`) until it stops; it refuses when
+kvmesh already runs there, unless ``--join``. `status`, `generate` and `replay` act
 on a running cluster (``--address``, else ``RAY_ADDRESS``, else the recorded
 one) and never start one: with nothing reachable they fail within seconds
 (`kvmesh.ray_address.CONNECT_TIMEOUT_S`). Every input is checked first,
@@ -315,7 +315,10 @@ def run_start(args: argparse.Namespace) -> int:
         **options,
     ) as mesh:
         record = RecordedCluster(mesh.ray_address, ns, os.getpid())
-        if embedded:
+        # the kvmesh this process runs is the one `status` here should find; a join leaves
+        # the record to the start that runs it
+        records = embedded or not args.join
+        if records:
             write_record(record)
         try:
             print_workers(mesh, console)
@@ -335,7 +338,7 @@ def run_start(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:  # the normal way to stop: leave through close()
                 console.print("stopping kvmesh", highlight=False)
         finally:
-            if embedded:
+            if records:
                 remove_record(record)
     return 0
 

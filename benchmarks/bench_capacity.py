@@ -20,6 +20,7 @@ from typing import Any
 
 from kvmesh.app.sim_engine import QUIET_TENANT, PreparedTrace, SimSettings, prepare_trace
 from kvmesh.app.simulate import PolicyReport, simulate
+from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
 from kvmesh.errors import ConfigError
 from kvmesh.trace import load_trace
@@ -29,13 +30,20 @@ POLICY = "kv_aware"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", default="bundled", help="trace file or 'bundled'")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--capacity-pages", type=int, default=2000, help="device pages per worker")
-    parser.add_argument("--host-pages", type=int, default=16000, help="host pages per worker")
+    parser.add_argument("--workers", type=positive_int, default=8)
     parser.add_argument(
-        "--flood", type=int, default=2, help="the neighbour's unique prompts per trace request"
+        "--capacity-pages", type=positive_int, default=2000, help="device pages per worker"
     )
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument(
+        "--host-pages", type=non_negative_int, default=16000, help="host pages per worker"
+    )
+    parser.add_argument(
+        "--flood",
+        type=non_negative_int,
+        default=2,
+        help="the neighbour's unique prompts per trace request",
+    )
+    parser.add_argument("--limit", type=positive_int, help="replay only the first N requests")
     parser.add_argument("--part", choices=("all", "tiers", "tenants"), default="all")
     parser.add_argument("--json", action="store_true", help="one JSON object with every figure")
 
