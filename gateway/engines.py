@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -30,7 +30,7 @@ from kvmesh.metrics import (
     GATEWAY_INFLIGHT,
     GATEWAY_INFLIGHT_PREFILL,
 )
-from kvmesh.types import WorkerId
+from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,21 @@ class EngineState:
     inflight_prefill_tokens: int = 0
     last_error: str = ""
     failed_checks: int = 0  # consecutive health checks that timed out or were not 200
+    prefilling: list[Ticket] = field(default_factory=list)
+    """Requests sent here whose prefill has not finished: their blocks are about to be cached."""
 
     @property
     def worker_id(self) -> WorkerId:
         return WorkerId(self.spec.name)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one ticket is one request: compared by identity
 class Ticket:
     """One request in flight on one engine; `prefill_done` ends its prefill share early."""
 
     engine: EngineState
     prefill_tokens: int
+    hashes: tuple[PageHash, ...] = ()
     prefilling: bool = True
     open: bool = True
 
@@ -64,6 +67,7 @@ class Ticket:
         if self.prefilling:
             self.prefilling = False
             self.engine.inflight_prefill_tokens -= self.prefill_tokens
+            self.engine.prefilling.remove(self)
 
     def close(self) -> None:
         """Idempotent: the request left the engine (answered, failed or cancelled)."""
@@ -119,10 +123,34 @@ class EnginePool:
             if e.up and e.worker_id not in exclude
         ]
 
-    def begin(self, engine: EngineState, prefill_tokens: int) -> Ticket:
+    def begin(
+        self, engine: EngineState, prefill_tokens: int, hashes: Sequence[PageHash] = ()
+    ) -> Ticket:
+        """A request goes to `engine`; `hashes`: its prompt's blocks, which the engine will
+        hold once the prefill is done (see `prefilling`)."""
         engine.inflight_requests += 1
         engine.inflight_prefill_tokens += prefill_tokens
-        return Ticket(engine, prefill_tokens)
+        ticket = Ticket(engine, prefill_tokens, tuple(hashes))
+        engine.prefilling.append(ticket)
+        return ticket
+
+    def prefilling(
+        self, exclude: Collection[WorkerId] = ()
+    ) -> dict[WorkerId, list[tuple[PageHash, ...]]]:
+        """The block hashes of the requests each engine is prefilling now.
+
+        Their blocks reach the index only with the engine's events after the
+        prefill; until then a router that ignored them would send the next
+        request with the same new prefix (a shared system prompt, two turns
+        close together) to another engine, computing and caching it twice.
+        Like the loads, this is the gateway's own in-flight state: two
+        gateways fed the same events and the same requests decide alike.
+        """
+        return {
+            e.worker_id: [t.hashes for t in e.prefilling if t.hashes]
+            for e in self.engines.values()
+            if e.up and e.worker_id not in exclude and any(t.hashes for t in e.prefilling)
+        }
 
     def mark_down(self, engine: EngineState, reason: str) -> None:
         if engine.up:
