@@ -6,7 +6,8 @@ machines) and ``hash -> entry`` in LRU order. Invariants:
 
 - a hash is held at most once (the tiers are exclusive: a promoted page leaves
   this tier, a spilled one leaves the device's cached set);
-- every entry owns one slot; a slot is free or owned by exactly one entry;
+- every entry owns one slot; a slot is free, owned by exactly one entry, or
+  reserved by an entry `detach`ed for a promotion until it is `release`d;
 - `tenant_pages` counts the entries per tenant.
 
 The tier stores and gives back bytes; it emits no events and takes no locks
@@ -16,7 +17,7 @@ The tier stores and gives back bytes; it emits no events and takes no locks
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class HostTier:
     Costs: `get`, `touch`, `take` O(1); `put` O(pages evicted + candidates walked).
     """
 
-    __slots__ = ("_entries", "_free", "data", "num_pages", "policy", "tenant_pages")
+    __slots__ = ("_entries", "_free", "_reserved", "data", "num_pages", "policy", "tenant_pages")
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class HostTier:
         self.policy: EvictionPolicy = policy or LruEviction()
         self._entries: OrderedDict[PageHash, HostEntry] = OrderedDict()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._reserved: set[int] = set()  # slots of detached entries, until released
         self.tenant_pages: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -93,8 +95,10 @@ class HostTier:
         """Keep `pages` (``[len(metas), *page_shape]``, any device) under `metas`.
 
         Evicts what must go first (its bytes copied out for the tier below); of
-        more pages than the tier holds only the last `num_pages` stay (the rest
-        come back as overflow). Hashes already held are refreshed, not copied again.
+        more pages than the tier can take (its slots, less those `detach`ed) only
+        the last stay (the rest come back as overflow). Hashes already held are
+        refreshed, not copied again. Each page is copied straight into its slot
+        (device to pinned memory: a DMA on a GPU).
         """
         if pages.shape[0] != len(metas) or tuple(pages.shape[1:]) != tuple(self.data.shape[1:]):
             raise InvalidInput(
@@ -105,18 +109,18 @@ class HostTier:
         for m in metas:
             if m.page_hash in self._entries:
                 self._entries.move_to_end(m.page_hash)
-        overflow = keep[: max(0, len(keep) - self.num_pages)]
+        room = len(self._free) + len(self._entries)
+        overflow = keep[: max(0, len(keep) - room)]
         keep = keep[len(overflow) :]
         evicted: list[tuple[PageMeta, Tensor]] = []
         short = len(keep) - len(self._free)
         if short > 0:
-            requester = metas[keep[0]].tenant if keep else None
             victims = self.policy.choose(
                 ((h, e.meta.tenant) for h, e in self._entries.items()),
                 self.tenant_pages,
                 self.num_pages,
                 short,
-                requester,
+                metas[keep[0]].tenant,
             )
             if len(victims) < short:
                 raise InvariantViolation(
@@ -128,32 +132,35 @@ class HostTier:
                 evicted.append((entry.meta, self.data[entry.slot].clone()))
         spilled = [(metas[i], pages[i].to("cpu", copy=True)) for i in overflow]
         kept: list[PageMeta] = []
-        if keep:
-            slots = [self._free.pop() for _ in keep]
-            index = torch.as_tensor(slots, dtype=torch.long)
-            src = pages[torch.as_tensor(keep, dtype=torch.long, device=pages.device)]
-            self.data.index_copy_(0, index, src.to("cpu", non_blocking=self.data.is_pinned()))
-            for i, slot in zip(keep, slots, strict=True):
-                meta = metas[i]
-                self._entries[meta.page_hash] = HostEntry(meta, slot)
-                self.tenant_pages[meta.tenant] += 1
-                kept.append(meta)
+        data = self.data
+        for i in keep:
+            slot = self._free.pop()
+            data[slot].copy_(pages[i])  # blocking: the slot is read as soon as it is held
+            meta = metas[i]
+            self._entries[meta.page_hash] = HostEntry(meta, slot)
+            self.tenant_pages[meta.tenant] += 1
+            kept.append(meta)
         return HostPut(kept, evicted, spilled)
 
-    def take(self, page_hashes: Sequence[PageHash]) -> tuple[list[PageMeta], Tensor]:
-        """Remove the entries of `page_hashes` (all must be held) and return their pages' bytes.
-
-        The pages come back as one new tensor ``[n, *page_shape]`` in host memory.
-        """
+    def detach(self, page_hashes: Sequence[PageHash]) -> list[HostEntry]:
+        """Take entries out of the tier (all must be held) but keep their slots reserved,
+        so the caller can copy from `page` while others spill in; then `release` them."""
         missing = [h.hex()[:16] for h in page_hashes if h not in self._entries]
         if missing:
             raise InvalidInput(f"host tier does not hold {missing}")
-        entries = [self._entries[h] for h in page_hashes]
-        index = torch.as_tensor([e.slot for e in entries], dtype=torch.long)
-        pages = self.data.index_select(0, index)
-        for h in page_hashes:
-            self._release(h)
-        return [e.meta for e in entries], pages
+        entries = [self._forget(h) for h in page_hashes]
+        self._reserved.update(e.slot for e in entries)
+        return entries
+
+    def page(self, entry: HostEntry) -> Tensor:
+        """A view of a held or detached entry's bytes in host memory."""
+        return self.data[entry.slot]
+
+    def release(self, entries: Iterable[HostEntry]) -> None:
+        """Free the slots of `detach`ed entries."""
+        for e in entries:
+            self._reserved.discard(e.slot)
+            self._free.append(e.slot)
 
     def discard(self, page_hashes: Sequence[PageHash]) -> list[PageMeta]:
         """Forget entries (those held); returns their metadata."""
@@ -163,8 +170,12 @@ class HostTier:
         return self.discard(list(self._entries))
 
     def _release(self, page_hash: PageHash) -> HostEntry:
-        entry = self._entries.pop(page_hash)
+        entry = self._forget(page_hash)
         self._free.append(entry.slot)
+        return entry
+
+    def _forget(self, page_hash: PageHash) -> HostEntry:
+        entry = self._entries.pop(page_hash)
         tenant = entry.meta.tenant
         self.tenant_pages[tenant] -= 1
         if not self.tenant_pages[tenant]:
@@ -174,13 +185,15 @@ class HostTier:
     def check_invariants(self) -> None:
         """Raise `InvariantViolation` unless slots, entries and tenant counts agree."""
         owned = [e.slot for e in self._entries.values()]
-        if len(set(owned)) != len(owned) or set(owned) & set(self._free):
+        if len(set(owned)) != len(owned) or set(owned) & (set(self._free) | self._reserved):
             raise InvariantViolation(
-                f"host tier slots are shared: owned {owned}, free {self._free}"
+                f"host tier slots are shared: owned {owned}, free {self._free}, "
+                f"reserved {sorted(self._reserved)}"
             )
-        if len(owned) + len(self._free) != self.num_pages:
+        if len(owned) + len(self._free) + len(self._reserved) != self.num_pages:
             raise InvariantViolation(
-                f"host tier has {len(owned)} owned + {len(self._free)} free slots of {self.num_pages}"
+                f"host tier has {len(owned)} owned + {len(self._free)} free + "
+                f"{len(self._reserved)} reserved slots of {self.num_pages}"
             )
         counts = Counter(e.meta.tenant for e in self._entries.values())
         if counts != self.tenant_pages:

@@ -67,7 +67,7 @@ from kvmesh.types import PageHash, PageId
 from kvmesh.worker.cache_manager import KVCacheManager
 from kvmesh.worker.disk_tier import DiskTier
 from kvmesh.worker.free_queue import KVPage
-from kvmesh.worker.host_tier import HostTier
+from kvmesh.worker.host_tier import HostEntry, HostTier
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PageMeta, PagePool, wire_tenant
 from kvmesh.worker.page_service import PageService
@@ -353,7 +353,7 @@ class TieredCache:
             return 0
         pool.touch(prefix)  # a small pool must not evict the prefix to make room
         pages: list[KVPage] = []
-        taken: list[tuple[PageMeta, Tensor | PageBlob, str]] = []
+        taken: list[tuple[PageMeta, HostEntry | PageBlob, str]] = []
         try:
             taken = self._take_run(run[: pool.get_num_free_pages()])
             if taken:
@@ -370,23 +370,25 @@ class TieredCache:
                 if moved:
                     self._removed(moved, tier)
                     TIER_PROMOTIONS.labels(self.worker, tier).inc(len(moved))
+            if host is not None:
+                host.release(e for _, e, _ in taken if isinstance(e, HostEntry))
             pool.free_pages(reversed(prefix + pages))
             self.publish()
         return len(taken)
 
-    def _take_run(self, run: list[PageHash]) -> list[tuple[PageMeta, Tensor | PageBlob, str]]:
+    def _take_run(self, run: list[PageHash]) -> list[tuple[PageMeta, HostEntry | PageBlob, str]]:
         """Take the run's pages out of their tiers, in order, up to a corrupted disk page
-        (dropped and its removal recorded)."""
-        taken: list[tuple[PageMeta, Tensor | PageBlob, str]] = []
+        (dropped and its removal recorded). Host pages stay in their (reserved) slots, so
+        spills while the device makes room cannot overwrite them; disk pages are read."""
+        taken: list[tuple[PageMeta, HostEntry | PageBlob, str]] = []
         host, disk = self.host, self.disk
         i = 0
         while i < len(run):
             end = i
             while host is not None and end < len(run) and run[end] in host:
                 end += 1
-            if end > i and host is not None:  # a stretch in host memory: one copy
-                metas, data = host.take(run[i:end])
-                taken.extend((m, data[k], HOST) for k, m in enumerate(metas))
+            if end > i and host is not None:
+                taken.extend((e.meta, e, HOST) for e in host.detach(run[i:end]))
                 i = end
                 continue
             h = run[i]
@@ -406,18 +408,14 @@ class TieredCache:
         return taken
 
     def _write(
-        self, pages: list[KVPage], taken: list[tuple[PageMeta, Tensor | PageBlob, str]]
+        self, pages: list[KVPage], taken: list[tuple[PageMeta, HostEntry | PageBlob, str]]
     ) -> None:
-        host_ids: list[PageId] = []
-        host_data: list[Tensor] = []
+        """Copy each taken page into its device page (from pinned host memory: a DMA)."""
         for page, (_, data, _) in zip(pages, taken, strict=True):
             if isinstance(data, PageBlob):
                 self.store.import_page(page.page_id, data, verified=True)
-            else:
-                host_ids.append(page.page_id)
-                host_data.append(data)
-        if host_ids:
-            self.store.write_pages(host_ids, torch.stack(host_data))
+            elif self.host is not None:
+                self.store.write_page(page.page_id, self.host.page(data))
 
     # ---------------------------------------------------------------- events
 

@@ -61,6 +61,21 @@ def test_a_promotion_is_a_move_back_to_the_device(tmp_path: Path) -> None:
     assert TIER_PROMOTIONS.value(worker="w-move", tier=DISK) == from_disk + 1
 
 
+def test_a_promotion_from_a_full_host_tier_sends_the_pages_it_displaces_to_disk(
+    tmp_path: Path,
+) -> None:
+    rig = TierRig(5, host_pages=3, disk_dir=tmp_path, disk_bytes=1 << 20)
+    first, second = prompt(1, 3), prompt(2, 3)
+    rig.serve(first)
+    rig.serve(second)  # first's 3 pages fill the host tier
+    assert {rig.tiers.tier_of(h) for h in rig.request(first).page_hashes} == {HOST}
+    assert rig.serve(first) == 3  # their slots stay reserved while second's pages spill
+    where = [rig.tiers.tier_of(h) for h in rig.request(second).page_hashes]
+    assert where == [HOST, DISK, DISK]  # the head spilled last, once the host had room again
+    rig.tiers.check_invariants()
+    assert rig.serve(second) == 3  # and come back from disk, bytes checked
+
+
 def test_the_snapshot_lists_every_tier_parents_first(tmp_path: Path) -> None:
     rig = TierRig(5, host_pages=1, disk_dir=tmp_path, disk_bytes=1 << 20)
     rig.serve(prompt(1, 3))
