@@ -230,9 +230,11 @@ def test_two_replicas_fed_the_same_events_decide_alike(ray_cluster: None) -> Non
     held = truth(workers)
     rng = random.Random(7)
     reqs = []
-    for n in range(10_000):
+    for _ in range(10_000):
         p = PROMPTS[rng.randrange(len(PROMPTS))][: rng.randint(1, 12)]
-        reqs.append((p, len(p) * PAGE + rng.randrange(PAGE), f"r{n}"))
+        # no request id: looks, which no worker's load counts; each replica is asked the same
+        # looks (a request on its way is routed once and counts everywhere: the test below)
+        reqs.append((p, len(p) * PAGE + rng.randrange(PAGE), ""))
     batch = 500
     for k in range(0, len(reqs), batch):
         part = reqs[k : k + batch]
@@ -245,6 +247,30 @@ def test_two_replicas_fed_the_same_events_decide_alike(ray_cluster: None) -> Non
         # see the same reports. (A worker that stops reporting expires on each replica's
         # own clock: docs/scale.md, what replicas may disagree on.)
         ray.get([w.serve.remote([], load=rng.randrange(0, 400)) for w in workers])
+
+
+def test_a_request_routed_by_one_replica_counts_in_every_replicas_loads(
+    ray_cluster: None,
+) -> None:
+    cfg = layout(shards=2, replicas=2)
+    keep = get_or_create_coordinator(cfg)
+    r0, r1 = router_handles(cfg)
+    assert ray.get([r0.wait_ready.remote(60), r1.wait_ready.remote(60)], timeout=90) == [True] * 2
+    _workers = start_workers(cfg, keep, 3)  # held until the end: Ray collects unheld actors
+    prompt = PROMPTS[0]
+    tokens = len(prompt) * PAGE
+    d = ray.get(r0.route.remote(prompt, tokens, PAGE, False, None, None, "req-1"))
+    want = tokens - d.local_pages * PAGE  # what the single coordinator adds (`_count_routed`)
+
+    def queued(router: Any) -> int:
+        infos = ray.get(router.workers.remote())
+        return next(i.load.active_prefill_tokens for i in infos if i.worker_id == d.worker_id)
+
+    deadline = time.monotonic() + 30  # the increment goes out off the reply path
+    while queued(r1) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued(r1) == want
+    assert queued(r0) == want
 
 
 def test_a_replica_killed_under_load_from_8_clients_fails_no_request(ray_cluster: None) -> None:
@@ -298,9 +324,10 @@ def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: N
     held = truth(workers)
     _, r1 = create_layout(dataclasses.replace(cfg, router_replicas=2))
     assert ray.get(r1.wait_ready.remote(60), timeout=90)
+    # looks (no request id), so that asking both replicas the same adds no load twice
     for p in PROMPTS:  # routes only once caught up: the pools' truth, as replica 0
-        d1 = ray.get(r1.route.remote(p, len(p) * PAGE, PAGE, True, None, None, "x"))
-        d0 = ray.get(r0.route.remote(p, len(p) * PAGE, PAGE, True, None, None, "x"))
+        d1 = ray.get(r1.route.remote(p, len(p) * PAGE, PAGE, True, None, None, ""))
+        d0 = ray.get(r0.route.remote(p, len(p) * PAGE, PAGE, True, None, None, ""))
         check(d1, p, held)
         assert d1 == d0
     time.sleep(3 * cfg.heartbeat_interval_s)  # replica 0's router finds replica 1
@@ -309,8 +336,8 @@ def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: N
     held = truth(workers)
     deadline = time.monotonic() + 30
     while True:  # a gap from before it was found heals by snapshot; then both agree
-        a = [ray.get(r0.route.remote(p, 48, PAGE, True, None, None, "y")) for p in PROMPTS]
-        b = [ray.get(r1.route.remote(p, 48, PAGE, True, None, None, "y")) for p in PROMPTS]
+        a = [ray.get(r0.route.remote(p, 48, PAGE, True, None, None, "")) for p in PROMPTS]
+        b = [ray.get(r1.route.remote(p, 48, PAGE, True, None, None, "")) for p in PROMPTS]
         if a == b or time.monotonic() > deadline:
             break
         time.sleep(0.3)
