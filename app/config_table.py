@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.config import ClusterConfig, SettingInfo, cluster_settings
+from kvmesh.errors import ConfigError
 
 TABLE_PATH = Path("docs") / "configuration.md"
 
@@ -185,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
         if args.output == "-":
             sys.stdout.write(text)
         else:
-            Path(args.output).write_text(text, encoding="utf-8")
+            try:
+                Path(args.output).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"cannot write {args.output}: {exc.strerror}") from None
             print(f"wrote {args.output}", file=sys.stderr)
         return 0
     cfg = load_cluster_config(config_file=args.config)

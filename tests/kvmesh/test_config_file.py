@@ -74,10 +74,16 @@ def test_every_setting_has_a_description_in_the_table() -> None:
         assert f"| `{path}` | `{info.env}` |" in table
 
 
-def test_kvmesh_config_table_writes_the_file(tmp_path: Path) -> None:
+def test_kvmesh_config_table_writes_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "configuration.md"
     assert main(["config", "--table", "--output", str(out)]) == 0
     assert out.read_text(encoding="utf-8") == render_table()
+    missing = tmp_path / "no-such-folder" / "configuration.md"
+    assert main(["config", "--table", "--output", str(missing)]) == 2
+    [err] = capsys.readouterr().err.splitlines()[-1:]
+    assert err == f"kvmesh config: error: cannot write {missing}: No such file or directory"
 
 
 # -- the file layer --------------------------------------------------------------------------
