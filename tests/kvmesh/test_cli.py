@@ -470,3 +470,25 @@ def test_the_python_api_honours_ray_address_and_fails_fast_when_nothing_answers(
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith(f"refused: no Ray cluster answers at RAY_ADDRESS={where}")
     assert res.stdout.strip().endswith("False")  # Ray was never initialised
+
+
+def test_attaching_where_ray_runs_without_kvmesh_is_refused_and_creates_nothing() -> None:
+    code = (
+        "import ray\n"
+        "from kvmesh.client import KVMesh\n"
+        "from kvmesh.errors import ClusterUnreachable\n"
+        "ray.init(num_cpus=1, include_dashboard=False, namespace='kvmesh')\n"
+        "try:\n"
+        "    KVMesh.attach()\n"
+        "except ClusterUnreachable as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('actors:', len(ray.util.list_named_actors(all_namespaces=True)))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=180
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    refused, actors = res.stdout.strip().splitlines()[-2:]
+    assert refused.startswith("refused: Ray runs at ") and "but kvmesh does not" in refused
+    assert "kvmesh start --address" in refused
+    assert actors == "actors: 0"
