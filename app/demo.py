@@ -36,11 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 
 from kvmesh.app.report import SHARED_ROWS, Row, plot_comparison, print_comparison
 from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import ClusterConfig, ModelConfig
 from kvmesh.errors import ConfigError, KVMeshError
+from kvmesh.requests import GenerationResult
 from kvmesh.stats import mean, percentiles
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens
 
@@ -185,11 +187,10 @@ async def _replay(
     console: Console | None,
     show: bool,
 ) -> PolicyReport:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     before = (await mesh.astats()).mismatches
     sem = asyncio.Semaphore(spec.concurrency)
-    results: list[Any] = []
+    results: list[GenerationResult] = []
     latencies: list[float] = []
     errors = 0
     start = time.perf_counter()
@@ -203,7 +204,7 @@ async def _replay(
         transient=True,
     )
 
-    async def one(p: TracePrompt, task: Any) -> None:
+    async def one(p: TracePrompt, task: TaskID) -> None:
         nonlocal errors
         if spec.time_scale > 0:
             delay = start + p.arrival_s * spec.time_scale - time.perf_counter()
