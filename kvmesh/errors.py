@@ -80,7 +80,13 @@ class ChecksumMismatch(KVMeshError):
 
 
 class DiskPageCorrupt(ChecksumMismatch):
-    """A page file of the disk tier is corrupted or truncated; it was deleted, never served."""
+    """A page file of the disk tier is corrupted or truncated; it is deleted, never served.
+
+    `reason`: "corrupt" or "truncated" (the label it is counted under)."""
+
+    def __init__(self, message: str, reason: str = "corrupt") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class EventDecodeError(InvalidInput):

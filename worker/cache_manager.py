@@ -269,6 +269,10 @@ class PagePromoter(Protocol):
         """Forget every tier's pages (the pool's too)."""
         ...
 
+    def prefetch(self, page_hashes: Sequence[PageHash], max_pages: int) -> int:
+        """Read what a `promote` would read from slow tiers, without the owner's lock."""
+        ...
+
 
 class KVCacheManager:
     """Per-request pages over one `PagePool`, with prefix caching.

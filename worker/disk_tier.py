@@ -293,9 +293,20 @@ class DiskTier:
         A file that is missing, truncated or does not match its checksums is deleted
         and counted, and `DiskPageCorrupt` raised: its bytes are never returned.
         """
-        entry = self._entries.get(page_hash)
-        if entry is None:
+        if page_hash not in self._entries:
             return None
+        try:
+            got = self.read(page_hash)
+        except DiskPageCorrupt as exc:
+            self.drop_bad(page_hash, exc.reason)
+            raise
+        self._drop(page_hash)
+        return got
+
+    def read(self, page_hash: PageHash) -> tuple[PageMeta, PageBlob]:
+        """Read and check one page file, changing nothing (a background reader may call it
+        without the owner's lock). Raises `DiskPageCorrupt` for a missing, truncated or
+        corrupted file; the owner then deletes it (`drop_bad`)."""
         path = self.path_of(page_hash)
         try:
             raw = path.read_bytes()
@@ -308,14 +319,19 @@ class DiskTier:
                 raise ValueError("page bytes do not match their checksum")
         except (OSError, ValueError, EOFError) as exc:
             reason = "truncated" if isinstance(exc, EOFError) else "corrupt"
-            self._drop(page_hash)
-            DISK_PAGES_DROPPED.labels(self.worker, reason).inc()
             raise DiskPageCorrupt(
                 f"disk page {page_hash.hex()[:16]} in {str(self.directory)!r} is {reason} "
-                f"({exc}); it was deleted and will be recomputed"
+                f"({exc}); it is deleted and will be recomputed",
+                reason,
             ) from exc
-        self._drop(page_hash)
         return header.meta, PageBlob(data, header.dtype, header.shape, header.checksum)
+
+    def drop_bad(self, page_hash: PageHash, reason: str) -> PageMeta | None:
+        """Delete a page file found bad and count it; its meta, or None if not held."""
+        DISK_PAGES_DROPPED.labels(self.worker, reason).inc()
+        if page_hash not in self._entries:
+            return None
+        return self._drop(page_hash)
 
     def _check_format(self, header: _Header) -> None:
         if header.dtype != self.dtype or header.shape != self.page_shape:

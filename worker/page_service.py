@@ -197,6 +197,8 @@ class PageService:
         Pinned pages are neither evicted nor reused until `unpin`. A hash
         asked twice is pinned twice (unpin the returned list as it is).
         """
+        if self.tiers is not None:  # disk reads happen before the lock
+            self.tiers.prefetch(hashes, len(hashes))
         with self._lock:
             if self.tiers is not None:
                 self.tiers.promote(hashes, len(hashes))

@@ -465,6 +465,8 @@ class ServingEngine:
             self._pull(request, hint, pull_fn, progress)
             progress.pull_ms = (self.clock() - t0) * 1e3
         cm, pool = self.cache_manager, self.pool
+        if cm.tiers is not None:  # read its disk pages now, not while holding the lock
+            cm.tiers.prefetch(request.page_hashes, (request.num_tokens - 1) // self.page_size)
         with self.lock:
             matched, _ = cm.get_computed_pages(request)
             new_pages = cm.allocate_slots(

@@ -79,6 +79,8 @@ DEVICE = "gpu"
 HOST = "cpu"
 DISK = "disk"
 TIER_ORDER = (DEVICE, HOST, DISK)
+MAX_STAGED_PAGES = 4096
+"""Disk pages `prefetch` may hold in memory for promotions to come."""
 """Tier names as KV events' `medium` (the coordinator index's names), fastest first."""
 
 
@@ -154,7 +156,10 @@ class TieredCache:
             else None
         )
         self._published: dict[str, set[str]] = {tier: set() for tier in TIER_ORDER}
-        # with the owner's lock, disk writes leave the request path (DiskWriter)
+        # with the owner's lock, disk writes and reads leave the request path: a DiskWriter
+        # writes evictions, `prefetch` reads a request's disk pages before it takes the lock
+        self._lock = lock
+        self._staged: dict[PageHash, tuple[PageMeta, PageBlob] | DiskPageCorrupt] = {}
         self.writer: DiskWriter | None = (
             DiskWriter(self, self.disk, lock, max_queued_writes)
             if self.disk is not None and lock is not None
@@ -395,10 +400,20 @@ class TieredCache:
             i += 1
             if disk is None:
                 break
+            staged = self._staged.pop(h, None)
             entry = disk.get(h)
+            got: tuple[PageMeta, PageBlob] | None
             try:
-                got = disk.take(h)
-            except DiskPageCorrupt:
+                if isinstance(staged, DiskPageCorrupt):
+                    raise staged
+                if staged is not None and entry is not None:
+                    disk.discard([h])  # read by `prefetch`: only the file is left to delete
+                    got = staged
+                else:
+                    got = disk.take(h)  # drops and counts a bad file itself
+            except DiskPageCorrupt as exc:
+                if isinstance(staged, DiskPageCorrupt):
+                    disk.drop_bad(h, exc.reason)
                 if entry is not None:
                     self._removed([entry.meta], DISK)
                 break
@@ -406,6 +421,39 @@ class TieredCache:
                 break
             taken.append((got[0], got[1], DISK))
         return taken
+
+    def prefetch(self, page_hashes: Sequence[PageHash], max_pages: int) -> int:
+        """Read from disk, without the owner's lock, the pages a `promote` of the same
+        hashes would read, so that the promotion (under the lock) only copies them and
+        requests that need other pages never wait for this disk. Call it without the
+        lock, right before the lookup; returns the pages read. Needs the lock the tiers
+        were built with (else it does nothing and `promote` reads)."""
+        disk, lock = self.disk, self._lock
+        if disk is None or lock is None:
+            return 0
+        with lock:
+            limit = min(max_pages, len(page_hashes))
+            start = len(self.pool.match_prefix(page_hashes, limit))
+            wanted: list[PageHash] = []
+            for i in range(start, limit):
+                h = page_hashes[i]
+                if self.host is not None and h in self.host:
+                    continue
+                if h not in disk:
+                    break
+                wanted.append(h)
+        read: dict[PageHash, tuple[PageMeta, PageBlob] | DiskPageCorrupt] = {}
+        for h in wanted:
+            try:
+                read[h] = disk.read(h)
+            except DiskPageCorrupt as exc:
+                read[h] = exc  # dropped by the promotion, under the lock
+                break
+        with lock:
+            if len(self._staged) + len(read) > MAX_STAGED_PAGES:
+                self._staged.clear()  # left by lookups that never promoted
+            self._staged.update(read)
+        return len(read)
 
     def _write(
         self, pages: list[KVPage], taken: list[tuple[PageMeta, HostEntry | PageBlob, str]]

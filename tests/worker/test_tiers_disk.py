@@ -236,3 +236,68 @@ def test_a_failed_disk_write_drops_the_page_and_counts_it(tmp_path: Path) -> Non
     assert dropped("w-wfail", "write_error") == before + 2
     assert len(disk) == 0 and not list(tmp_path.glob("*" + SUFFIX))
     rig.tiers.close()
+
+
+def test_disk_pages_are_read_before_the_lock_and_others_never_wait_for_them(
+    tmp_path: Path,
+) -> None:
+    lock = threading.RLock()
+    rig = TierRig(4, disk_dir=tmp_path, disk_bytes=1 << 20, lock=lock, worker="w-prefetch")
+    first = prompt(1, 2)
+    with lock:
+        rig.serve(first)
+        rig.serve(prompt(2, 2))
+    rig.tiers.flush()
+    disk = rig.tiers.disk
+    assert disk is not None and len(disk) == 2
+    reading, release = threading.Event(), threading.Event()
+    reads: list[PageHash] = []
+    read = disk.read
+
+    def slow_read(page_hash: PageHash) -> tuple[PageMeta, PageBlob]:
+        reads.append(page_hash)
+        reading.set()
+        release.wait(30)  # a slow disk
+        return read(page_hash)
+
+    disk.read = slow_read  # type: ignore[method-assign]
+    hashes = rig.request(first).page_hashes
+    reader = threading.Thread(target=rig.tiers.prefetch, args=(hashes, 2))
+    reader.start()
+    assert reading.wait(30)
+    with lock:  # not held by the reader: another request goes ahead meanwhile
+        assert rig.serve(prompt(3, 1)) == 0
+    release.set()
+    reader.join(30)
+    with lock:
+        assert rig.serve(first) == 2  # promoted from what was read, bytes checked
+    assert reads == list(hashes)  # each page read once, by the prefetch
+    with lock:
+        rig.tiers.check_invariants()
+    rig.tiers.close()
+
+
+def test_a_corrupted_page_found_by_a_prefetch_is_dropped_once_and_never_served(
+    tmp_path: Path,
+) -> None:
+    lock = threading.RLock()
+    rig = TierRig(4, disk_dir=tmp_path, disk_bytes=1 << 20, lock=lock, worker="w-prebad")
+    first = prompt(1, 2)
+    with lock:
+        rig.serve(first)
+        rig.serve(prompt(2, 2))
+    rig.tiers.flush()
+    head = rig.request(first).page_hashes[0]
+    path = tmp_path / (head.hex() + SUFFIX)
+    path.write_bytes(path.read_bytes()[:-3])
+    before = dropped("w-prebad", "truncated")
+    assert rig.tiers.prefetch(rig.request(first).page_hashes, 2) == 1  # stops at the bad one
+    with lock:
+        rig.pool.take_events()
+        assert rig.serve(first) == 0
+        events = rig.pool.take_events()
+        rig.tiers.check_invariants()
+    assert dropped("w-prebad", "truncated") == before + 1
+    assert not path.exists()
+    assert any(isinstance(e, PagesRemoved) and head in e.page_hashes for e in events)
+    rig.tiers.close()
