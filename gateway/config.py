@@ -16,6 +16,10 @@ from kvmesh.errors import ConfigError
 HISTORY_POLICY = "approx_prefix"
 """The policy that sees no events: it routes from the gateway's own routing history."""
 
+MESH_POLICY = "kv_mesh"
+"""`kv_aware` for engines with kvmesh's KV connector: a prefix another engine holds can be
+pulled to the chosen one through the mesh, so route, pull and recomputation are one cost."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineTarget:

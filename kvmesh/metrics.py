@@ -519,6 +519,18 @@ GATEWAY_MATCHED_BLOCKS = Counter(
     "Prompt blocks the router expected the chosen engine to hold (its index or history)",
     ["engine"],
 )
+GATEWAY_PULL_BLOCKS = Counter(
+    "kvmesh_gateway_pull_blocks",
+    "Prompt blocks the router (kv_mesh) expected the chosen engine to pull through the mesh "
+    "from the engine holding more of the prefix",
+    ["engine"],
+)
+GATEWAY_REUSED_BLOCKS = Counter(
+    "kvmesh_gateway_reused_blocks",
+    "Prompt blocks the engine reported it did not compute (its own cache and the connector's "
+    "loads: usage.prompt_tokens_details.cached_tokens), for answers that carry it",
+    ["engine"],
+)
 GATEWAY_RETRIES = Counter(
     "kvmesh_gateway_engine_retries",
     "Requests moved to another engine because this one could not be reached or broke off "
