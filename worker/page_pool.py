@@ -205,7 +205,8 @@ class PagePool:
         """Hand out `n` pages (ref count 1) from the head of the free queue.
 
         With an `eviction` policy and several tenants cached, the policy picks
-        which free pages (oldest first, for `tenant`) are reused instead. A reused
+        which free pages (oldest first, for `tenant`) are reused instead; the pages
+        it walked past move to the queue's tail (a second chance). A reused
         page loses its old hash first (one `PagesRemoved` per tenant losing hashes; the
         `spill_listener` sees the last copies before). Raises `PoolExhausted` when
         fewer than `n` pages are free, and then changes nothing.
@@ -222,10 +223,19 @@ class PagePool:
             and self.tenant_pages
             and (len(self.tenant_pages) > 1 or tenant not in self.tenant_pages)
         ):
+            walked: list[KVPage] = []
             pages = self.eviction.choose(
-                self._free_candidates(), self.tenant_pages, self.num_pages - 1, n, tenant
+                self._free_candidates(walked), self.tenant_pages, self.num_pages - 1, n, tenant
             )
-            self.free_queue.remove_n(pages)
+            queue = self.free_queue
+            queue.remove_n(pages)
+            # Second chance: the pages walked past go to the tail in their order, so the
+            # next allocation does not walk them again (O(1) amortised, not O(protected)).
+            chosen = set(pages)
+            skipped = [p for p in walked if p not in chosen]
+            if skipped:
+                queue.remove_n(skipped)
+                queue.append_n(skipped)
         else:
             pages = self.free_queue.popleft_n(n)
         if len(self.tenant_pages) > 1:
@@ -310,11 +320,13 @@ class PagePool:
         else:
             del self.tenant_pages[tenant]
 
-    def _free_candidates(self) -> Iterator[tuple[KVPage, str | None]]:
-        """Free pages oldest first with their tenant (None: no cached data to lose)."""
+    def _free_candidates(self, walked: list[KVPage]) -> Iterator[tuple[KVPage, str | None]]:
+        """Free pages oldest first with their tenant (None: no cached data to lose); each
+        page handed out is noted in `walked`."""
         tenants = self.page_tenants
         page = self.free_queue.peek()
         while page is not None and page.page_id >= 0:
+            walked.append(page)
             yield (
                 page,
                 (None if page.page_hash is None else tenants[page.page_id] or DEFAULT_TENANT),

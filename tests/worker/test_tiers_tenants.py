@@ -137,3 +137,23 @@ def test_pages_without_a_salt_count_against_the_default_tenant() -> None:
     rig.serve(prompt(1, 2))
     assert dict(rig.pool.tenant_pages) == {DEFAULT_TENANT: 2}
     assert not pool.tenant_pages
+
+
+def test_a_fair_allocation_moves_the_pages_it_walks_past_to_the_tail() -> None:
+    pool = PagePool(7, page_size=4)
+    pool.eviction = make_eviction("fair")
+
+    def cache(tenant: str, n: int) -> list[int]:
+        pages = pool.get_new_pages(n, tenant)
+        keys = [PageHash(f"{tenant}{p.page_id}".encode()) for p in pages]
+        pool.cache_full_pages(pages, keys, 0, n, (), None, tenant)
+        pool.free_pages(pages)
+        return [p.page_id for p in pages]
+
+    quiet = cache("q", 2)  # the oldest pages: below its share of 3
+    noisy = cache("n", 4)  # above its share
+    (taken,) = pool.get_new_pages(1, "n")
+    assert taken.page_id == noisy[0]
+    order = [p.page_id for p in pool.free_queue.get_all_free_pages()]
+    assert order == noisy[1:] + quiet  # walked past once, now behind the rest
+    pool.check_invariants()
