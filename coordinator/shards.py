@@ -66,7 +66,7 @@ from kvmesh.coordinator.service import (
 )
 from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import InvalidInput
-from kvmesh.requests import Role
+from kvmesh.requests import Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 ROUTER_COUNTERS = (
@@ -296,8 +296,10 @@ class ShardedCoordinator:
         worker_id: WorkerId,
         encoded_batches: Sequence[bytes] = (),
         load: WorkerLoad | None = None,
+        outcomes: Sequence[RouteOutcome] = (),
     ) -> ReportResult:
-        return self.shard(worker_id).report(worker_id, encoded_batches, load)
+        """The worker's shard applies its batches and counts its requests' outcomes."""
+        return self.shard(worker_id).report(worker_id, encoded_batches, load, outcomes)
 
     def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
         return self.shard(worker_id).heartbeat(worker_id, load)

@@ -12,6 +12,7 @@ from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.index import ApplyResult
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
+from kvmesh.coordinator.shards import ShardedCoordinator
 from kvmesh.errors import ConfigError, EventDecodeError, InvalidInput, NoWorkers, UnknownWorker
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import PageHasher
@@ -253,6 +254,15 @@ def test_outcomes_ride_with_a_report_and_are_counted_like_record_result() -> Non
     s = coord.stats()
     assert (s.results_recorded, s.mismatches, s.realized_local_pages) == (2, 1, 2)
     assert coord.index.worker_pages(w0.worker_id) == frozenset(w0.pool.cached_hashes())
+
+
+def test_a_sharded_coordinator_counts_the_outcomes_a_report_carries() -> None:
+    coord = ShardedCoordinator(CoordinatorConfig(index_shards=2), clock=lambda: 0.0)
+    w0 = PoolWorker("w0")
+    w0.register(coord)  # type: ignore[arg-type]
+    coord.report(w0.worker_id, [w0.snapshot()], None, [RouteOutcome(2, 0, 0, 0)])
+    stats = coord.stats()
+    assert (stats["results_recorded"], stats["mismatches"]) == (1, 1)
 
 
 def test_a_bad_outcome_refuses_the_whole_report_and_changes_nothing() -> None:
