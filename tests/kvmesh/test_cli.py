@@ -35,6 +35,9 @@ CLI = [sys.executable, "-m", "kvmesh.app.cli"]
 # which other kvmesh processes on this machine may use), and nothing from the shell's
 # KVMESH_* or RAY_ADDRESS leaks in.
 STATE_DIR = tempfile.mkdtemp(prefix="kvmesh-test-cli-")
+# the module's cluster takes its pool size from a config file: the file reaches the workers
+CONFIG_FILE = str(Path(tempfile.mkdtemp(prefix="kvmesh-test-cli-config-")) / "cluster.yaml")
+Path(CONFIG_FILE).write_text("pool:\n  num_pages: 256\n")
 ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith("KVMESH_") and k != "RAY_ADDRESS"},
     "RAY_AUTH_MODE": "token",
@@ -205,7 +208,7 @@ def _one_error_line(res: subprocess.CompletedProcess[str], command: str) -> str:
 def address() -> Iterator[str]:
     """`kvmesh start` with 2 workers, running in the background; yields its Ray address."""
     proc = subprocess.Popen(
-        [*CLI, "start", "--workers", "2", "--num-pages", "256", "--exit-after", "600"],
+        [*CLI, "start", "--workers", "2", "--config", CONFIG_FILE, "--exit-after", "600"],
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -287,7 +290,10 @@ def test_replay_sends_trace_requests_through_the_cluster(address: str) -> None:
 def test_status_without_an_address_uses_the_cluster_kvmesh_start_recorded(address: str) -> None:
     res = _kvmesh("status", "--json")
     assert res.returncode == 0, res.stderr
-    assert {w["worker_id"] for w in json.loads(res.stdout)["workers"]} == {"worker-0", "worker-1"}
+    workers = json.loads(res.stdout)["workers"]
+    assert {w["worker_id"] for w in workers} == {"worker-0", "worker-1"}
+    # `kvmesh start --config` gave the workers the file's pool: 256 pages, page 0 the null page
+    assert {w["pages_used"] + w["pages_free"] for w in workers} == {255}
     [record] = Path(STATE_DIR).iterdir()
     assert json.loads(record.read_text())["address"] == address
 
