@@ -40,7 +40,7 @@ from kvmesh.metrics import DISK_PAGES_DROPPED
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import PageBlob, checksum, resolve_dtype
 from kvmesh.worker.page_pool import PageMeta
-from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction
+from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction, second_chance
 
 MAGIC = b"KVMPAGE1"
 SUFFIX = ".kvp"
@@ -255,12 +255,13 @@ class DiskTier:
         while self.used_bytes + size > self.budget_bytes and len(self._entries) > (
             keep is not None
         ):
-            (victim,) = self.policy.choose(
-                ((h, e.meta.tenant) for h, e in self._entries.items() if h != keep),
-                self.tenant_pages,
-                capacity,
-                1,
-                tenant,
+            walked: list[PageHash] = []
+            (victim,) = second_chance(
+                self._entries,
+                self.policy.choose(
+                    _walk(self._entries, walked, keep), self.tenant_pages, capacity, 1, tenant
+                ),
+                walked,
             )
             evicted.append(self._drop(victim))
         return evicted
@@ -431,3 +432,12 @@ class DiskTier:
             raise InvariantViolation(
                 f"disk tier tenant counts {dict(self.tenant_pages)} != {counts}"
             )
+
+
+def _walk(
+    entries: OrderedDict[PageHash, DiskEntry], walked: list[PageHash], keep: PageHash | None
+) -> Iterator[tuple[PageHash, str | None]]:
+    for h, e in entries.items():
+        if h != keep:
+            walked.append(h)
+            yield h, e.meta.tenant

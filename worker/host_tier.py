@@ -26,7 +26,7 @@ from torch import Tensor
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
 from kvmesh.types import PageHash
 from kvmesh.worker.page_pool import PageMeta
-from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction
+from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction, second_chance
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +115,17 @@ class HostTier:
         evicted: list[tuple[PageMeta, Tensor]] = []
         short = len(keep) - len(self._free)
         if short > 0:
-            victims = self.policy.choose(
-                ((h, e.meta.tenant) for h, e in self._entries.items()),
-                self.tenant_pages,
-                self.num_pages,
-                short,
-                metas[keep[0]].tenant,
+            walked: list[PageHash] = []
+            victims = second_chance(
+                self._entries,
+                self.policy.choose(
+                    _walk(self._entries, walked),
+                    self.tenant_pages,
+                    self.num_pages,
+                    short,
+                    metas[keep[0]].tenant,
+                ),
+                walked,
             )
             if len(victims) < short:
                 raise InvariantViolation(
@@ -205,3 +210,11 @@ class HostTier:
                 raise InvariantViolation(
                     f"host entry {h.hex()[:16]} carries {e.meta.page_hash.hex()[:16]}"
                 )
+
+
+def _walk(
+    entries: OrderedDict[PageHash, HostEntry], walked: list[PageHash]
+) -> Iterator[tuple[PageHash, str | None]]:
+    for h, e in entries.items():
+        walked.append(h)
+        yield h, e.meta.tenant

@@ -23,6 +23,7 @@ walked); `lru` stops after `n`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Protocol, TypeVar
 
@@ -30,6 +31,7 @@ from kvmesh.errors import ConfigError
 from kvmesh.tenants import TenantWeights
 
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 class EvictionPolicy(Protocol):
@@ -131,3 +133,13 @@ def make_eviction(name: str, weights: TenantWeights | None = None) -> EvictionPo
     raise ConfigError(
         f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
     )
+
+
+def second_chance(entries: OrderedDict[K, V], victims: list[K], walked: list[K]) -> list[K]:
+    """Move the keys a choice walked past (`walked` less `victims`) to the end of `entries`,
+    in their order, so the next choice does not walk them again; returns `victims`."""
+    chosen = set(victims)
+    for key in walked:
+        if key not in chosen:
+            entries.move_to_end(key)
+    return victims
