@@ -10,7 +10,7 @@ and asks an `EvictionPolicy` which of its candidates (oldest first) to drop:
 
 - `lru`: the oldest, whoever holds them (the baseline);
 - `fair`: a tenant's share is ``capacity * weight / sum of weights`` over the
-  tenants holding pages. Victims are taken, oldest first, only from tenants
+  tenants holding pages and the one asking for room. Victims are taken, oldest first, only from tenants
   above their share (counting each victim as it is taken, so nobody is cut
   below its share); when none is left, from the requesting tenant's own
   pages; only then the oldest of anyone. So a tenant below its share loses a
@@ -96,7 +96,12 @@ class FairShareEviction:
         if n <= 0:
             return out
         left = dict(counts)
-        shares = self.weights.shares(left, capacity)
+        if requester is not None and not left.get(requester):
+            left[requester] = 0
+            # a tenant asking for room is entitled to its share before it holds a page
+            shares = self.weights.shares({**left, requester: 1}, capacity)
+        else:
+            shares = self.weights.shares(left, capacity)
         own: list[K] = []
         rest: list[K] = []
         for key, tenant in candidates:

@@ -157,3 +157,12 @@ def test_a_fair_allocation_moves_the_pages_it_walks_past_to_the_tail() -> None:
     order = [p.page_id for p in pool.free_queue.get_all_free_pages()]
     assert order == noisy[1:] + quiet  # walked past once, now behind the rest
     pool.check_invariants()
+
+
+def test_a_newcomer_is_entitled_to_its_share_before_it_holds_a_page() -> None:
+    candidates = [("m1", "m"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    # q asks for room in a full tier of 4: shares are 4/3 each, so m (1 page) is below
+    # its share and n (3) above; counting only m and n (shares 1 and 3) nobody would be
+    # above, and the oldest page, m's only one, would go
+    chosen = FairShareEviction().choose(candidates, {"m": 1, "n": 3}, 4, 1, requester="q")
+    assert chosen == ["n1"]
