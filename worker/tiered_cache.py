@@ -41,8 +41,11 @@ worker's pool lock covers every call, as for the pool itself.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import queue
+import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -206,10 +209,17 @@ class TieredCache:
     ) -> TieredCache | None:
         """The tiers `config` asks for, attached to a worker's cache manager (lookups promote)
         and page service (pulls promote; its lock covers background disk writes), or None
-        when it asks for none."""
+        when it asks for none.
+
+        The disk tier lives in ``disk_dir/<worker>``: workers of one machine given the
+        same folder never adopt or delete each other's pages, and a worker restarted
+        under its name adopts its own.
+        """
         cfg = config.pool
         if not (cfg.host_pages or cfg.disk_dir or cfg.eviction != "lru"):
             return None
+        if cfg.disk_dir:
+            cfg = dataclasses.replace(cfg, disk_dir=str(Path(cfg.disk_dir) / _folder_name(worker)))
         weights = TenantWeights.parse(config.coordinator.tenant_weights)
         lock = service.lock if service is not None else None
         tiers = cls.from_config(manager.pool, store, cfg, weights, worker, lock)
@@ -515,6 +525,13 @@ class TieredCache:
                 )
         if self.disk is not None:
             self.disk.check_invariants(self.writer.in_flight() if self.writer else frozenset())
+
+
+def _folder_name(worker: str) -> str:
+    """A worker's name as one safe path component (a digest when it has other characters)."""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", worker):
+        return worker
+    return "w-" + hashlib.sha256(worker.encode()).hexdigest()[:32]
 
 
 def _parents_first(events: list[PagesStored]) -> list[PagesStored]:

@@ -139,9 +139,15 @@ def test_workers_build_tiers_from_config_only_when_asked(tmp_path: Path) -> None
         pool=PoolConfig(num_pages=5, host_pages=3, disk_dir=str(tmp_path), disk_bytes=1 << 20),
         coordinator=CoordinatorConfig(tenant_weights="t-aaaaaaaaaaaa=2"),
     )
-    tiers = TieredCache.for_worker(config, manager, store)
+    tiers = TieredCache.for_worker(config, manager, store, worker="worker-0")
     assert tiers is not None and manager.tiers is tiers and pool.medium == DEVICE
     assert tiers.host is not None and tiers.host.num_pages == 3 and tiers.disk is not None
+    assert tiers.disk.directory == tmp_path / "worker-0"  # a folder of its own per worker
+    other = TieredCache.for_worker(
+        config, KVCacheManager(PagePool(5, page_size=4), 4), make_store(5), worker="../w 1"
+    )
+    assert other is not None and other.disk is not None
+    assert other.disk.directory.parent == tmp_path and other.disk.directory.name.startswith("w-")
 
 
 def test_tier_settings_are_checked() -> None:
