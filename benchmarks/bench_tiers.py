@@ -10,7 +10,10 @@ measures, for a prompt of ``--pages`` full pages:
 - ``disk``: the same from the disk tier: read, header and checksum checks,
   delete, copy. With ``--cold`` (default) each page file is dropped from the
   OS page cache first (``posix_fadvise(DONTNEED)``), so the read comes from
-  the device, not from memory.
+  the device, not from memory;
+- tenants: a quiet tenant's page hit ratio alone, and beside a neighbour
+  flooding unique prompts with ``fair`` and with ``lru`` eviction (real pool
+  and cache manager), each beside the alone figure.
 
 Each figure is the median of ``--repeats`` runs, in ms per page, and the
 ratios recompute / promotion are printed beside them (both sides from the
@@ -34,7 +37,7 @@ import torch
 
 from kvmesh.arguments import positive_int
 from kvmesh.config import ModelConfig
-from kvmesh.hashing import PageHasher, RequestHashes
+from kvmesh.hashing import ExtraKeys, PageHasher, RequestHashes
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.model import TinyTransformer
@@ -124,6 +127,41 @@ def _promote_s(
     return elapsed
 
 
+QUIET_PROMPTS, PROMPT_PAGES, FLOOD_PER_QUIET, TENANT_POOL_PAGES = 8, 16, 4, 512
+
+
+def _quiet_hit_ratio(eviction: str, flood: bool, rounds: int) -> float:
+    """The page hit ratio of a quiet tenant cycling through 8 prompts of 16 pages (a quarter
+    of a 512-page pool), alone or beside a neighbour flooding 4 unique 16-page prompts per
+    quiet request, on a real pool and cache manager with `eviction`."""
+    hasher = PageHasher(16)
+    pool = PagePool(TENANT_POOL_PAGES + 1, page_size=16, event_token_ids=False)
+    TieredCache(pool, KVStore(TENANT_POOL_PAGES + 1, 1, 1, 1, 16), eviction=eviction)
+    manager = KVCacheManager(pool, 16)
+    rng = random.Random(1)
+
+    def tokens() -> list[int]:
+        return [rng.randrange(256) for _ in range(PROMPT_PAGES * 16 + 1)]
+
+    def serve(rid: str, toks: list[int], salt: str) -> int:
+        request = Request(rid, RequestHashes(hasher, toks, ExtraKeys(cache_salt=salt)))
+        hit, n = manager.get_computed_pages(request)
+        manager.allocate_slots(request, len(toks) - n, n, hit)
+        manager.free(request)
+        return len(hit)
+
+    quiet = [tokens() for _ in range(QUIET_PROMPTS)]
+    hits = asked = 0
+    for r in range(rounds):
+        for i, q in enumerate(quiet):
+            got = serve(f"q{r}-{i}", q, "quiet")
+            if r:  # after the first round
+                hits, asked = hits + got, asked + PROMPT_PAGES
+            for j in range(FLOOD_PER_QUIET if flood else 0):
+                serve(f"n{r}-{i}-{j}", tokens(), "noisy")
+    return hits / asked
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return its figures (the `--json` object)."""
     model = TinyTransformer(ModelConfig())
@@ -158,6 +196,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     out["host_vs_recompute"] = recompute / promote["host"]
     out["disk_vs_recompute"] = recompute / promote["disk"]
+    rounds = max(3, args.repeats)
+    alone = _quiet_hit_ratio("lru", False, rounds)
+    out["quiet_hit_ratio_alone"] = alone
+    for eviction in ("fair", "lru"):
+        ratio = _quiet_hit_ratio(eviction, True, rounds)
+        out[f"quiet_hit_ratio_flooded_{eviction}"] = ratio
+        out[f"quiet_flooded_vs_alone_{eviction}"] = ratio / alone if alone else 0.0
     return out
 
 
@@ -181,4 +226,15 @@ def run(args: argparse.Namespace) -> int:
         f"  promote from disk  {result['disk_promote_ms_per_page']:.4f} ms/page  "
         f"({result['disk_vs_recompute']:.1f}x faster than recomputing; {cold})"
     )
+    print(
+        f"a quiet tenant ({QUIET_PROMPTS} prompts of {PROMPT_PAGES} pages, a {TENANT_POOL_PAGES}"
+        f"-page pool) beside a neighbour flooding {FLOOD_PER_QUIET} unique prompts per request"
+    )
+    print(f"  hit ratio alone            {result['quiet_hit_ratio_alone']:.3f}")
+    for eviction in ("fair", "lru"):
+        print(
+            f"  hit ratio flooded, {eviction:<4}    "
+            f"{result[f'quiet_hit_ratio_flooded_{eviction}']:.3f}  "
+            f"({result[f'quiet_flooded_vs_alone_{eviction}']:.2f}x alone)"
+        )
     return 0
