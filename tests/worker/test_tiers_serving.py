@@ -85,3 +85,5 @@ def test_the_tiers_benchmark_prints_both_sides(capsys: pytest.CaptureFixture[str
         figures["host_vs_recompute"]
         == figures["recompute_ms_per_page"] / figures["host_promote_ms_per_page"]
     )
+    assert figures["quiet_hit_ratio_alone"] == 1.0  # its 128 pages fit the 512-page pool
+    assert figures["quiet_flooded_vs_alone_fair"] >= 0.9 > figures["quiet_flooded_vs_alone_lru"]
