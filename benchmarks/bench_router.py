@@ -52,6 +52,7 @@ figures, so further dimensions (shards, replicas) add a function and a flag.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import itertools
@@ -653,11 +654,13 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
             routers[1:], prompts, lambda: ray.kill(shard, no_restart=False)
         )
         out["heartbeat_interval_ms"] = round(cfg.heartbeat_interval_s * 1e3)
-    for r in routers:
-        ray.kill(r, no_restart=True)
+    # shards first: the routers hold their handles, and Ray collects a shard nobody holds
     for rep in range(replicas):
         for s in range(shards):
-            ray.kill(ray.get_actor(shard_actor_name(cfg, rep, s), namespace=cfg.namespace))
+            with contextlib.suppress(ValueError):  # already collected
+                ray.kill(ray.get_actor(shard_actor_name(cfg, rep, s), namespace=cfg.namespace))
+    for r in routers:
+        ray.kill(r, no_restart=True)
     return out
 
 
