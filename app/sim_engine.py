@@ -280,17 +280,18 @@ class PreparedTrace:
         return max((r.num_pages for r in self.requests), default=0)
 
     def with_flood(
-        self, per_request: int, tenant: str = FLOOD_TENANT, base_tenant: str = QUIET_TENANT
+        self, per_request: float, tenant: str = FLOOD_TENANT, base_tenant: str = QUIET_TENANT
     ) -> PreparedTrace:
         """This trace as `base_tenant`'s, beside a neighbour `tenant` flooding unique prompts.
 
-        Each request gets `per_request` flooding requests of the same length, arriving
-        with it: their pages are hashed under a cache salt of their own (one per
+        Request i gets ``floor((i + 1) * per_request) - floor(i * per_request)`` flooding
+        requests of its length, arriving with it (0.5: one every other request); their
+        pages are hashed under a cache salt of their own (one per
         request), so none of them is ever reused, as a tenant sending unique prompts.
         The base tenant's hashes stay as they are (a salt changes hash values, not
         which pages repeat); `bound_hit_ratio` stays the base tenant's alone.
         """
-        if per_request < 0:
+        if not per_request >= 0 or math.isinf(per_request):
             raise ConfigError(
                 f"flooding requests per request (--flood) must be >= 0, got {per_request}"
             )
@@ -298,7 +299,7 @@ class PreparedTrace:
         out: list[SimRequest] = []
         for i, req in enumerate(self.requests):
             out.append(replace(req, tenant=base_tenant))
-            for k in range(per_request):
+            for k in range(math.floor((i + 1) * per_request) - math.floor(i * per_request)):
                 salt = ("cache_salt", f"{tenant}-{i}-{k}")
                 parent: PageHash | None = None
                 hashes: list[PageHash] = []

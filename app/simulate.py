@@ -222,11 +222,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--tenant-weights", default="", help="fair shares: 'tenant=weight,...'")
     t.add_argument(
         "--flood",
-        type=non_negative_int,
-        default=0,
+        type=non_negative_float,
+        default=0.0,
         metavar="N",
         help="tenant mix: the trace is one tenant's, beside a neighbour sending N unique "
-        "prompts of the same length with each of its requests (default 0: the trace alone)",
+        "prompts of the same length per request of it, 0.5: one every other request "
+        "(default 0: the trace alone)",
     )
     t.add_argument(
         "--host-hit-cost",

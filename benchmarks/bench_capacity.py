@@ -20,7 +20,7 @@ from typing import Any
 
 from kvmesh.app.sim_engine import QUIET_TENANT, PreparedTrace, SimSettings, prepare_trace
 from kvmesh.app.simulate import PolicyReport, simulate
-from kvmesh.arguments import non_negative_int, positive_int
+from kvmesh.arguments import non_negative_float, non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
 from kvmesh.errors import ConfigError
 from kvmesh.trace import load_trace
@@ -39,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--flood",
-        type=non_negative_int,
+        type=non_negative_float,
         default=2,
         help="the neighbour's unique prompts per trace request",
     )
