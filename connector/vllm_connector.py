@@ -26,8 +26,11 @@ the page is the block asked for and its bytes are whole) and copies the good
 ones into the paged KV cache; the first block that fails and every block
 after it are reported with `get_block_ids_with_load_errors`, so vLLM
 recomputes them (``kv_load_failure_policy: recompute`` is required).
-`wait_for_save` seals the step's full blocks and saves them. A store that is
-down costs a miss or a skipped save, never a failed request.
+`wait_for_save` copies the step's full blocks and hands them to a background
+saver (`kvmesh.connector.saver`), which seals and saves them off the step's
+critical path; a ``kv_producer`` waits for its saves before it answers (the
+decode engine loads them next). A store that is down costs a miss or a
+skipped save, never a failed request.
 
 Tenants: a request's ``cache_salt`` is in its first block's extra keys, so
 its digests, and the names of its pages, differ from every other salt's.
@@ -56,10 +59,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvmesh.connector.blocks import BlockRun, block_run, seal, sealed_page_bytes, unseal
+from kvmesh.connector.blocks import BlockRun, block_run, sealed_page_bytes, unseal
 from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
+from kvmesh.connector.saver import BackgroundSaver, PendingSave
 from kvmesh.connector.store_client import StoreClient
-from kvmesh.errors import ConfigError, KVMeshError
+from kvmesh.errors import ConfigError, KVMeshError, TransportError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -150,6 +154,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.page_bytes = 0
         self._failed: set[int] = set()
         self._failed_requests: set[str] = set()  # this step: their computed KV is not saved
+        self._saver: BackgroundSaver | None = None
 
     # ================================================================ scheduler side
 
@@ -245,6 +250,12 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.block_nbytes = sum(t[0].numel() * t.element_size() for t in layers)
         self.page_bytes = sealed_page_bytes(self.block_nbytes, self.block_size)
         self._check_store()
+        if self.saves:
+            self._saver = BackgroundSaver(
+                self.client.save,
+                self.page_bytes,
+                on_error=lambda exc: self._warnings.warn("save", exc),
+            )
 
     def _check_store(self) -> None:
         """Refuse a store whose page size or hash does not match this engine (if it answers)."""
@@ -330,17 +341,18 @@ class KVMeshConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVMeshConnectorMetadata)
+        saver = self._saver
+        if saver is None:
+            return
         for save in meta.saves:
             if save.request_id in self._failed_requests:
                 continue  # this step attended over blocks that failed to load: not saved
-            pages = [
-                seal(digest, self._read_block(block_id), self.page_bytes)
-                for digest, block_id in zip(save.run.digests, save.block_ids, strict=True)
-            ]
-            try:
-                self.client.save(save.run, pages)
-            except KVMeshError as exc:
-                self._warnings.warn("save", exc)
+            blocks = tuple(self._read_block(block_id) for block_id in save.block_ids)
+            if not saver.submit(PendingSave(save.run, blocks)):
+                self._warnings.warn("save", TransportError("the store is behind; save dropped"))
+        if not self.loads:
+            # a prefill engine's hand-off: its blocks are in the store before it answers
+            saver.flush(self.client.timeout_s)
 
     def _read_block(self, block_id: int) -> bytes:
         return b"".join(
@@ -353,4 +365,6 @@ class KVMeshConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
         self.client.close()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from kvmesh.connector.blocks import BlockRun, block_run
+from kvmesh.connector.store_client import StoreClient
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.engine_launcher import VLLMEngine
 
@@ -55,3 +59,25 @@ def prompt_of(seed: int, blocks: int = 6, tail: int = 7) -> list[int]:
 def digests(prompt: list[int], salt: str | None = None) -> list[bytes]:
     hasher = EngineHasher("sha256", BLOCK, int_hashes=False)
     return list(hasher.hash_blocks(prompt, EngineExtraKeys(cache_salt=salt)).digests)
+
+
+def run_of(prompt: list[int], salt: str | None = None) -> BlockRun:
+    """The prompt's full blocks as the connector describes them to its store."""
+    keys = EngineExtraKeys(cache_salt=salt)
+    hashes = digests(prompt, salt)
+    extra = [keys.for_block(i * BLOCK, (i + 1) * BLOCK) for i in range(len(hashes))]
+    return block_run(hashes, prompt, extra, 0, len(hashes), BLOCK)
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_saved(client: StoreClient, prompt: list[int], salt: str | None = None) -> None:
+    """Until the store holds every full block of `prompt` (saves run off the engine's step)."""
+    run = run_of(prompt, salt)
+    wait_until(lambda: client.prepare(run).held == len(run), "the engine's saves to land")

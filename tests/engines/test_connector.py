@@ -28,6 +28,7 @@ from tests.engines.connector_kit import (
     external_hits,
     prompt_of,
     reset_prefix_cache,
+    wait_until,
 )
 
 
@@ -41,6 +42,11 @@ class Mesh:
 
 def held(store: EngineStore, prompt: list[int], salt: str | None = None) -> int:
     return store.service.prefix_length(digests(prompt, salt))  # type: ignore[arg-type]
+
+
+def saved(store: EngineStore, prompt: list[int], salt: str | None = None) -> None:
+    """Until `store` holds the prompt's 6 full blocks (the engine saves off its step)."""
+    wait_until(lambda: held(store, prompt, salt) == 6, "the engine's saves to land")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def mesh(start_engine) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
 def test_an_engine_saves_every_full_block_it_computes_into_its_store(mesh: Mesh) -> None:
     prompt = prompt_of(1)
     complete(mesh.a, prompt)
-    assert held(mesh.sa, prompt) == 6
+    saved(mesh.sa, prompt)
     assert held(mesh.sb, prompt) == 0
 
 
@@ -77,6 +83,7 @@ def test_a_fresh_engine_loads_a_prompt_its_peer_store_holds_and_answers_the_same
 ) -> None:
     prompt = prompt_of(2)
     expected = complete(mesh.a, prompt)
+    saved(mesh.sa, prompt)
     assert held(mesh.sb, prompt) == 0
     before = external_hits(mesh.b)
     assert complete(mesh.b, prompt) == expected
@@ -87,6 +94,7 @@ def test_a_fresh_engine_loads_a_prompt_its_peer_store_holds_and_answers_the_same
 def test_an_engine_loads_from_its_own_store_after_its_prefix_cache_is_gone(mesh: Mesh) -> None:
     prompt = prompt_of(3)
     expected = complete(mesh.a, prompt)
+    saved(mesh.sa, prompt)
     reset_prefix_cache(mesh.a)
     before = external_hits(mesh.a)
     assert complete(mesh.a, prompt) == expected
@@ -98,6 +106,7 @@ def test_a_corrupted_stored_block_is_refused_and_recomputed_with_the_right_answe
 ) -> None:
     prompt = prompt_of(4)
     expected = complete(mesh.a, prompt)
+    saved(mesh.sa, prompt)
     reset_prefix_cache(mesh.a)
     with mesh.sa.service.pinned(digests(prompt)[2:3]) as ids:  # type: ignore[arg-type]
         (page_id,) = ids
@@ -106,6 +115,7 @@ def test_a_corrupted_stored_block_is_refused_and_recomputed_with_the_right_answe
     assert complete(mesh.a, prompt) == expected
     assert "check of block" in mesh.a.log_tail(400)
     # the refused block was dropped from the store and saved again as recomputed
+    saved(mesh.sa, prompt)
     reset_prefix_cache(mesh.a)
     before = external_hits(mesh.a)
     assert complete(mesh.a, prompt) == expected
@@ -115,7 +125,7 @@ def test_a_corrupted_stored_block_is_refused_and_recomputed_with_the_right_answe
 def test_tenants_never_load_each_others_blocks(mesh: Mesh) -> None:
     prompt = prompt_of(5)
     expected = complete(mesh.a, prompt, cache_salt="tenant-1")
-    assert held(mesh.sa, prompt, "tenant-1") == 6
+    saved(mesh.sa, prompt, "tenant-1")
     assert held(mesh.sa, prompt) == 0  # another name for every block
     before = external_hits(mesh.b)
     assert complete(mesh.b, prompt, cache_salt="tenant-2") == expected

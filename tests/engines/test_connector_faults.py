@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvmesh.connector.engine_config import connector_config
+from kvmesh.connector.store_client import StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
 from tests.engines.connector_kit import (
@@ -23,6 +24,7 @@ from tests.engines.connector_kit import (
     external_hits,
     prompt_of,
     reset_prefix_cache,
+    wait_saved,
 )
 
 PAGE_DELAY_S = 1.0  # every page the store streams waits this long: 6 blocks take 6 s
@@ -32,6 +34,9 @@ PAGE_DELAY_S = 1.0  # every page the store streams waits this long: 6 blocks tak
 class Rig:
     engine: VLLMEngine
     store: StoreProcess
+
+    def client(self) -> StoreClient:
+        return StoreClient(self.store.page_address, self.store.control_address)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +59,7 @@ def rig(start_engine, tmp_path_factory) -> Iterator[Rig]:  # type: ignore[no-unt
 def test_a_store_killed_mid_load_gives_a_recompute_with_the_right_answer(rig: Rig) -> None:
     prompt = prompt_of(11)
     expected = complete(rig.engine, prompt)
+    wait_saved(rig.client(), prompt)
     reset_prefix_cache(rig.engine)
     before = external_hits(rig.engine)
     answer: list[list[int]] = []
@@ -84,6 +90,7 @@ def test_a_restarted_store_is_empty_and_filled_again(rig: Rig) -> None:
     time.sleep(1.5)  # the engine's channel redials within its longest backoff (1 s)
     prompt = prompt_of(13)
     expected = complete(rig.engine, prompt)  # computed, saved into the new store
+    wait_saved(rig.client(), prompt)
     reset_prefix_cache(rig.engine)
     before = external_hits(rig.engine)
     assert complete(rig.engine, prompt) == expected

@@ -10,7 +10,8 @@ proven equal to the engine's by tests/engines/test_hash_parity.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,7 @@ from kvmesh.connector.blocks import (
     unseal,
 )
 from kvmesh.connector.engine_config import check_vllm_version, connector_config
+from kvmesh.connector.saver import BackgroundSaver, PendingSave
 from kvmesh.connector.store_client import StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
@@ -34,6 +36,7 @@ from kvmesh.errors import (
     ConfigError,
     HashMismatch,
     InvalidInput,
+    KVMeshError,
     PageFormatError,
     TransportError,
 )
@@ -238,3 +241,41 @@ def test_the_connector_runs_only_on_the_vllm_line_it_targets() -> None:
     check_vllm_version("0.32.0")
     with pytest.raises(ConfigError, match=r"0\.32\.x"):
         check_vllm_version("0.33.1")
+
+
+# ------------------------------------------------------------------ the background saver
+
+
+def test_the_saver_seals_and_saves_in_order_off_the_callers_thread(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    a, _ = stores
+    c = client(a)
+    saver = BackgroundSaver(c.save, PAGE)
+    runs = [request(20 + i)[0] for i in range(3)]
+    for run in runs:
+        assert saver.submit(PendingSave(run, tuple(bytes([7]) * NBYTES for _ in run.digests)))
+    assert saver.flush(10)
+    for run in runs:
+        assert a.service.prefix_length(run.digests) == 3
+        assert bytes(unseal(run.digests[0], c.fetch(run.digests)[0], NBYTES))[:1] == b"\x07"
+    saver.close()
+
+
+def test_a_saver_whose_store_is_behind_drops_and_one_that_fails_reports() -> None:
+    gate = threading.Event()
+    errors: list[KVMeshError] = []
+
+    def slow_save(run: BlockRun, pages: Sequence[bytes]) -> None:
+        gate.wait(10)
+        raise TransportError("store down")
+
+    saver = BackgroundSaver(slow_save, PAGE, max_pending=1, on_error=errors.append)
+    run, _ = request(30)
+    blocks = tuple(bytes(NBYTES) for _ in run.digests)
+    results = [saver.submit(PendingSave(run, blocks)) for _ in range(4)]
+    assert results[0] and not all(results) and saver.dropped >= 1
+    gate.set()
+    assert saver.flush(10)
+    assert saver.failed >= 1 and isinstance(errors[0], TransportError)
+    saver.close()
