@@ -15,7 +15,16 @@ import pytest
 
 from kvmesh.app.cli import main
 from kvmesh.app.commands import cluster_config, configure_start, configure_status
-from kvmesh.app.config_table import TABLE_PATH, render_table, undocumented
+from kvmesh.app.config_table import (
+    README_BEGIN,
+    README_END,
+    README_PATH,
+    TABLE_PATH,
+    readme_table,
+    render_readme_table,
+    render_table,
+    undocumented,
+)
 from kvmesh.config import cluster_settings
 from kvmesh.errors import ConfigError, InvalidSetting
 from kvmesh.settings import file_layer, load_cluster_config, settings_for
@@ -84,6 +93,68 @@ def test_kvmesh_config_table_writes_the_file(
     assert main(["config", "--table", "--output", str(missing)]) == 2
     [err] = capsys.readouterr().err.splitlines()[-1:]
     assert err == f"kvmesh config: error: cannot write {missing}: No such file or directory"
+
+
+def test_the_readme_shows_the_generated_table() -> None:
+    readme = (ROOT / README_PATH).read_text(encoding="utf-8")
+    assert readme.count(README_BEGIN) == 1 and readme.count(README_END) == 1
+    assert readme_table(readme) == render_readme_table(), (
+        "README.md's configuration table drifted from kvmesh/config.py: run `kvmesh config --table`"
+    )
+    for path, info in cluster_settings().items():
+        assert f"| `{path}` | `{info.env}` |" in readme_table(readme)
+
+
+def test_a_type_that_holds_a_bar_does_not_split_its_table_row() -> None:
+    row = next(line for line in render_table().splitlines() if "`transfer.tls_ca`" in line)
+    assert row.replace("\\|", "").count("|") == 6  # five cells
+
+
+README_AROUND = "# A project\n\nprose before\n\n{table}\nprose after, kept as it is\n"
+
+
+def test_kvmesh_config_table_rewrites_only_what_lies_between_the_readmes_markers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    stale = f"{README_BEGIN}\n| an old row |\n{README_END}"
+    (tmp_path / "README.md").write_text(README_AROUND.format(table=stale))
+    assert main(["config", "--table"]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    fresh = f"{README_BEGIN}\n{render_readme_table()}{README_END}"
+    assert readme == README_AROUND.format(table=fresh)
+    assert (tmp_path / TABLE_PATH).read_text() == render_table()
+    assert main(["config", "--table"]) == 0  # again: nothing changes
+    assert (tmp_path / "README.md").read_text() == readme
+
+
+def test_the_table_written_elsewhere_leaves_the_readme_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    stale = README_AROUND.format(table=f"{README_BEGIN}\nold\n{README_END}")
+    (tmp_path / "README.md").write_text(stale)
+    assert main(["config", "--table", "--output", "elsewhere.md"]) == 0
+    assert (tmp_path / "README.md").read_text() == stale
+    other = tmp_path / "OTHER.md"
+    other.write_text(stale)
+    assert main(["config", "--table", "--output", "-", "--readme", str(other)]) == 0
+    assert readme_table(other.read_text()) == render_readme_table()
+
+
+def test_a_readme_without_the_markers_is_one_error_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# no markers here\n")
+    assert main(["config", "--table"]) == 2
+    [err] = capsys.readouterr().err.splitlines()
+    assert err.startswith("kvmesh config: error: README.md has no generated table to update")
+    assert README_BEGIN in err and README_END in err
+    assert (tmp_path / "README.md").read_text() == "# no markers here\n"
+    assert not (tmp_path / TABLE_PATH).exists()
 
 
 # -- the file layer --------------------------------------------------------------------------
