@@ -98,3 +98,27 @@ def test_a_peer_pulls_pages_a_worker_keeps_in_host_memory_and_on_disk(
     result = w1.generate(request(shared, 4, promised_pull=5, peer_address=w0.address))
     assert (result.pages_pulled, result.pages_computed, result.pull_error) == (5, 1, None)
     assert list(result.tokens) == model.generate(list(shared), 4)
+
+
+def test_a_restarted_worker_announces_the_disk_pages_it_adopted(
+    tmp_path: Path, coordinator: Coordinator, model: TinyTransformer
+) -> None:
+    pool = PoolConfig(num_pages=9, disk_dir=str(tmp_path), disk_bytes=1 << 24, disk_fsync=True)
+    config = dataclasses.replace(BASE, pool=pool)
+    first = prompt(5)
+    worker = WorkerActor(WorkerSpec(WorkerId("w-disk"), config), coordinator)
+    try:
+        where = push_down(worker, first)
+    finally:
+        worker.shutdown()
+    assert set(where) == {"disk"}
+
+    again = WorkerActor(WorkerSpec(WorkerId("w-disk"), config), coordinator)
+    try:
+        again.flush()
+        assert index_tiers(coordinator, again, first) == ["disk"] * 5
+        result = again.generate(request(first, 3))
+        assert (result.pages_hit_local, result.pages_computed) == (5, 1)
+        assert list(result.tokens) == model.generate(list(first), 3)
+    finally:
+        again.shutdown()
