@@ -9,7 +9,8 @@
 The API the worker, the simulator and the benchmarks use:
 
 - ``TieredCache(pool, store, host_pages=..., disk_dir=..., disk_bytes=...,
-  eviction="lru" | "fair", weights=...)`` attaches itself to the pool: every
+  eviction="lru" | "fair", weights=..., lock=...)`` attaches itself to the pool
+  (`for_worker` builds it from a worker's config): every
   hash the pool evicts (its last copy) is copied into the host tier before the
   page can be overwritten, or onto disk when there is no host tier; what the
   host tier evicts goes to disk; what the disk evicts is gone.
@@ -18,6 +19,9 @@ The API the worker, the simulator and the benchmarks use:
   device pages and cached there, so the cache manager's lookup hits them. A
   `KVCacheManager` built with ``tiers=`` calls it on every lookup; the worker's
   page service calls it before it serves a pull, so peers read host and disk too.
+- `prefetch(hashes, max_pages)`, called without the lock right before such a
+  lookup, reads the disk pages the promotion will need, so the promotion under
+  the lock only copies.
 - Events: every change of every tier goes into the pool's one stream
   (`take_events`), its `medium` naming the tier ("gpu", "cpu", "disk", the
   index's tier names). A move is a `PagesStored` in the new tier and a
@@ -32,11 +36,13 @@ leaves the device's cached set), but a hash recomputed on the device while a
 lower tier still holds it stays in both until one of them evicts it; events
 say exactly which tiers hold what.
 
-Costs: a spill copies the evicted pages once (device -> pinned host memory,
-asynchronous DMA on a GPU) inside the allocation that evicts them; a disk
-write (temp file, fsync, rename) happens when the host tier evicts, and a
-promotion reads only the pages the request hits. Not thread-safe: the
-worker's pool lock covers every call, as for the pool itself.
+Costs: a spill copies the evicted pages once, straight into their pinned
+host slots, inside the allocation that evicts them; with `lock`, disk writes
+(temp file, fsync, rename) run on a `DiskWriter` thread and disk reads in
+`prefetch`, both outside the lock, so a request never waits for the disk over
+pages it does not need; a promotion copies only the pages the request hits.
+Not thread-safe apart from those two: the worker's pool lock covers every
+call, as for the pool itself.
 """
 
 from __future__ import annotations
