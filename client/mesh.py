@@ -601,8 +601,10 @@ class KVMesh:
         self, base: GenerateRequest, hashes: Sequence[PageHash]
     ) -> GenerationResult:
         n = len(base.token_ids)
-        pre_d = await self._route(base.token_ids, hashes, "prefill", base.request_id)
-        dec_d = await self._route(base.token_ids, hashes, "decode", base.request_id)
+        pre_d, dec_d = await asyncio.gather(  # one round trip for both halves
+            self._route(base.token_ids, hashes, "prefill", base.request_id),
+            self._route(base.token_ids, hashes, "decode", base.request_id),
+        )
         pre_w = await self._handle(pre_d.worker_id)
         dec_w = await self._handle(dec_d.worker_id)
         local, pull, peer = self._promise(pre_d, n)
