@@ -75,13 +75,29 @@ def tiers(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def tenants(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
-    """The trace tenant's page hit ratio alone, and beside a flood under LRU and fair share."""
+    """The trace tenant's page hit ratio alone, and beside a flood under LRU and fair share.
+
+    With the flood, the cluster computes (1 + flood) times as fast (prefill and decode
+    times divided), as a cluster sized for the load would: the queues stay as they were
+    alone, so the ratios compare what the caches keep, not routing under overload.
+    """
     settings = SimSettings(args.workers, args.capacity_pages, host_pages=args.host_pages)
     alone = _run(trace, settings).page_hit_ratio
     flooded = trace.with_flood(args.flood)
+    scale = 1.0 + args.flood
+    tm = settings.time
+    sized = replace(
+        settings,
+        time=replace(
+            tm,
+            prefill_base_ms=tm.prefill_base_ms / scale,
+            prefill_token_us=tm.prefill_token_us / scale,
+            decode_token_ms=tm.decode_token_ms / scale,
+        ),
+    )
     out: dict[str, Any] = {"alone": alone, "flood_per_request": args.flood}
     for eviction in ("lru", "fair"):
-        report = _run(flooded, replace(settings, eviction=eviction))
+        report = _run(flooded, replace(sized, eviction=eviction))
         ratio = report.tenant_page_hit_ratio[QUIET_TENANT]
         out[eviction] = {"hit_ratio": ratio, "vs_alone": ratio / alone if alone else 0.0}
     return out
@@ -114,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(
                 f"tenants (the trace's tenant beside one sending {args.flood} unique prompts "
-                "per request):"
+                f"per request; with it, compute x{1 + args.flood}):"
             )
             print(f"  alone                 page hit ratio {n['alone']:.4f}")
             for eviction in ("lru", "fair"):
