@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvmesh.environment import refuse_unknown_variables
 from kvmesh.errors import ConfigError, InvalidSetting
 
 T = TypeVar("T")
@@ -463,11 +464,17 @@ def cluster_settings() -> dict[str, SettingInfo]:
 
 
 def env_layer(env: Mapping[str, str] | None = None) -> dict[str, Setting]:
-    """The ``KVMESH_*`` variables of `env` (default: this process's) that name a field."""
+    """The ``KVMESH_*`` variables of `env` (default: this process's) that name a field.
+
+    A ``KVMESH_*`` variable that names no field and is none of
+    `kvmesh.environment.OTHER_VARIABLES` (a typo) is one `InvalidSetting` naming it.
+    """
     env = os.environ if env is None else env
+    settings = cluster_settings()
+    refuse_unknown_variables(env, {info.env for info in settings.values()}, ENV_PREFIX)
     return {
         path: Setting(env[info.env], info.env, raw=True)
-        for path, info in cluster_settings().items()
+        for path, info in settings.items()
         if info.env in env
     }
 
@@ -578,6 +585,9 @@ def from_env(cls: type[T], prefix: str = ENV_PREFIX, **overrides: Any) -> T:
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
     }
     env = os.environ
+    if prefix == ENV_PREFIX:  # a mistyped variable is refused here too (`env_layer`)
+        known = {i.env for i in (*cluster_settings().values(), *infos.values())}
+        refuse_unknown_variables(env, known, prefix)
     given = {n: Setting(env[i.env], i.env, raw=True) for n, i in infos.items() if i.env in env}
     for name, value in overrides.items():
         if name not in infos:
