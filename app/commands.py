@@ -11,7 +11,7 @@ directory (`kvmesh.app.local_cluster`) until it stops; it refuses when
 kvmesh already runs there, unless ``--join``. `status`, `generate` and `replay` act
 on a running cluster (``--address``, else ``RAY_ADDRESS``, else the recorded
 one) and never start one: with nothing reachable they fail within seconds
-(`kvmesh.ray_address.CONNECT_TIMEOUT_S`). Every input is checked first,
+(`ClusterConfig.connect_timeout_s`, ``KVMESH_CONNECT_TIMEOUT_S``). Every input is checked first,
 flags by their argparse types (`kvmesh.arguments`).
 """
 

@@ -282,10 +282,11 @@ class KVMesh:
     @staticmethod
     def join_ray(address: str, config: ClusterConfig, source: str = "address") -> None:
         """`ray.init` this process into the cluster at `address`, once its GCS port answered
-        (`ClusterUnreachable` within seconds otherwise); Ray's refusal is a `ConfigError`."""
+        (`ClusterUnreachable` within `config.connect_timeout_s` otherwise); Ray's refusal is
+        a `ConfigError`."""
         import ray
 
-        resolved = reachable(address, source)
+        resolved = reachable(address, source, config.connect_timeout_s)
         try:
             ray.init(
                 address=resolved,

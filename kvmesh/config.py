@@ -398,9 +398,16 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    # how long joining a running cluster (status, generate, replay, KVMesh.attach) waits
+    # for its Ray GCS port to answer before one "no Ray cluster answers" error, seconds
+    connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _check_section(self, non_negative=("num_workers", "prefill_workers", "decode_workers"))
+        _check_section(
+            self,
+            positive=("connect_timeout_s",),
+            non_negative=("num_workers", "prefill_workers", "decode_workers"),
+        )
 
 
 # ------------------------------------------------------------------ reading settings

@@ -3,8 +3,9 @@
 `ray.init(address=...)` with nothing listening retries the GCS for minutes
 (Ray's own reconnect budget), printing every retry. A caller that joins a
 cluster asks `reachable` first: a TCP connect to the GCS port with a bounded
-timeout, so "nothing runs there" is one `ClusterUnreachable` line within
-`CONNECT_TIMEOUT_S`, and Ray is never asked to wait.
+timeout (the setting `ClusterConfig.connect_timeout_s`, ``KVMESH_CONNECT_TIMEOUT_S``,
+5 s by default), so "nothing runs there" is one `ClusterUnreachable` line
+within it, and Ray is never asked to wait.
 
 Addresses: ``HOST:PORT`` (the GCS), ``ray://HOST:PORT`` (Ray client),
 ``auto`` (the cluster `ray start` last started on this machine, as Ray finds it).
@@ -18,9 +19,6 @@ import socket
 from collections.abc import Mapping
 
 from kvmesh.errors import ClusterUnreachable, ConfigError
-
-CONNECT_TIMEOUT_S = 5.0
-"""How long a join waits for the cluster's GCS port to accept a TCP connection."""
 
 RAY_ADDRESS_VARIABLE = "RAY_ADDRESS"
 
@@ -61,8 +59,9 @@ def _resolve_auto(source: str) -> str:
     return found
 
 
-def reachable(address: str, source: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
-    """The address to give `ray.init`, once its GCS port accepted a connection.
+def reachable(address: str, source: str, timeout_s: float) -> str:
+    """The address to give `ray.init`, once its GCS port accepted a connection within
+    `timeout_s` (the caller's `ClusterConfig.connect_timeout_s`).
 
     Raises `ClusterUnreachable` (nothing listens, the host is unknown, or no
     answer within `timeout_s`) or `ConfigError` (not an address) naming
@@ -84,7 +83,6 @@ def reachable(address: str, source: str, timeout_s: float = CONNECT_TIMEOUT_S) -
 
 
 __all__ = [
-    "CONNECT_TIMEOUT_S",
     "RAY_ADDRESS_VARIABLE",
     "address_from_environment",
     "reachable",
