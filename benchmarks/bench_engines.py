@@ -19,6 +19,16 @@ requests/s, each engine's own prefix-cache hit rate from its ``/metrics``
 (``vllm:prefix_cache_hits`` / ``queries``, in tokens) and the slice's bound
 (one infinite shared cache). The engines run from ``.venv-engine``
 (`scripts/setup-engine-venv.sh`), pinned to one core each.
+
+``--connector`` adds, in the same run, ``kv_mesh`` (`kv_aware` with pulls
+through the mesh in its cost: route + pull + recompute) and ``round_robin`` on
+two engines that load kvmesh's KV connector (`kvmesh.connector`), each with
+a kvmesh store beside it whose peer is the other's store, so both engines
+act as one cache: what one computed, the other loads. Their stores are
+emptied (restarted) before each policy. Rows say ``connector`` and
+``engine_external_hit_rate`` (prompt tokens loaded through the connector,
+``vllm:external_prefix_cache_hits``, over the engines' prefix-cache
+queries); reuse is the local and the external hit rate together.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from pathlib import Path
 import httpx
 
 from kvmesh.arguments import non_negative_int, positive_int
+from kvmesh.connector.engine_config import connector_config
+from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
@@ -45,6 +57,7 @@ from kvmesh.stats import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
+CONNECTOR_POLICIES = ("kv_mesh", "round_robin")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +97,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trace", default=None, help="a Mooncake trace (default: bundled)")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy")
+    parser.add_argument(
+        "--connector",
+        action="store_true",
+        help="also kv_mesh and round_robin on engines with kvmesh's KV connector and stores",
+    )
+    parser.add_argument(
+        "--store-blocks", type=positive_int, default=2048, help="blocks each kvmesh store holds"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +128,12 @@ class PolicyResult:
     bound_hit_ratio: float
     engine_hit_rates: dict[str, float] = field(default_factory=dict)
     engine_requests: dict[str, int] = field(default_factory=dict)
+    connector: bool = False
+    engine_external_hit_rate: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy}+mesh" if self.connector else self.policy
 
 
 # ----------------------------------------------------------------------------- the slice
@@ -194,6 +221,7 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 def routing_view(text: str) -> str:
     """What the gateway's router saw in one run (from its /metrics), for the log."""
     matched = metric_sum(text, "kvmesh_gateway_matched_blocks_total")
+    pulled = metric_sum(text, "kvmesh_gateway_pull_blocks_total")
     prompt = metric_sum(text, "kvmesh_gateway_prompt_blocks_total")
     gaps = {
         outcome: metric_sum(text, "kvmesh_engine_event_gaps_total", outcome=outcome)
@@ -201,16 +229,22 @@ def routing_view(text: str) -> str:
     }
     held = metric_sum(text, "kvmesh_engine_event_batches_total", outcome="held")
     return (
-        f"the router expected {matched:.0f} of {prompt:.0f} prompt blocks cached; event gaps "
+        f"the router expected {matched:.0f} of {prompt:.0f} prompt blocks cached"
+        + (f" and {pulled:.0f} pulled through the mesh" if pulled else "")
+        + "; event gaps "
         f"healed {gaps['healed']:.0f}, uncovered {gaps['uncovered']:.0f}; batches held back {held:.0f}"
     )
 
 
-async def cache_counters(client: httpx.AsyncClient, engine: VLLMEngine) -> tuple[float, float]:
+async def cache_counters(
+    client: httpx.AsyncClient, engine: VLLMEngine
+) -> tuple[float, float, float]:
+    """The engine's prefix-cache hits, queries and external (connector) hits, in tokens."""
     text = (await client.get(engine.url + "/metrics")).text
     return (
         metric_sum(text, "vllm:prefix_cache_hits_total"),
         metric_sum(text, "vllm:prefix_cache_queries_total"),
+        metric_sum(text, "vllm:external_prefix_cache_hits_total"),
     )
 
 
@@ -367,6 +401,7 @@ class Measured:
     wall_s: float = 0.0
     hits: dict[str, float] = field(default_factory=dict)
     queries: dict[str, float] = field(default_factory=dict)
+    external: dict[str, float] = field(default_factory=dict)
 
 
 async def measure(
@@ -403,12 +438,14 @@ async def measure(
     for e, a, b in zip(engines, after, before, strict=True):
         into.hits[e.name] = into.hits.get(e.name, 0.0) + a[0] - b[0]
         into.queries[e.name] = into.queries.get(e.name, 0.0) + a[1] - b[1]
+        into.external[e.name] = into.external.get(e.name, 0.0) + a[2] - b[2]
 
 
-def summarize(policy: str, m: Measured, bound: float) -> PolicyResult:
+def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -> PolicyResult:
     ms = [t * 1000 for t in m.replay.ttfts]
     n = len(ms)
     hits, queries = sum(m.hits.values()), sum(m.queries.values())
+    external = sum(m.external.values())
     return PolicyResult(
         policy,
         n,
@@ -421,25 +458,37 @@ def summarize(policy: str, m: Measured, bound: float) -> PolicyResult:
         bound,
         {e: (m.hits[e] / q if q else 0.0) for e, q in m.queries.items()},
         dict(sorted(m.replay.by_engine.items())),
+        connector,
+        external / queries if queries else 0.0,
     )
 
 
 def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_info: str) -> None:
     print(slice_info)
     print(
-        f"{'policy':<14} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} "
-        f"{'engine hit':>10} {'bound':>6}  per engine (requests, hit rate)"
+        f"{'policy':<16} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} "
+        f"{'engine hit':>10} {'external':>8} {'bound':>6}  per engine (requests, hit rate)"
     )
     for r in results:
         per = ", ".join(
             f"{e}: {r.engine_requests.get(e, 0)} @ {h:.2f}" for e, h in r.engine_hit_rates.items()
         )
         print(
-            f"{r.policy:<14} {r.ttft_mean_ms:>8.1f}ms {r.ttft_p50_ms:>6.1f}ms "
+            f"{r.label:<16} {r.ttft_mean_ms:>8.1f}ms {r.ttft_p50_ms:>6.1f}ms "
             f"{r.ttft_p99_ms:>6.1f}ms {r.requests_per_s:>7.2f} {r.engine_prefix_hit_rate:>10.3f} "
-            f"{r.bound_hit_ratio:>6.3f}  {per}" + (f"  ERRORS {r.errors}" if r.errors else "")
+            f"{r.engine_external_hit_rate:>8.3f} {r.bound_hit_ratio:>6.3f}  {per}"
+            + (f"  ERRORS {r.errors}" if r.errors else "")
         )
-    by = {r.policy: r for r in results}
+    rr = next((r for r in results if r.policy == "round_robin" and not r.connector), None)
+    for r in results:
+        if r.connector and r.bound_hit_ratio > 0:
+            reuse = r.engine_prefix_hit_rate + r.engine_external_hit_rate
+            line = f"{r.label}: reuse (local + external) / bound = {reuse / r.bound_hit_ratio:.2f}"
+            if rr is not None and r.ttft_mean_ms > 0:
+                ratio = rr.ttft_mean_ms / r.ttft_mean_ms
+                line += f", mean TTFT round_robin / {r.label} = {ratio:.2f}x"
+            print(line)
+    by = {r.policy: r for r in results if not r.connector}
     kv = by.get("kv_aware")
     if kv is not None and kv.ttft_mean_ms > 0:
         for other in ("round_robin", "approx_prefix"):
@@ -491,6 +540,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for e in engines:
             e.stop()
+    if args.connector:
+        results += run_connector(spec, turns, bound, args)
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
@@ -511,3 +562,51 @@ async def warm_up(engines: list[VLLMEngine], args: argparse.Namespace) -> None:
             resp = await client.post(e.url + "/v1/completions", json=body)
             if resp.status_code != 200:
                 raise TransportError(f"engine {e.name} warm-up failed: {resp.text[:200]}")
+
+
+def run_connector(
+    spec: EngineSpec, turns: list[Turn], bound: float, args: argparse.Namespace
+) -> list[PolicyResult]:
+    """`CONNECTOR_POLICIES` on two engines with kvmesh's connector, a store beside each
+    (each store the other's peer), the stores emptied before every policy."""
+    nbytes = engine_block_nbytes(engine_model(), args.block_tokens)
+    stores = [
+        StoreProcess(
+            block_nbytes=nbytes, block_size=args.block_tokens, pages=args.store_blocks,
+            hash_algo=spec.hash_algo, seed=spec.seed, name=f"store-{i}",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    cores = os.cpu_count() or 1
+    engines: list[VLLMEngine] = []
+    try:
+        for store in stores:
+            store.start()
+        for i, store in enumerate(stores):
+            other = stores[1 - i]
+            config = connector_config(
+                store.page_address, store.control_address, peers=[other.page_address]
+            )
+            engine_spec = replace(
+                spec,
+                cpu_bind=str(i % cores),
+                extra_args=(*spec.extra_args, "--kv-transfer-config", config),
+            )
+            engines.append(VLLMEngine(engine_spec, name=f"engine-{i}"))
+        for e in engines:
+            e.start()
+        asyncio.run(warm_up(engines, args))
+        measured = {p: Measured() for p in CONNECTOR_POLICIES}
+        for round_ in range(args.rounds):
+            order = CONNECTOR_POLICIES if round_ % 2 == 0 else CONNECTOR_POLICIES[::-1]
+            for policy in order:
+                print(f"round {round_ + 1}: {policy} with the connector ...", file=sys.stderr)
+                for store in stores:
+                    store.restart()  # empty: each policy starts from cold stores
+                asyncio.run(measure(policy, engines, turns, args, measured[policy]))
+        return [summarize(p, measured[p], bound, connector=True) for p in CONNECTOR_POLICIES]
+    finally:
+        for e in engines:
+            e.stop()
+        for store in stores:
+            store.stop()
