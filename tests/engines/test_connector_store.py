@@ -279,3 +279,28 @@ def test_a_saver_whose_store_is_behind_drops_and_one_that_fails_reports() -> Non
     assert saver.flush(10)
     assert saver.failed >= 1 and isinstance(errors[0], TransportError)
     saver.close()
+
+
+def test_a_store_proves_blocks_with_the_engines_hash_algorithm_and_seed() -> None:
+    hasher = EngineHasher("sha256_cbor", B, seed="42", int_hashes=False)
+    tokens = list(range(2 * B))
+    digests = list(hasher.hash_blocks(tokens).digests)
+    run = block_run(digests, tokens, [None, None], 0, 2, B)
+    pages = [seal(d, bytes(NBYTES), PAGE) for d in digests]
+    with EngineStore(page_bytes=PAGE, block_size=B, algo="sha256_cbor", seed="42") as cbor:
+        assert client(cbor).save(run, pages) == [True, True]
+        assert client(cbor).describe().algo == "sha256_cbor"
+    with (
+        EngineStore(page_bytes=PAGE, block_size=B, algo="sha256_cbor") as unseeded,
+        pytest.raises(HashMismatch),
+    ):
+        client(unseeded).save(run, pages)  # the engine's seed is part of every digest
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        EngineStore(page_bytes=PAGE, block_size=B, algo="xxhash")
+
+
+def test_a_connector_without_its_stores_addresses_is_refused_by_name() -> None:
+    with pytest.raises(InvalidInput, match="kv_connector_extra_config"):
+        StoreClient("", "127.0.0.1:2")
+    with pytest.raises(InvalidInput, match="timeout_s"):
+        StoreClient("127.0.0.1:1", "127.0.0.1:2", timeout_s=0)
