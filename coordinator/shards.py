@@ -40,7 +40,6 @@ import operator
 import random
 import struct
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +65,13 @@ from kvmesh.coordinator.service import (
 )
 from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import InvalidInput
+from kvmesh.metrics import (
+    COORDINATOR_NAMES,
+    DEGRADED_ROUTES,
+    PREDICTED_PAGES,
+    ROUTE_SECONDS,
+    ROUTES,
+)
 from kvmesh.requests import Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
@@ -195,14 +201,14 @@ class ShardRouter:
         rng: random.Random | None = None,
         *,
         per_request_rng: bool = False,
+        name: str | None = None,
     ) -> None:
         self.config = config
         self.per_request_rng = per_request_rng
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._policies: dict[str, RoutingPolicy] = {}
-        self.counts: Counter[str] = Counter()
-        self.by_worker: Counter[str] = Counter()
-        self.route_ns = 0
+        # its decisions count in kvmesh.metrics under its own name, as a Coordinator's do
+        self.name = COORDINATOR_NAMES.claim(self, name or f"{config.actor_name}-router")
 
     def policy(self, name: str | None) -> RoutingPolicy:
         """The policy named `name` (None: the config's); raises `ConfigError` for unknown names."""
@@ -224,21 +230,31 @@ class ShardRouter:
         if self.per_request_rng:
             self._rng.seed(request_seed(self.config.seed, request))
         decision = chosen.choose(request, view.overlaps, view.loads, view.tiers)
-        self.route_ns += time.perf_counter_ns() - t0
-        c = self.counts
-        c["routes"] += 1
-        c["degraded_routes"] += decision.degraded
-        c["promised_local_pages"] += decision.local_pages
-        c["promised_pull_pages"] += decision.peer_pages if request.allow_pull else 0
-        self.by_worker[decision.worker_id] += 1
+        elapsed_s = (time.perf_counter_ns() - t0) / 1e9
+        name, policy_name = self.name, policy or self.config.policy
+        ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
+        ROUTES.labels(name, policy_name, decision.worker_id).inc()
+        if decision.degraded:
+            DEGRADED_ROUTES.labels(name).inc()
+        PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
+        if request.allow_pull:
+            PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
         return decision
 
     def stats(self) -> dict[str, Any]:
-        routes = self.counts["routes"]
-        out: dict[str, Any] = {k: self.counts[k] for k in ROUTER_COUNTERS}
-        out["route_time_mean_us"] = self.route_ns / routes / 1e3 if routes else 0.0
-        out["routes_by_worker"] = dict(self.by_worker)
-        return out
+        """`ROUTER_COUNTERS`, the mean decision time and routes per worker, read from its
+        metrics."""
+        me = {"coordinator": self.name}
+        routes = int(ROUTES.value(**me))
+        route_s = ROUTE_SECONDS.histogram_sum(**me)
+        return {
+            "routes": routes,
+            "degraded_routes": int(DEGRADED_ROUTES.value(**me)),
+            "promised_local_pages": int(PREDICTED_PAGES.value(**me, kind="local")),
+            "promised_pull_pages": int(PREDICTED_PAGES.value(**me, kind="pull")),
+            "route_time_mean_us": route_s / routes * 1e6 if routes else 0.0,
+            "routes_by_worker": {w: int(n) for w, n in ROUTES.values_by("worker", **me).items()},
+        }
 
 
 class ShardedCoordinator:
