@@ -24,8 +24,9 @@ client and the gRPC API use it unchanged:
   snapshots when Ray restarts it;
 - a route asks its own replica's shards, in parallel, and decides with
   `shards.ShardRouter` (random choices seeded per request, so replicas
-  decide alike). A shard that fails or has not answered within
-  ``HEDGE_AFTER_S`` is asked in the other replicas too; the first answer wins;
+  decide alike). A shard that fails or has not answered within its hedge
+  delay (`HedgeDelay`: four times its usual answer time, 50-250 ms) is asked
+  in the other replicas too; the first answer wins;
 - a new replica (`create_layout` again with a larger `router_replicas`)
   catches up before it routes: each of its shards registers the workers its
   sibling shards know and asks them for snapshots (`RouterActor.wait_ready`);
@@ -66,7 +67,8 @@ from kvmesh.coordinator.shards import (
     merge_views,
     shard_of,
 )
-from kvmesh.errors import KVMeshError, NoWorkers, TransportError
+from kvmesh.errors import InvalidInput, KVMeshError, NoWorkers, TransportError
+from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
 from kvmesh.requests import Role, RouteOutcome
@@ -75,7 +77,47 @@ from kvmesh.types import PageHash, WorkerId
 log = logging.getLogger(__name__)
 
 HEDGE_AFTER_S = 0.25
-"""How long a route waits for its own replica's shard before asking the other replicas too."""
+"""The longest a route waits for its own replica's shard before asking the other replicas too."""
+HEDGE_FLOOR_S = 0.05
+"""The shortest: below it, a busy machine's ordinary jitter would hedge most routes."""
+
+
+class HedgeDelay:
+    """How long a route waits for its own replica's shard: past what is normal for it.
+
+    `factor` times a moving average of that shard's answers, within
+    [`floor_s`, `ceiling_s`]; the ceiling until it has answered once. A shard
+    answering in 5 ms is given 50 ms, not 250, so a killed shard costs its
+    first route a fifth of the wait. Pure; one router's event loop uses it.
+    """
+
+    def __init__(
+        self,
+        floor_s: float = HEDGE_FLOOR_S,
+        ceiling_s: float = HEDGE_AFTER_S,
+        factor: float = 4.0,
+        weight: float = 0.1,
+    ) -> None:
+        if not 0 < floor_s <= ceiling_s or factor <= 0 or not 0 < weight <= 1:
+            raise InvalidInput(
+                f"hedge delay needs 0 < floor_s <= ceiling_s, factor > 0, 0 < weight <= 1; "
+                f"got {floor_s}, {ceiling_s}, {factor}, {weight}"
+            )
+        self.floor_s, self.ceiling_s, self.factor, self.weight = floor_s, ceiling_s, factor, weight
+        self._mean_s: dict[int, float] = {}
+
+    def observe(self, shard: int, seconds: float) -> None:
+        """`shard` answered in `seconds`."""
+        mean = self._mean_s.get(shard)
+        self._mean_s[shard] = seconds if mean is None else mean + self.weight * (seconds - mean)
+
+    def delay(self, shard: int) -> float:
+        mean = self._mean_s.get(shard)
+        if mean is None:
+            return self.ceiling_s
+        return min(self.ceiling_s, max(self.floor_s, self.factor * mean))
+
+
 SHARD_CALL_TIMEOUT_S = 30.0
 """The longest a router waits for any shard (a restarting shard rebuilds first)."""
 REPLICA_CALL_TIMEOUT_S = 2.0
@@ -133,6 +175,7 @@ class RouterActor:
         self._addresses: dict[WorkerId, str] = {}
         self._down_until: dict[int, float] = {}  # replica -> loop time it is skipped until
         self._slow = SlowShards(max(config.heartbeat_interval_s, HEDGE_AFTER_S))
+        self._hedge = HedgeDelay()
         self._background: set[asyncio.Task[Any]] = set()  # routed-load updates under way
         self._ready = asyncio.Event()
         self._api: CoordinatorAPIServer | None = None
@@ -213,14 +256,22 @@ class RouterActor:
         replica at once until it answers first again, so a restarting shard
         costs its routes one hedge delay, not one each.
         """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         own: asyncio.Future[Any] = asyncio.ensure_future(
             self._call(self.replica, shard, method, *args)
         )
+
+        def answered(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self._hedge.observe(shard, loop.time() - t0)
+
+        own.add_done_callback(answered)
         pending: set[asyncio.Future[Any]] = {own}
         # own replica known to be away (state changes skip it): ask the others at once
-        away = self._down_until.get(self.replica, 0.0) > asyncio.get_running_loop().time()
+        away = self._down_until.get(self.replica, 0.0) > loop.time()
         slow = self.num_replicas > 1 and (away or self._slow.is_slow(shard))
-        await asyncio.wait(pending, timeout=0 if slow else HEDGE_AFTER_S)
+        await asyncio.wait(pending, timeout=0 if slow else self._hedge.delay(shard))
         if not own.done() or own.exception() is not None:
             REPLICA_FAILOVERS.labels(reason="hedged").inc()
             if not slow:  # it had its hedge delay and missed it (asked at once, it could not)
@@ -430,8 +481,9 @@ class RouterActor:
         request_id: str = "",
     ) -> RouteDecision:
         request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
-        view = await self.view(request.hashes, role)
-        decision = self.router.decide(request, view, policy)
+        with request_scope(request_id):  # its id on our logs and on the error we raise
+            view = await self.view(request.hashes, role)
+            decision = self.router.decide(request, view, policy)
         if request_id:  # a request on its way: its worker's load counts it (`Coordinator.route`)
             self._count_routed(decision, request)
         return decision

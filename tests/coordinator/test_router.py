@@ -24,12 +24,13 @@ ray = pytest.importorskip("ray")
 from kvmesh.config import CoordinatorConfig  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
 from kvmesh.coordinator.router import (  # noqa: E402
+    HedgeDelay,
     create_layout,
     router_handles,
     shard_actor_name,
 )
 from kvmesh.coordinator.shards import shard_of  # noqa: E402
-from kvmesh.errors import KVMeshError  # noqa: E402
+from kvmesh.errors import InvalidInput, KVMeshError  # noqa: E402
 from kvmesh.events import encode_batch, make_batch  # noqa: E402
 from kvmesh.hashing import PageHasher  # noqa: E402
 from kvmesh.load import WorkerLoad  # noqa: E402
@@ -390,3 +391,26 @@ def test_the_single_coordinator_actor_serves_the_grpc_api_too(ray_cluster: None)
             got = client.route(p, len(p) * PAGE, page_size=PAGE)
             assert got.matched_pages == held_prefix(held[got.worker_id], p)
             assert got.worker_address == f"addr-{got.worker_id}"
+
+
+def test_a_hedge_waits_the_ceiling_for_a_shard_never_heard_from() -> None:
+    hedge = HedgeDelay(floor_s=0.05, ceiling_s=0.25, factor=4.0)
+    assert hedge.delay(0) == 0.25
+
+
+def test_a_hedge_waits_four_times_a_shards_usual_answer_within_floor_and_ceiling() -> None:
+    hedge = HedgeDelay(floor_s=0.05, ceiling_s=0.25, factor=4.0, weight=0.5)
+    hedge.observe(0, 0.02)
+    assert hedge.delay(0) == pytest.approx(0.08)
+    hedge.observe(0, 0.04)  # moving average: 0.03
+    assert hedge.delay(0) == pytest.approx(0.12)
+    hedge.observe(1, 0.001)
+    assert hedge.delay(1) == 0.05  # the floor: ordinary jitter must not hedge every route
+    hedge.observe(2, 1.0)
+    assert hedge.delay(2) == 0.25  # the ceiling
+    assert hedge.delay(0) == pytest.approx(0.12)  # per shard
+
+
+def test_a_bad_hedge_setting_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="floor_s"):
+        HedgeDelay(floor_s=0.5, ceiling_s=0.25)
