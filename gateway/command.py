@@ -14,12 +14,14 @@ uvicorn, transformers, pyzmq) happen in `run`, so ``kvmesh --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
 from kvmesh.arguments import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh.config import CoordinatorConfig, from_env
 from kvmesh.errors import ConfigError
+from kvmesh.logs import LogSettings, configure_logging
 
 if TYPE_CHECKING:
     from kvmesh.gateway.app import EngineCheck, EventSource, Gateway
@@ -219,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     level = "DEBUG" if args.log_level.lower() == "trace" else args.log_level.upper()
-    logging.basicConfig(level=level, format="kvmesh gateway: %(levelname)s %(message)s")
+    # kvmesh's one log configuration (KVMESH_LOG_FORMAT=json too); --log-level sets its level
+    configure_logging(dataclasses.replace(LogSettings.from_env(), level=level))
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s %(message)s")  # libraries
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     gateway = build_gateway(args)

@@ -8,6 +8,7 @@ import json
 import logging
 import pickle
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +157,15 @@ def test_the_cli_refuses_a_bad_log_format_in_one_line(
     assert main(["config", "--table", "--output", "/dev/null"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kvmesh config: error: KVMESH_LOG_FORMAT='xml': choose one of")
+
+
+def test_the_gateway_logs_through_the_same_configuration_and_refuses_a_bad_level(
+    capsys: pytest.CaptureFixture[str], stream: io.StringIO, tmp_path: Path
+) -> None:
+    from kvmesh.app.cli import main
+
+    # refused while configuring its logs, before its tokenizer (none in tmp_path) is read
+    flags = ["--engine", "http://127.0.0.1:8001", "--tokenizer", str(tmp_path)]
+    assert main(["gateway", *flags, "--log-level", "loud"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kvmesh gateway: error: log level 'LOUD': choose one of")
