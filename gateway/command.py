@@ -223,7 +223,6 @@ def run(args: argparse.Namespace) -> int:
     level = "DEBUG" if args.log_level.lower() == "trace" else args.log_level.upper()
     # kvmesh's one log configuration (KVMESH_LOG_FORMAT=json too); --log-level sets its level
     configure_logging(dataclasses.replace(LogSettings.from_env(), level=level))
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s %(message)s")  # libraries
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     gateway = build_gateway(args)

@@ -125,28 +125,41 @@ class LogSettings:
 
 
 class _KVMeshHandler(logging.StreamHandler):
-    """The handler `configure_logging` installs (recognised to be replaced, never doubled)."""
+    """The handler `configure_logging` installs (recognised to be replaced, never doubled).
+
+    Without a stream of its own it writes to ``sys.stderr`` as it is at each record, as
+    Python's last-resort handler does, so a replaced stderr (a test's capture, a daemon's
+    redirect) never leaves it writing to a closed file.
+    """
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__(stream or sys.stderr)
+        self._follows_stderr = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._follows_stderr:
+            self.stream = sys.stderr
+        super().emit(record)
 
 
 def configure_logging(
     settings: LogSettings | None = None, *, stream: IO[str] | None = None
 ) -> logging.Handler:
-    """Log kvmesh's records to `stream` (default stderr) as `settings` say (default: from
-    the environment). Replaces a handler this function installed before; the ``kvmesh``
-    logger then stops propagating, so an application's root handler does not print its
-    records twice. Returns the handler."""
+    """Log kvmesh's records to `stream` (default: stderr) as `settings` say (default: from
+    the environment). Replaces a handler this function installed before. Records still
+    propagate, as any library's do: an application that configures the root logger
+    itself needs no call here (or sees them twice). Returns the handler."""
     settings = settings or LogSettings.from_env()
     logger = logging.getLogger("kvmesh")
     for old in [h for h in logger.handlers if isinstance(h, _KVMeshHandler)]:
         logger.removeHandler(old)
-    handler = _KVMeshHandler(stream or sys.stderr)
+    handler = _KVMeshHandler(stream)
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(
         JsonFormatter() if settings.format == "json" else logging.Formatter(TEXT_FORMAT)
     )
     logger.addHandler(handler)
     logger.setLevel(settings.level)
-    logger.propagate = False
     return handler
 
 

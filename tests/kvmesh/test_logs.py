@@ -169,3 +169,23 @@ def test_the_gateway_logs_through_the_same_configuration_and_refuses_a_bad_level
     assert main(["gateway", *flags, "--log-level", "loud"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("kvmesh gateway: error: log level 'LOUD': choose one of")
+
+
+def test_records_still_reach_the_applications_own_handlers(
+    stream: io.StringIO, caplog: pytest.LogCaptureFixture
+) -> None:
+    configure_logging(LogSettings("text", "WARNING"), stream=stream)
+    with caplog.at_level(logging.WARNING):
+        log.warning("seen by both")
+    assert "seen by both" in stream.getvalue()
+    assert [r.getMessage() for r in caplog.records] == ["seen by both"]
+
+
+def test_without_a_stream_it_writes_to_stderr_as_it_is_now(
+    stream: io.StringIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    configure_logging(LogSettings("text", "WARNING"))
+    later = io.StringIO()
+    monkeypatch.setattr("sys.stderr", later)  # stderr replaced after configuring
+    log.warning("to the stderr of now")
+    assert "to the stderr of now" in later.getvalue()
