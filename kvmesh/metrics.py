@@ -112,6 +112,7 @@ class Metric:
             self._local = _PromHistogram(name, help, d.labels, buckets=d.buckets, registry=registry)
         self._ray: Any = None
         self._ray_lock = threading.Lock()
+        self._children: dict[tuple[object, ...], MetricChild] = {}
         ALL_METRICS[name] = self
 
     @property
@@ -119,7 +120,11 @@ class Metric:
         return self.definition.name
 
     def labels(self, *values: str, **named: str) -> MetricChild:
-        """The child for one set of label values (kept; cheap to call again)."""
+        """The child for one set of label values (kept: a second call is a dict lookup)."""
+        key = values if not named else (*sorted(named.items()),)
+        child = self._children.get(key)
+        if child is not None:
+            return child
         names = self.definition.labels
         if values and named:
             raise ValueError(f"{self.name}: pass label values by position or by name, not both")
@@ -130,7 +135,8 @@ class Metric:
         elif len(values) != len(names):
             raise ValueError(f"{self.name}: labels are {names}, got {len(values)} values")
         tags = dict(zip(names, (str(v) for v in values), strict=True))
-        return MetricChild(self, self._local.labels(*tags.values()), tags)
+        child = self._children[key] = MetricChild(self, self._local.labels(*tags.values()), tags)
+        return child
 
     def value(self, **labels: str) -> float:
         """This process's value summed over the series that match `labels` (a subset of
@@ -152,6 +158,7 @@ class Metric:
     def forget(self, **labels: str) -> None:
         """Drop this process's series that match `labels` (their holder is gone)."""
         names = self.definition.labels
+        self._children.clear()  # a kept child of a dropped series would count into nothing
         for sample in list(self._samples(self.definition.sample_name, labels)):
             if all(n in sample.labels for n in names):
                 self._local.remove(*(sample.labels[n] for n in names))

@@ -103,3 +103,13 @@ def test_served_metrics_parse_with_prometheus_clients_parser() -> None:
     ]
     assert [(s.name, s.value) for s in samples] == [("kvmesh_worker_requests_total", 3.0)]
     assert families["kvmesh_route_seconds"].type == "histogram"
+
+
+def test_a_child_is_kept_and_a_forgotten_series_counts_afresh() -> None:
+    m = Counter("kvmesh_test_kept", "t", ["coordinator"], registry=fresh_registry())
+    first = m.labels("c1")
+    assert m.labels("c1") is first
+    first.inc(2)
+    m.forget(coordinator="c1")
+    m.labels("c1").inc()
+    assert m.value(coordinator="c1") == 1
