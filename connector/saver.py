@@ -7,7 +7,8 @@ save (tens of ms for a 1,000-token prompt, `kvmesh bench engines
 its blocks' bytes (the engine may reuse the blocks once the request ends)
 and hands them to `BackgroundSaver`, whose thread seals and saves them in
 order. The queue is bounded: when the store falls behind, new saves are
-dropped and counted (a dropped save is a later miss, never a wrong answer).
+dropped (a dropped save is a later miss, never a wrong answer); blocks
+saved, dropped and failed are counted in ``kvmesh_connector_blocks``.
 `flush` waits until everything handed over was sent (a prefill engine's
 hand-off, shutdown).
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from kvmesh.connector.blocks import BlockRun, seal
 from kvmesh.errors import KVMeshError
+from kvmesh.metrics import CONNECTOR_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class BackgroundSaver:
         save: SaveFn,
         page_bytes: int,
         *,
+        store: str = "",
         max_pending: int = 64,
         on_error: Callable[[KVMeshError], None] | None = None,
     ) -> None:
@@ -51,8 +54,9 @@ class BackgroundSaver:
         self.page_bytes = page_bytes
         self._queue: queue.Queue[PendingSave | None] = queue.Queue(max_pending)
         self._on_error = on_error
-        self.dropped = 0  # saves refused because the queue was full
-        self.failed = 0  # saves the store refused or could not take
+        self._saved = CONNECTOR_BLOCKS.labels(store, "saved")
+        self._dropped = CONNECTOR_BLOCKS.labels(store, "dropped")
+        self._failed = CONNECTOR_BLOCKS.labels(store, "save_failed")
         self._thread = threading.Thread(target=self._run, name="kvmesh-saver", daemon=True)
         self._thread.start()
 
@@ -61,7 +65,7 @@ class BackgroundSaver:
         try:
             self._queue.put_nowait(pending)
         except queue.Full:
-            self.dropped += 1
+            self._dropped.inc(len(pending.blocks))
             return False
         return True
 
@@ -91,17 +95,22 @@ class BackgroundSaver:
             try:
                 if pending is None:
                     return
-                pages = [
-                    seal(digest, block, self.page_bytes)
-                    for digest, block in zip(pending.run.digests, pending.blocks, strict=True)
-                ]
-                self._save(pending.run, pages)
-            except KVMeshError as exc:
-                self.failed += 1
-                if self._on_error is not None:
-                    self._on_error(exc)
-            except Exception:  # a bug here must not kill the thread (and every later save)
-                self.failed += 1
-                log.exception("kvmesh connector: a save failed")
+                self._send(pending)
             finally:
                 self._queue.task_done()
+
+    def _send(self, pending: PendingSave) -> None:
+        try:
+            pages = [
+                seal(digest, block, self.page_bytes)
+                for digest, block in zip(pending.run.digests, pending.blocks, strict=True)
+            ]
+            self._save(pending.run, pages)
+            self._saved.inc(len(pages))
+        except KVMeshError as exc:
+            self._failed.inc(len(pending.blocks))
+            if self._on_error is not None:
+                self._on_error(exc)
+        except Exception:  # a bug here must not kill the thread (and every later save)
+            self._failed.inc(len(pending.blocks))
+            log.exception("kvmesh connector: a save failed")

@@ -64,6 +64,7 @@ from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
 from kvmesh.connector.saver import BackgroundSaver, PendingSave
 from kvmesh.connector.store_client import StoreClient
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
+from kvmesh.metrics import CONNECTOR_BLOCKS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -254,6 +255,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._saver = BackgroundSaver(
                 self.client.save,
                 self.page_bytes,
+                store=self.client.page_address,
                 on_error=lambda exc: self._warnings.warn("save", exc),
             )
 
@@ -287,6 +289,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._failed_requests = set()
         for load in meta.loads:
             loaded = self._load(load)
+            self._blocks("loaded").inc(loaded)
             if loaded < len(load.block_ids):
                 self._failed.update(load.block_ids[loaded:])
                 self._failed_requests.add(load.request_id)
@@ -297,20 +300,27 @@ class KVMeshConnector(KVConnectorBase_V1):
             pages = self.client.fetch(load.digests)
         except KVMeshError as exc:
             self._warnings.warn("load", exc)
+            self._blocks("undelivered").inc(len(load.block_ids))
             return 0
         for i, (page, digest, block_id) in enumerate(
             zip(pages, load.digests, load.block_ids, strict=True)
         ):
             if page is None:
+                self._blocks("undelivered").inc(len(load.block_ids) - i)
                 return i
             try:
                 data = unseal(digest, page, self.block_nbytes)
             except KVMeshError as exc:
                 self._warnings.warn(f"check of block {digest.hex()[:16]}", exc)
+                self._blocks("refused").inc()
+                self._blocks("undelivered").inc(len(load.block_ids) - i - 1)
                 self._forget(digest)
                 return i
             self._write_block(block_id, data)
         return len(load.block_ids)
+
+    def _blocks(self, outcome: str) -> Any:
+        return CONNECTOR_BLOCKS.labels(self.client.page_address, outcome)
 
     def _forget(self, digest: bytes) -> None:
         """Drop a refused block from the store, so this engine's recomputed one is saved."""

@@ -538,6 +538,20 @@ GATEWAY_REUSED_BLOCKS = Counter(
     "loads: usage.prompt_tokens_details.cached_tokens), for answers that carry it",
     ["engine"],
 )
+CONNECTOR_BLOCKS = Counter(
+    "kvmesh_connector_blocks",
+    "Blocks kvmesh's KV connector moved for its vLLM engine (`store`: the engine's store), by "
+    "outcome: loaded; refused (its seal failed: recomputed); undelivered (claimed, but the "
+    "store failed or no longer held it: recomputed); saved; dropped (the store was behind); "
+    "save_failed",
+    ["store", "outcome"],
+)
+ENGINE_STORE_BLOCKS = Counter(
+    "kvmesh_engine_store_blocks",
+    "Blocks the kvmesh store beside an engine took, by outcome: saved (new from its engine), "
+    "pulled (from a peer store), forgotten (its engine refused them on load)",
+    ["store", "outcome"],
+)
 GATEWAY_RETRIES = Counter(
     "kvmesh_gateway_engine_retries",
     "Requests moved to another engine because this one could not be reached or broke off "

@@ -53,6 +53,7 @@ from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
 from kvmesh.errors import ConfigError, InvalidInput, KVMeshError
 from kvmesh.grpc_security import ERROR_METADATA_KEY
 from kvmesh.hashing import PageHasher
+from kvmesh.metrics import ENGINE_STORE_BLOCKS
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
@@ -261,6 +262,7 @@ class EngineStore:
         ]
         inserted = self.service.insert_many(incoming, run.proofs(self.block_size))
         self.service.take_events()  # the engine's own events feed the index, not these
+        ENGINE_STORE_BLOCKS.labels(self.name, "saved").inc(sum(inserted))
         return inserted
 
     def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> tuple[int, int, str | None]:
@@ -285,6 +287,7 @@ class EngineStore:
             if now > held:
                 pulled, source, held = pulled + now - held, address, now
         self.service.take_events()
+        ENGINE_STORE_BLOCKS.labels(self.name, "pulled").inc(pulled)
         return held, pulled, source
 
     # ---------------------------------------------------------------- control server
@@ -350,6 +353,7 @@ class EngineStore:
         with self.service.lock:
             forgotten = self.pool.evict_pages(digests)
         self.service.take_events()
+        ENGINE_STORE_BLOCKS.labels(self.name, "forgotten").inc(forgotten)
         return forgotten
 
     def _describe(self, _body: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from kvmesh.errors import (
     PageFormatError,
     TransportError,
 )
+from kvmesh.metrics import counter_value
 from kvmesh.worker.engine_store import EngineStore
 
 B = 32
@@ -157,8 +158,10 @@ def test_prepare_pulls_what_a_peer_holds_and_proves_it(
     run, pages = request(4, salt="tenant-1")
     client(a).save(run, pages)
     assert client(b).prepare(run).held == 0  # b has no peers of its own
+    pulled = counter_value("kvmesh_engine_store_blocks", store="b", outcome="pulled")
     prepared = client(b).prepare(run, [a.address])
     assert (prepared.held, prepared.pulled, prepared.source) == (3, 3, a.address)
+    assert counter_value("kvmesh_engine_store_blocks", store="b", outcome="pulled") == pulled + 3
     assert unseal(run.digests[2], client(b).fetch(run.digests)[2], NBYTES)[0] == 3
 
 
@@ -251,11 +254,12 @@ def test_the_saver_seals_and_saves_in_order_off_the_callers_thread(
 ) -> None:
     a, _ = stores
     c = client(a)
-    saver = BackgroundSaver(c.save, PAGE)
+    saver = BackgroundSaver(c.save, PAGE, store="saver-test")
     runs = [request(20 + i)[0] for i in range(3)]
     for run in runs:
         assert saver.submit(PendingSave(run, tuple(bytes([7]) * NBYTES for _ in run.digests)))
     assert saver.flush(10)
+    assert counter_value("kvmesh_connector_blocks", store="saver-test", outcome="saved") == 9
     for run in runs:
         assert a.service.prefix_length(run.digests) == 3
         assert bytes(unseal(run.digests[0], c.fetch(run.digests)[0], NBYTES))[:1] == b"\x07"
@@ -274,10 +278,12 @@ def test_a_saver_whose_store_is_behind_drops_and_one_that_fails_reports() -> Non
     run, _ = request(30)
     blocks = tuple(bytes(NBYTES) for _ in run.digests)
     results = [saver.submit(PendingSave(run, blocks)) for _ in range(4)]
-    assert results[0] and not all(results) and saver.dropped >= 1
+    assert results[0] and not all(results)
+    assert counter_value("kvmesh_connector_blocks", store="", outcome="dropped") >= 3
     gate.set()
     assert saver.flush(10)
-    assert saver.failed >= 1 and isinstance(errors[0], TransportError)
+    assert counter_value("kvmesh_connector_blocks", store="", outcome="save_failed") >= 3
+    assert isinstance(errors[0], TransportError)
     saver.close()
 
 
