@@ -7,10 +7,10 @@ Load it with::
       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"store": "127.0.0.1:P", "control": "127.0.0.1:C"}}'
 
-(`kvmesh.connector.engine_config.connector_config` builds it). ``store`` / ``control`` are the page and
-control addresses of the engine's store (`kvmesh.worker.engine_store`);
-optional ``peers`` (page addresses of other stores the store may pull from
-for this engine) and ``timeout_s``.
+(`kvmesh.connector.engine_config.connector_config` builds it). ``store`` /
+``control`` are the page and control addresses of the engine's store
+(`kvmesh.worker.engine_store`); optional ``peers`` (page addresses of other
+stores the store may pull from for this engine) and ``timeout_s``.
 
 Scheduler side (one decision per request, before it is scheduled):
 `get_num_new_matched_tokens` asks the store to hold the blocks past the
