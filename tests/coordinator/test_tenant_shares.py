@@ -156,12 +156,13 @@ def test_an_over_share_tenant_is_routed_where_it_already_holds_pages() -> None:
     assert c.shares.over_share_pages(NOISY) == {W1: 8}
     loads = [WorkerLoad(w, free_pages=100, total_pages=100) for w in (W0, W1)]
     request = RouteRequest(pages("new", 4), 4 * 16, 16, tenant_pages={W1: 8})
-    policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(0))
+    policy = make_policy("kv_aware", CoordinatorConfig(tenant_share_weight=0.5), random.Random(0))
     for _ in range(5):  # without the share term the tie would go either way
         d = policy.choose(request, {}, loads)
         assert d.worker_id == W1 and d.cost == pytest.approx(4.0)
-    costs = make_policy("kv_aware", CoordinatorConfig(tenant_share_weight=0.5), random.Random(0))
-    assert costs.choose(replace(request, tenant_pages={}), {}, loads).cost == pytest.approx(6.0)
+    assert policy.choose(replace(request, tenant_pages={}), {}, loads).cost == pytest.approx(6.0)
+    off = make_policy("kv_aware", CoordinatorConfig(), random.Random(0))  # the default: off
+    assert off.choose(request, {}, loads).cost == pytest.approx(4.0)
 
 
 def test_the_coordinator_weighs_shares_only_for_a_tenant_above_its_share() -> None:
