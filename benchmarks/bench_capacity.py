@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvmesh.app.sim_engine import QUIET_TENANT, PreparedTrace, SimSettings, prepare_trace
+from kvmesh.app.sim_engine import (
+    QUIET_TENANT,
+    PreparedTrace,
+    SimSettings,
+    TimeModel,
+    prepare_trace,
+)
 from kvmesh.app.simulate import PolicyReport, simulate
 from kvmesh.arguments import non_negative_float, non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
@@ -77,9 +83,10 @@ def tiers(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
 def tenants(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
     """The trace tenant's page hit ratio alone, and beside a flood under LRU and fair share.
 
-    With the flood, the cluster computes (1 + flood) times as fast (prefill and decode
-    times divided), as a cluster sized for the load would: the queues stay as they were
-    alone, so the ratios compare what the caches keep, not routing under overload.
+    With the flood, every modelled time is divided by (1 + flood) (prefill, decode,
+    promotions, pulls), as a cluster sized for the load would run: the queues and the
+    weighing of a host hit against a recompute stay as they were alone, so the ratios
+    compare what the caches keep, not routing under overload.
     """
     settings = SimSettings(args.workers, args.capacity_pages, host_pages=args.host_pages)
     alone = _run(trace, settings).page_hit_ratio
@@ -87,13 +94,7 @@ def tenants(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
     scale = 1.0 + args.flood
     tm = settings.time
     sized = replace(
-        settings,
-        time=replace(
-            tm,
-            prefill_base_ms=tm.prefill_base_ms / scale,
-            prefill_token_us=tm.prefill_token_us / scale,
-            decode_token_ms=tm.decode_token_ms / scale,
-        ),
+        settings, time=TimeModel(*(getattr(tm, f.name) / scale for f in fields(TimeModel)))
     )
     out: dict[str, Any] = {"alone": alone, "flood_per_request": args.flood}
     for eviction in ("lru", "fair"):
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(
                 f"tenants (the trace's tenant beside one sending {args.flood} unique prompts "
-                f"per request; with it, compute x{1 + args.flood}):"
+                f"per request; with it, every modelled time / {1 + args.flood}):"
             )
             print(f"  alone                 page hit ratio {n['alone']:.4f}")
             for eviction in ("lru", "fair"):
