@@ -127,3 +127,17 @@ def test_the_node_endpoint_serves_the_workers_and_the_coordinators_metrics(
     }
     samples = scrape_until(port, lambda samples: observed(samples) == expected)
     assert observed(samples) == expected
+
+
+def test_status_watch_draws_the_real_clusters_workers(cluster: tuple[KVMesh, int]) -> None:
+    from rich.console import Console
+
+    from kvmesh.app.watch import watch
+
+    mesh, _ = cluster
+    console = Console(record=True, width=200)
+    assert watch(mesh, console, 0.05, rounds=2) == 2
+    text = console.export_text()
+    for worker in mesh.stats().workers:
+        assert f"│ {worker.worker_id}" in text
+    assert "routes " in text and "req/s" in text
