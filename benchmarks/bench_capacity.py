@@ -26,7 +26,7 @@ from kvmesh.app.sim_engine import (
     prepare_trace,
 )
 from kvmesh.app.simulate import PolicyReport, simulate
-from kvmesh.arguments import non_negative_float, non_negative_int, positive_int
+from kvmesh.arguments import non_negative_float, non_negative_int, positive_float, positive_int
 from kvmesh.config import CoordinatorConfig
 from kvmesh.errors import ConfigError
 from kvmesh.trace import load_trace
@@ -51,6 +51,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=positive_int, help="replay only the first N requests")
     parser.add_argument("--part", choices=("all", "tiers", "tenants"), default="all")
+    parser.add_argument(
+        "--quiet-weight",
+        type=positive_float,
+        default=1.0,
+        help="the trace tenant's fair-share weight (the flooding one weighs 1)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object with every figure")
 
 
@@ -88,7 +94,12 @@ def tenants(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
     weighing of a host hit against a recompute stay as they were alone, so the ratios
     compare what the caches keep, not routing under overload.
     """
-    settings = SimSettings(args.workers, args.capacity_pages, host_pages=args.host_pages)
+    settings = SimSettings(
+        args.workers,
+        args.capacity_pages,
+        host_pages=args.host_pages,
+        tenant_weights=f"{QUIET_TENANT}={args.quiet_weight}",
+    )
     alone = _run(trace, settings).page_hit_ratio
     flooded = trace.with_flood(args.flood)
     scale = 1.0 + args.flood
@@ -96,7 +107,11 @@ def tenants(trace: PreparedTrace, args: argparse.Namespace) -> dict[str, Any]:
     sized = replace(
         settings, time=TimeModel(*(getattr(tm, f.name) / scale for f in fields(TimeModel)))
     )
-    out: dict[str, Any] = {"alone": alone, "flood_per_request": args.flood}
+    out: dict[str, Any] = {
+        "alone": alone,
+        "flood_per_request": args.flood,
+        "quiet_weight": args.quiet_weight,
+    }
     for eviction in ("lru", "fair"):
         report = _run(flooded, replace(sized, eviction=eviction))
         ratio = report.tenant_page_hit_ratio[QUIET_TENANT]
@@ -131,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(
                 f"tenants (the trace's tenant beside one sending {args.flood} unique prompts "
-                f"per request; with it, every modelled time / {1 + args.flood}):"
+                f"per request; with it, every modelled time / {1 + args.flood}; "
+                f"its weight {args.quiet_weight}, the neighbour's 1):"
             )
             print(f"  alone                 page hit ratio {n['alone']:.4f}")
             for eviction in ("lru", "fair"):
