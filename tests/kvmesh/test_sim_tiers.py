@@ -105,7 +105,9 @@ def test_the_cli_takes_host_and_disk_pages_and_keeps_its_json_keys(
     assert main([*args, *tiers]) == 0
     line = json.loads(capsys.readouterr().out.strip())
     assert tuple(line) == REPORT_KEYS
-    assert main([*args, "--host-pages", "-5"]) == 2
+    with pytest.raises(SystemExit) as usage:  # a flag's range: argparse's usage line
+        main([*args, "--host-pages", "-5"])
+    assert usage.value.code == 2 and "--host-pages" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ tenants
