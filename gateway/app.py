@@ -45,7 +45,7 @@ from kvmesh.errors import (
     TransportError,
     UnknownModel,
 )
-from kvmesh.gateway.config import EngineTarget, GatewayConfig
+from kvmesh.gateway.config import MESH_POLICY, EngineTarget, GatewayConfig
 from kvmesh.gateway.engines import EnginePool, EngineState, Ticket
 from kvmesh.gateway.openai import (
     ChatStreamTranslator,
@@ -65,17 +65,21 @@ from kvmesh.metrics import (
     GATEWAY_FIRST_BYTE,
     GATEWAY_MATCHED_BLOCKS,
     GATEWAY_PROMPT_BLOCKS,
+    GATEWAY_PULL_BLOCKS,
     GATEWAY_REQUESTS,
     GATEWAY_RETRIES,
+    GATEWAY_REUSED_BLOCKS,
     GATEWAY_ROUTED,
 )
 from kvmesh.security import TenantPolicy
-from kvmesh.types import WorkerId
+from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
 
 ENGINE_HEADER = "x-kvmesh-engine"
 MATCHED_HEADER = "x-kvmesh-matched-blocks"
+PULL_HEADER = "x-kvmesh-pull-blocks"  # kv_mesh: blocks predicted pulled through the mesh
+PULL_FROM_HEADER = "x-kvmesh-pull-from"  # ... from this engine's store
 
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 """Nothing listens (the engine died): it is down, whatever it cached is gone."""
@@ -232,24 +236,46 @@ class Gateway:
         state = self.index.worker_state(worker_id)
         return {"blocks": state.num_pages, "events_seq": state.last_seq}
 
+    def prompt_hashes(self, prepared: PreparedRequest) -> list[PageHash]:
+        """The prompt's full blocks, hashed as the engines hash them."""
+        extra = EngineExtraKeys(cache_salt=prepared.cache_salt)
+        return self.hasher.hash_prompt(prepared.token_ids, extra)
+
     def route(
-        self, prepared: PreparedRequest, exclude: set[WorkerId]
+        self,
+        prepared: PreparedRequest,
+        exclude: set[WorkerId],
+        hashes: Sequence[PageHash] | None = None,
     ) -> tuple[EngineState, RouteDecision]:
-        """The engine for `prepared` among those up and not in `exclude`; `NoWorkers` if none."""
+        """The engine for `prepared` among those up and not in `exclude`; `NoWorkers` if none.
+
+        `hashes`: `prompt_hashes(prepared)`, when the caller has them already."""
         loads = self.pool.loads(self.router.stale(), exclude)
         if not loads:
             down = {e.spec.name: e.last_error for e in self.pool.engines.values() if not e.up}
             raise NoWorkers(f"no engine can take the request; down: {down or 'none'}")
-        extra = EngineExtraKeys(cache_salt=prepared.cache_salt)
-        hashes = self.hasher.hash_prompt(prepared.token_ids, extra)
+        if hashes is None:
+            hashes = self.prompt_hashes(prepared)
         request = RouteRequest(hashes, len(prepared.token_ids), page_size=self.hasher.block_size)
-        decision = self.router.route(request, loads, tie_break_key(hashes, prepared.token_ids))
+        key = tie_break_key(hashes, prepared.token_ids)
+        decision = self.router.route(request, loads, key, self.pool.prefilling(exclude))
         engine = self.pool[decision.worker_id]
         name = engine.spec.name
         GATEWAY_ROUTED.labels(name, self.router.name).inc()
         GATEWAY_PROMPT_BLOCKS.labels(name).inc(len(hashes))
         GATEWAY_MATCHED_BLOCKS.labels(name).inc(decision.local_pages)
+        if decision.policy == MESH_POLICY:
+            GATEWAY_PULL_BLOCKS.labels(name).inc(decision.peer_pages)
         return engine, decision
+
+    def prediction_headers(self, engine: EngineState, decision: RouteDecision) -> dict[str, str]:
+        """What the router predicted for a request, told to its caller: the engine, the
+        blocks it holds and, under ``kv_mesh``, the blocks it pulls and from whom."""
+        headers = {ENGINE_HEADER: engine.spec.name, MATCHED_HEADER: str(decision.local_pages)}
+        if decision.policy == MESH_POLICY and decision.peer_id is not None:
+            headers[PULL_HEADER] = str(decision.peer_pages)
+            headers[PULL_FROM_HEADER] = self.pool[decision.peer_id].spec.name
+        return headers
 
     def _model_for(self, prepared: PreparedRequest) -> str:
         if prepared.model is None:
@@ -269,16 +295,19 @@ class Gateway:
         model = self._model_for(prepared)
         body = prepared.body_for_engine(model)
         tried: set[WorkerId] = set()
+        hashes = self.prompt_hashes(prepared)
         while True:
-            engine, decision = self.route(prepared, tried)
-            prefill = max(
-                len(prepared.token_ids) - decision.local_pages * self.hasher.block_size, 0
-            )
-            ticket = self.pool.begin(engine, prefill)
-            headers = {
-                ENGINE_HEADER: engine.spec.name,
-                MATCHED_HEADER: str(decision.local_pages),
-            }
+            engine, decision = self.route(prepared, tried, hashes)
+            reused = decision.local_pages
+            if decision.policy == MESH_POLICY:
+                reused += decision.peer_pages  # pulled, not computed
+            prefill = max(len(prepared.token_ids) - reused * self.hasher.block_size, 0)
+            if decision.policy == MESH_POLICY:
+                # a pull is engine time too: the same share of a computed block as in the cost
+                pull = decision.peer_pages * self.hasher.block_size
+                prefill += round(pull * self.config.coordinator.pull_cost)
+            ticket = self.pool.begin(engine, prefill, hashes)
+            headers = self.prediction_headers(engine, decision)
             try:
                 if prepared.stream:
                     return await self._stream(engine, body, ticket, prepared.chat, headers)
@@ -321,6 +350,8 @@ class Gateway:
         resp = await self.client.post(engine.spec.base_url + "/v1/completions", json=body)
         GATEWAY_FIRST_BYTE.labels(engine.spec.name).observe(time.perf_counter() - t0)
         ticket.close()
+        if resp.status_code == 200:
+            self._record_reuse(engine, resp)
         if resp.status_code != 200 or not chat:
             return Response(
                 resp.content,
@@ -333,6 +364,16 @@ class Gateway:
         except ValueError:
             raise TransportError(f"engine {engine.spec.name} answered with no JSON") from None
         return JSONResponse(chat_from_completion(answer), headers=headers)
+
+    def _record_reuse(self, engine: EngineState, resp: httpx.Response) -> None:
+        """The realized side of the prediction: prompt blocks the engine did not compute, when
+        it reports them (vLLM's ``--enable-prompt-tokens-details``)."""
+        try:
+            details = resp.json().get("usage", {}).get("prompt_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return
+        GATEWAY_REUSED_BLOCKS.labels(engine.spec.name).inc(cached // self.hasher.block_size)
 
     async def _stream(
         self,

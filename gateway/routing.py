@@ -5,6 +5,14 @@ Two routers share one shape (`Router`):
 - `IndexRouter`: the index is fed by the engines' own KV events (vLLM's
   ``--kv-events-config``), so it holds what the engines really cache. Any
   coordinator policy by name (`kv_aware`, `round_robin`, ...).
+- `MeshRouter` (``kv_mesh``): for engines that load kvmesh's KV connector
+  (`kvmesh.connector`), whose stores pull a prefix from each other. Every
+  request may pull, so `kv_aware` weighs, per engine, the blocks it holds
+  (free), the blocks another engine holds beyond them (a pull through the
+  mesh, ``pull_cost`` a block) and the rest (recomputed), against its
+  load: a request can go to an idle engine and pull its prefix there
+  instead of queueing behind the engine that holds it. The decision names
+  the peer and its blocks, the prediction the gateway records.
 - `HistoryRouter` (``approx_prefix``): sees no events. It records every
   decision it makes as if the chosen engine now caches the request's
   blocks, forgets the least recently routed blocks beyond an assumed
@@ -20,10 +28,11 @@ each routed before (`round_robin` excepted: its state is its history).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvmesh.config import CoordinatorConfig
@@ -37,7 +46,7 @@ from kvmesh.coordinator.policies import (
 )
 from kvmesh.errors import ConfigError
 from kvmesh.events import PagesRemoved, PagesStored, make_batch
-from kvmesh.gateway.config import HISTORY_POLICY
+from kvmesh.gateway.config import HISTORY_POLICY, MESH_POLICY
 from kvmesh.load import WorkerLoad
 from kvmesh.types import PageHash, WorkerId
 
@@ -58,8 +67,15 @@ class Router(Protocol):
     name: str
 
     def route(
-        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
-    ) -> RouteDecision: ...
+        self,
+        request: RouteRequest,
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+    ) -> RouteDecision:
+        """`prefilling`: the block hashes of the requests each engine is prefilling
+        (`EnginePool.prefilling`): blocks it is about to cache."""
+        ...
 
     def stale(self) -> set[WorkerId]:
         """Engines whose index entries are not trusted now."""
@@ -68,6 +84,33 @@ class Router(Protocol):
     def forget(self, worker_id: WorkerId) -> None:
         """The engine went down: whatever was known of its cache is void."""
         ...
+
+
+def with_prefilling(
+    overlaps: Mapping[WorkerId, int],
+    hashes: Sequence[PageHash],
+    prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]],
+) -> dict[WorkerId, int]:
+    """Each engine's overlap, counting the blocks of the prompts it is prefilling as held.
+
+    The engine's events bring those blocks only once its prefill is done;
+    a second request with the same new prefix meanwhile belongs beside the
+    first (vLLM even shares the blocks of concurrent requests), not on
+    another engine that would compute and cache it again.
+    """
+    out = dict(overlaps)
+    for worker_id, prompts in prefilling.items():
+        best = out.get(worker_id, 0)
+        for other in prompts:
+            n = 0
+            for mine, theirs in zip(hashes, other, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            best = max(best, n)
+        if best:
+            out[worker_id] = best
+    return out
 
 
 class IndexRouter:
@@ -80,10 +123,16 @@ class IndexRouter:
         self._policy: RoutingPolicy = make_policy(policy, config, self._rng)
 
     def route(
-        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
+        self,
+        request: RouteRequest,
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
     ) -> RouteDecision:
         self._rng.seed(key)
         overlaps = self.index.match(request.hashes).pages
+        if prefilling:
+            overlaps = with_prefilling(overlaps, request.hashes, prefilling)
         return self._policy.choose(request, overlaps, loads)
 
     def stale(self) -> set[WorkerId]:
@@ -91,6 +140,26 @@ class IndexRouter:
 
     def forget(self, worker_id: WorkerId) -> None:
         """Nothing to do: a restarted engine's events start a new incarnation."""
+
+
+class MeshRouter(IndexRouter):
+    """``kv_mesh``: `kv_aware` over the engines' own caches with every request allowed to pull
+    from the engine that holds more of its prefix (the engines' kvmesh stores do the pull)."""
+
+    def __init__(self, index: GlobalIndex, config: CoordinatorConfig) -> None:
+        super().__init__(index, "kv_aware", config)
+        self.name = MESH_POLICY
+
+    def route(
+        self,
+        request: RouteRequest,
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+    ) -> RouteDecision:
+        mesh_request = dataclasses.replace(request, allow_pull=True)
+        decision = super().route(mesh_request, loads, key, prefilling)
+        return dataclasses.replace(decision, policy=MESH_POLICY)
 
 
 class HistoryRouter:
@@ -114,8 +183,13 @@ class HistoryRouter:
         self._seq: dict[WorkerId, int] = {}
 
     def route(
-        self, request: RouteRequest, loads: Sequence[WorkerLoad], key: bytes
+        self,
+        request: RouteRequest,
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
     ) -> RouteDecision:
+        """`prefilling` adds nothing here: the history records a decision when it is made."""
         decision = self._inner.route(request, loads, key)
         self._record(decision.worker_id, request.hashes)
         return decision
@@ -144,7 +218,7 @@ class HistoryRouter:
         self._seq.pop(worker_id, None)
 
 
-POLICY_NAMES: tuple[str, ...] = (*sorted(REGISTRY), HISTORY_POLICY)
+POLICY_NAMES: tuple[str, ...] = (*sorted(REGISTRY), HISTORY_POLICY, MESH_POLICY)
 """Every name `--policy` accepts."""
 
 
@@ -154,6 +228,8 @@ def make_router(
     """The router for `policy`; `ConfigError` naming the known policies otherwise."""
     if policy == HISTORY_POLICY:
         return HistoryRouter(config, history_blocks)
+    if policy == MESH_POLICY:
+        return MeshRouter(index, config)
     if policy not in REGISTRY:
         raise ConfigError(f"unknown routing policy {policy!r}; choose one of {list(POLICY_NAMES)}")
     return IndexRouter(index, policy, config)
