@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -149,6 +150,7 @@ class Metric:
 
     def values_by(self, label: str, **labels: str) -> dict[str, float]:
         """This process's value per value of `label`, over the series that match `labels`."""
+        _settle_names()
         out: dict[str, float] = {}
         for sample in self._samples(self.definition.sample_name, labels):
             key = sample.labels[label]
@@ -164,6 +166,7 @@ class Metric:
                 self._local.remove(*(sample.labels[n] for n in names))
 
     def _sum(self, sample_name: str, labels: Mapping[str, str]) -> float:
+        _settle_names()
         return sum(s.value for s in self._samples(sample_name, labels))
 
     def _samples(self, sample_name: str, labels: Mapping[str, str]) -> Iterable[Any]:
@@ -313,23 +316,43 @@ class InstanceNames:
         self.label = label
         self._lock = threading.Lock()
         self._live: set[str] = set()
+        self._gone: deque[str] = deque()  # appended by finalizers: atomic, takes no lock
+        _INSTANCE_NAMES.append(self)
 
     def claim(self, owner: object, name: str) -> str:
+        self.settle()
         with self._lock:
             label, n = name, 1
             while label in self._live:
                 n += 1
                 label = f"{name}#{n}"
             self._live.add(label)
-        weakref.finalize(owner, self._release, label)
+        weakref.finalize(owner, self._gone.append, label)
         return label
 
-    def _release(self, label: str) -> None:
-        with self._lock:
-            self._live.discard(label)
-        for metric in list(ALL_METRICS.values()):
-            if self.label in metric.definition.labels:
-                metric.forget(**{self.label: label})
+    def settle(self) -> None:
+        """Free the names of holders gone since the last call and drop their series.
+
+        A holder's finalizer only queues its name: finalizers run wherever the
+        garbage collector does, possibly inside prometheus-client's lock of the
+        very metric they would clean (a test run deadlocked so). The cleaning
+        waits for ordinary code: `claim` and every read of a metric's value.
+        """
+        while self._gone:
+            label = self._gone.popleft()
+            with self._lock:
+                self._live.discard(label)
+            for metric in list(ALL_METRICS.values()):
+                if self.label in metric.definition.labels:
+                    metric.forget(**{self.label: label})
+
+
+_INSTANCE_NAMES: list[InstanceNames] = []
+
+
+def _settle_names() -> None:
+    for names in _INSTANCE_NAMES:
+        names.settle()
 
 
 COORDINATOR_NAMES = InstanceNames("coordinator")

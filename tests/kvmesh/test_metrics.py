@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import urllib.request
 
 import pytest
@@ -113,3 +114,29 @@ def test_a_child_is_kept_and_a_forgotten_series_counts_afresh() -> None:
     m.forget(coordinator="c1")
     m.labels("c1").inc()
     assert m.value(coordinator="c1") == 1
+
+
+def test_a_holder_collected_inside_a_metrics_lock_does_not_deadlock_and_its_series_go() -> None:
+    """A finalizer runs wherever the garbage collector does: here inside prometheus-client's
+    lock of the very metric whose series it frees (a full test run once hung exactly so)."""
+    names = InstanceNames("coordinator")
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    label = names.claim(holder, "kvmesh-coordinator-gc")
+    metrics.ROUTES.labels(label, "kv_aware", "w0").inc()
+
+    def collect_under_the_lock() -> None:
+        nonlocal holder
+        with metrics.ROUTES._local._lock:
+            del holder
+            gc.collect()
+
+    worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the holder's finalizer deadlocked on the metric's lock"
+    assert metrics.ROUTES.value(coordinator=label) == 0
+    assert names.claim(Holder(), "kvmesh-coordinator-gc") == "kvmesh-coordinator-gc"
