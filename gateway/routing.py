@@ -71,7 +71,7 @@ class Router(Protocol):
         request: RouteRequest,
         loads: Sequence[WorkerLoad],
         key: bytes,
-        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+        prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         """`prefilling`: the block hashes of the requests each engine is prefilling
         (`EnginePool.prefilling`): blocks it is about to cache."""
@@ -86,10 +86,14 @@ class Router(Protocol):
         ...
 
 
+Prefilling = Mapping[WorkerId, Sequence[Sequence[PageHash]]]
+"""Per engine, the block hashes of the prompts it is prefilling (`EnginePool.prefilling`)."""
+
+
 def with_prefilling(
     overlaps: Mapping[WorkerId, int],
     hashes: Sequence[PageHash],
-    prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]],
+    prefilling: Prefilling,
 ) -> dict[WorkerId, int]:
     """Each engine's overlap, counting the blocks of the prompts it is prefilling as held.
 
@@ -127,7 +131,7 @@ class IndexRouter:
         request: RouteRequest,
         loads: Sequence[WorkerLoad],
         key: bytes,
-        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+        prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         self._rng.seed(key)
         overlaps = self.index.match(request.hashes).pages
@@ -155,7 +159,7 @@ class MeshRouter(IndexRouter):
         request: RouteRequest,
         loads: Sequence[WorkerLoad],
         key: bytes,
-        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+        prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         mesh_request = dataclasses.replace(request, allow_pull=True)
         decision = super().route(mesh_request, loads, key, prefilling)
@@ -187,7 +191,7 @@ class HistoryRouter:
         request: RouteRequest,
         loads: Sequence[WorkerLoad],
         key: bytes,
-        prefilling: Mapping[WorkerId, Sequence[Sequence[PageHash]]] | None = None,
+        prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         """`prefilling` adds nothing here: the history records a decision when it is made."""
         decision = self._inner.route(request, loads, key)
