@@ -251,7 +251,6 @@ class KVAwarePolicy(CandidatePolicy):
         self.decode_weight = config.decode_weight
         self.queue_weight = config.queue_weight
         self.temperature = config.temperature
-        self.pull_cost = config.pull_cost
         self.max_load_ratio = config.max_load_ratio
         self.tier_costs = TierCosts.from_config(config)
         self.tenant_share_weight = config.tenant_share_weight
@@ -301,49 +300,25 @@ class KVAwarePolicy(CandidatePolicy):
         tiers: Mapping[WorkerId, TierPages] | None = None,
     ) -> list[float]:
         """Each candidate's cost; `peer_n`: the longest prefix a peer holds (pulls);
-        `tiers`: where each worker's held prefix lives (absent: on the device)."""
-        size = request.page_size
+        `tiers`: where each worker's held prefix lives (absent: on the device).
+
+        A worker whose tier count covers more than the overlap it may claim (stale, or a
+        match clamped) is charged its lower-tier pages in proportion.
+        """
         total = request.num_pages
-        w, dw, saved = self.overlap_weight, self.decode_weight, 1.0 - self.pull_cost
-        qw = self.queue_weight / size
-        if tiers:
-            return self._tiered_costs(request, cands, peer_n, tiers)
-        if peer_n <= 0:  # the common case, without pulls: one comprehension
+        w, dw, saved = self.overlap_weight, self.decode_weight, self.tier_costs.pull_saves
+        qw = self.queue_weight / request.page_size
+        if peer_n <= 0 and not tiers:  # the common case: one comprehension
             return [
                 w * (total - local + qw * load.active_prefill_tokens)
                 + dw * load.active_decode_pages
                 for load, local in zip(cands.loads, cands.overlaps, strict=True)
             ]
-        out: list[float] = []
-        for load, local in zip(cands.loads, cands.overlaps, strict=True):
-            prefill = float(total - local)
-            if peer_n > local:
-                prefill -= (peer_n - local) * saved
-            out.append(
-                w * (prefill + qw * load.active_prefill_tokens) + dw * load.active_decode_pages
-            )
-        return out
-
-    def _tiered_costs(
-        self,
-        request: RouteRequest,
-        cands: Candidates,
-        peer_n: int,
-        tiers: Mapping[WorkerId, TierPages],
-    ) -> list[float]:
-        """`costs` when some worker holds part of its prefix in a lower tier.
-
-        A worker whose count covers more than the overlap it may claim (stale, or a match
-        clamped) is charged its lower-tier pages in proportion.
-        """
-        total = request.num_pages
-        w, dw, saved = self.overlap_weight, self.decode_weight, self.tier_costs.pull_saves
-        qw = self.queue_weight / request.page_size
         prefix_cost = self.tier_costs.prefix_cost
         out: list[float] = []
         for load, local in zip(cands.loads, cands.overlaps, strict=True):
             prefill = float(total - local)
-            held = tiers.get(load.worker_id)
+            held = tiers.get(load.worker_id) if tiers else None
             if held is not None and local > 0 and held.total > 0:
                 prefill += prefix_cost(held) * min(1.0, local / held.total)
             if peer_n > local:
