@@ -621,7 +621,8 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
 
     import ray
 
-    from kvmesh.coordinator.router import create_layout, shard_actor_name
+    from kvmesh.coordinator.router import create_layout
+    from kvmesh.router_replicas import shard_actor_name
 
     workers = args.workers[0]
     wl = _Workload(workers, args.ray_pages, args.seed)

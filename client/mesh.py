@@ -67,6 +67,7 @@ from kvmesh.hashing import ExtraKeys, PageHasher, reusable_pages
 from kvmesh.logs import request_scope
 from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
 from kvmesh.requests import GenerateRequest, GenerationResult, RouteDecision, WorkerStats
+from kvmesh.router_replicas import router_handles
 from kvmesh.security import TenantPolicy, check_cluster
 from kvmesh.settings import settings_for, validate_cluster_config
 from kvmesh.types import PageHash, WorkerId
@@ -542,11 +543,10 @@ class KVMesh:
         except NoWorkers:
             if self.config.coordinator.router_replicas <= 1:
                 raise
-        # Router replica 0 is away: fail over to the others (kvmesh.coordinator.router), which
-        # decide what it would have decided.
-        from kvmesh.coordinator.router import router_handles
-
-        replicas = (await asyncio.to_thread(router_handles, self.config.coordinator))[1:]
+        # Router replica 0 is away: fail over to the others, which decide what it would have
+        # decided (kvmesh.coordinator.router); their names are the base's.
+        cfg = self.config.coordinator
+        replicas = await asyncio.to_thread(router_handles, cfg, range(1, cfg.router_replicas))
         for i, router in enumerate(replicas):
             try:
                 return await self._call(router.route.remote(*args, rid), None)

@@ -67,11 +67,12 @@ from kvmesh.coordinator.shards import (
     merge_views,
     shard_of,
 )
-from kvmesh.errors import InvalidInput, KVMeshError, NoWorkers, TransportError
+from kvmesh.errors import InvalidInput, KVMeshError, TransportError
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
 from kvmesh.requests import Role, RouteOutcome
+from kvmesh.router_replicas import router_actor_name, shard_actor_name
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -123,15 +124,6 @@ SHARD_CALL_TIMEOUT_S = 30.0
 REPLICA_CALL_TIMEOUT_S = 2.0
 """With replicas, how long a state change waits for one replica before skipping it."""
 _GONE = (ActorDiedError, ActorUnavailableError, RayActorError, TimeoutError)
-
-
-def shard_actor_name(config: CoordinatorConfig, replica: int, shard: int) -> str:
-    return f"{config.actor_name}-r{replica}-s{shard}"
-
-
-def router_actor_name(config: CoordinatorConfig, replica: int) -> str:
-    """Replica 0 takes the coordinator's own name, so workers and clients find it unchanged."""
-    return config.actor_name if replica == 0 else f"{config.actor_name}-router-{replica}"
 
 
 def _kvmesh_cause(exc: BaseException) -> KVMeshError | None:
@@ -631,14 +623,3 @@ def create_layout(config: CoordinatorConfig, security: TransferConfig | None = N
         )
         routers.insert(0, handle)
     return routers
-
-
-def router_handles(config: CoordinatorConfig) -> list[Any]:
-    """Handles of the running routers (replica 0 first); raises `NoWorkers` if none runs."""
-    out = []
-    for r in range(config.router_replicas):
-        with contextlib.suppress(ValueError):
-            out.append(ray.get_actor(router_actor_name(config, r), namespace=config.namespace))
-    if not out:
-        raise NoWorkers(f"no coordinator router runs in namespace {config.namespace!r}")
-    return out

@@ -23,7 +23,6 @@ SHARED = ("proto",)  # generated wire types every component may speak
 NEVER = {("client", "worker"), ("coordinator", "worker"), ("worker", "coordinator")}
 
 STILL_TO_MOVE: dict[tuple[str, str], str] = {
-    ("client", "coordinator"): "router_handles (the request path's failover to router replicas)",
     ("gateway", "coordinator"): "GlobalIndex, policies, canary, engine_subscriber",
     # KVMesh.connect, the documented convenience, is kvmesh.app.embedded.connect (which starts
     # Ray, the coordinator and the workers); the client itself is handed handles (KVMesh.attach)

@@ -23,17 +23,13 @@ ray = pytest.importorskip("ray")
 
 from kvmesh.config import CoordinatorConfig  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
-from kvmesh.coordinator.router import (  # noqa: E402
-    HedgeDelay,
-    create_layout,
-    router_handles,
-    shard_actor_name,
-)
+from kvmesh.coordinator.router import HedgeDelay, create_layout  # noqa: E402
 from kvmesh.coordinator.shards import shard_of  # noqa: E402
 from kvmesh.errors import InvalidInput, KVMeshError  # noqa: E402
 from kvmesh.events import encode_batch, make_batch  # noqa: E402
 from kvmesh.hashing import PageHasher  # noqa: E402
 from kvmesh.load import WorkerLoad  # noqa: E402
+from kvmesh.router_replicas import router_handles, shard_actor_name  # noqa: E402
 from kvmesh.types import PageHash, WorkerId  # noqa: E402
 from kvmesh.worker.page_pool import PagePool  # noqa: E402
 

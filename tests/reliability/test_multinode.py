@@ -26,7 +26,7 @@ from reliability_kit import held, random_prompt, wait_until
 
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
-from kvmesh.coordinator.router import router_handles, shard_actor_name
+from kvmesh.router_replicas import router_handles, shard_actor_name
 from kvmesh.types import WorkerId
 
 ray = pytest.importorskip("ray")
