@@ -47,11 +47,13 @@ from pathlib import Path
 import httpx
 
 from kvmesh.arguments import non_negative_int, positive_int
+from kvmesh.benchmarks import engine_decisions
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
+from kvmesh.gateway.decisions import DECISION_HEADER
 from kvmesh.gateway.tokenizer import PromptTokenizer
 from kvmesh.stats import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
@@ -104,6 +106,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--store-blocks", type=positive_int, default=2048, help="blocks each kvmesh store holds"
+    )
+    parser.add_argument(
+        "--decisions",
+        default=None,
+        metavar="DIR",
+        help="write each policy's routing decisions, request by request with the engine's "
+        "realized hit, to DIR/<policy>.jsonl and compare the policies on them",
     )
 
 
@@ -325,6 +334,17 @@ class Replay:
     errors: int = 0
     first_error: str = ""
     by_engine: dict[str, int] = field(default_factory=dict)
+    decision_of: dict[int, int] = field(default_factory=dict)
+    """Turn index -> the gateway's decision id (``x-kvmesh-decision``), this round."""
+    ttft_of: dict[int, float] = field(default_factory=dict)
+
+    def merge(self, other: Replay) -> None:
+        """Add `other`'s figures (a later round); the per-turn maps are per round: not kept."""
+        self.ttfts += other.ttfts
+        self.errors += other.errors
+        self.first_error = self.first_error or other.first_error
+        for engine, n in other.by_engine.items():
+            self.by_engine[engine] = self.by_engine.get(engine, 0) + n
 
     def fail(self, why: str) -> None:
         self.errors += 1
@@ -334,9 +354,20 @@ class Replay:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, prompt: tuple[int, ...], max_tokens: int, out: Replay
+    client: httpx.AsyncClient,
+    url: str,
+    turn: tuple[int, Turn],
+    max_tokens: int,
+    out: Replay,
 ) -> None:
-    body = {"prompt": list(prompt), "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    index, prompt = turn[0], turn[1].prompt
+    body = {
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},  # the gateway reads the realized hit
+    }
     t0 = time.perf_counter()
     ttft = None
     try:
@@ -345,6 +376,9 @@ async def one_request(
                 out.fail(f"{resp.status_code}: {(await resp.aread())[:300]!r}")
                 return
             engine = resp.headers.get("x-kvmesh-engine", "?")
+            decision = resp.headers.get(DECISION_HEADER)
+            if decision is not None and decision.isdigit():
+                out.decision_of[index] = int(decision)
             async for line in resp.aiter_lines():
                 if ttft is None and line.startswith("data:"):
                     ttft = time.perf_counter() - t0
@@ -358,6 +392,7 @@ async def one_request(
         out.fail("the stream ended without a chunk")
         return
     out.ttfts.append(ttft)
+    out.ttft_of[index] = ttft
     out.by_engine[engine] = out.by_engine.get(engine, 0) + 1
 
 
@@ -369,10 +404,10 @@ async def replay(
     Returns the wall time; TTFTs and errors go to `out`.
     """
     last: dict[int, asyncio.Event] = {}
-    todo: deque[tuple[Turn, asyncio.Event | None, asyncio.Event]] = deque()
-    for turn in turns:
+    todo: deque[tuple[tuple[int, Turn], asyncio.Event | None, asyncio.Event]] = deque()
+    for i, turn in enumerate(turns):
         done = asyncio.Event()
-        todo.append((turn, last.get(turn.conversation), done))
+        todo.append(((i, turn), last.get(turn.conversation), done))
         last[turn.conversation] = done
     timeout = httpx.Timeout(600.0, connect=5.0)
     limits = httpx.Limits(max_connections=concurrency * 2)
@@ -384,7 +419,7 @@ async def replay(
                 if previous is not None:
                     await previous.wait()
                 try:
-                    await one_request(client, url, turn.prompt, max_tokens, out)
+                    await one_request(client, url, turn, max_tokens, out)
                 finally:
                     done.set()
 
@@ -402,6 +437,9 @@ class Measured:
     hits: dict[str, float] = field(default_factory=dict)
     queries: dict[str, float] = field(default_factory=dict)
     external: dict[str, float] = field(default_factory=dict)
+    rounds: int = 0
+    decisions: list[dict[str, object]] = field(default_factory=list)
+    """Per request and round: the gateway's decision record with the turn's index and TTFT."""
 
 
 async def measure(
@@ -423,9 +461,13 @@ async def measure(
             if policy != HISTORY_POLICY and all(e.events_endpoint for e in engines):
                 await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
-            wall = await replay(url, turns, args.concurrency, args.max_tokens, into.replay)
+            this = Replay()
+            wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
+            into.replay.merge(this)
             after = [await cache_counters(client, e) for e in engines]
             view = (await client.get(url + "/metrics")).text
+            records = (await client.get(url + "/kvmesh/decisions")).json()["decisions"]
+            into.decisions += joined(records, this, turns, into.rounds)
             print(f"  {policy}: {routing_view(view)}", file=sys.stderr, flush=True)
         finally:
             proc.terminate()
@@ -435,10 +477,35 @@ async def measure(
                 proc.kill()
                 proc.wait(5)
     into.wall_s += wall
+    into.rounds += 1
     for e, a, b in zip(engines, after, before, strict=True):
         into.hits[e.name] = into.hits.get(e.name, 0.0) + a[0] - b[0]
         into.queries[e.name] = into.queries.get(e.name, 0.0) + a[1] - b[1]
         into.external[e.name] = into.external.get(e.name, 0.0) + a[2] - b[2]
+
+
+def joined(
+    records: list[dict[str, object]], replay_: Replay, turns: list[Turn], round_: int
+) -> list[dict[str, object]]:
+    """The gateway's decision records of one replay, each with its turn (index, conversation,
+    TTFT in ms, round); records of requests retried on another engine are left out."""
+    by_id = {int(str(r["id"])): r for r in records}
+    out: list[dict[str, object]] = []
+    for index, rid in sorted(replay_.decision_of.items()):
+        record = by_id.get(rid)
+        if record is None:
+            continue
+        ttft = replay_.ttft_of.get(index)
+        out.append(
+            {
+                **record,
+                "turn": index,
+                "conversation": turns[index].conversation,
+                "round": round_,
+                "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
+            }
+        )
+    return out
 
 
 def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -> PolicyResult:
@@ -508,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_tokens,
         kv_cache_memory_bytes=args.engine_blocks * block_bytes(engine_model(), args.block_tokens),
         max_model_len=args.max_model_len,
+        extra_args=("--enable-prompt-tokens-details",),  # each answer's cached tokens
     )
     max_blocks = (args.max_model_len - args.max_tokens) // args.block_tokens
     picked = trace_slice(load_trace(args.trace), args.requests, args.min_turns, max_blocks)
@@ -537,6 +605,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"round {round_ + 1}: {policy} ...", file=sys.stderr, flush=True)
                 asyncio.run(measure(policy, engines, turns, args, measured[policy]))
         results = [summarize(p, measured[p], bound) for p in policies]
+        keep_decisions(args, {p: m.decisions for p, m in measured.items()})
     finally:
         for e in engines:
             e.stop()
@@ -548,6 +617,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(results, args, slice_info)
     return 0
+
+
+def keep_decisions(args: argparse.Namespace, by_policy: dict[str, list[dict[str, object]]]) -> None:
+    """With ``--decisions DIR``: each policy's records to DIR/<policy>.jsonl, and why their
+    engine hits differ (`engine_decisions.report`) to stderr."""
+    if args.decisions is None:
+        return
+    folder = Path(args.decisions)
+    for policy, records in by_policy.items():
+        engine_decisions.write(folder / f"{policy}.jsonl", records)
+    print(engine_decisions.report(by_policy), file=sys.stderr, flush=True)
 
 
 async def warm_up(engines: list[VLLMEngine], args: argparse.Namespace) -> None:
@@ -604,6 +684,7 @@ def run_connector(
                 for store in stores:
                     store.restart()  # empty: each policy starts from cold stores
                 asyncio.run(measure(policy, engines, turns, args, measured[policy]))
+        keep_decisions(args, {f"{p}+mesh": m.decisions for p, m in measured.items()})
         return [summarize(p, measured[p], bound, connector=True) for p in CONNECTOR_POLICIES]
     finally:
         for e in engines:

@@ -46,6 +46,7 @@ from kvmesh.errors import (
     UnknownModel,
 )
 from kvmesh.gateway.config import MESH_POLICY, EngineTarget, GatewayConfig
+from kvmesh.gateway.decisions import DECISION_HEADER, DecisionLog, cached_tokens, usage_in_sse
 from kvmesh.gateway.engines import EnginePool, EngineState, Ticket
 from kvmesh.gateway.openai import (
     ChatStreamTranslator,
@@ -132,6 +133,7 @@ class Gateway:
             config.policy, self.index, config.coordinator, config.history_blocks
         )
         self.pool = EnginePool(config.engines, config.health_failures)
+        self.decisions = DecisionLog(config.decision_log)
         self.models: list[str] = [config.served_model] if config.served_model else []
         self.verify = verify
         self._client: httpx.AsyncClient | None = None
@@ -246,8 +248,9 @@ class Gateway:
         prepared: PreparedRequest,
         exclude: set[WorkerId],
         hashes: Sequence[PageHash] | None = None,
-    ) -> tuple[EngineState, RouteDecision]:
-        """The engine for `prepared` among those up and not in `exclude`; `NoWorkers` if none.
+    ) -> tuple[EngineState, RouteDecision, int]:
+        """The engine for `prepared` among those up and not in `exclude`, the decision and its
+        record's id in `decisions`; `NoWorkers` if none.
 
         `hashes`: `prompt_hashes(prepared)`, when the caller has them already."""
         loads = self.pool.loads(self.router.stale(), exclude)
@@ -258,15 +261,27 @@ class Gateway:
             hashes = self.prompt_hashes(prepared)
         request = RouteRequest(hashes, len(prepared.token_ids), page_size=self.hasher.block_size)
         key = tie_break_key(hashes, prepared.token_ids)
-        decision = self.router.route(request, loads, key, self.pool.prefilling(exclude))
+        overlaps = self.router.overlaps(request, self.pool.prefilling(exclude))
+        decision = self.router.choose(request, overlaps, loads, key)
         engine = self.pool[decision.worker_id]
         name = engine.spec.name
+        rid = self.decisions.record(
+            policy=self.router.name,
+            engine=name,
+            prompt_blocks=len(hashes),
+            predicted_blocks=decision.local_pages,
+            pull_blocks=decision.peer_pages if decision.policy == MESH_POLICY else 0,
+            overlaps=overlaps,
+            loads=loads,
+            prefix=hashes[0] if hashes else b"",
+            attempt=len(exclude),
+        )
         GATEWAY_ROUTED.labels(name, self.router.name).inc()
         GATEWAY_PROMPT_BLOCKS.labels(name).inc(len(hashes))
         GATEWAY_MATCHED_BLOCKS.labels(name).inc(decision.local_pages)
         if decision.policy == MESH_POLICY:
             GATEWAY_PULL_BLOCKS.labels(name).inc(decision.peer_pages)
-        return engine, decision
+        return engine, decision, rid
 
     def prediction_headers(self, engine: EngineState, decision: RouteDecision) -> dict[str, str]:
         """What the router predicted for a request, told to its caller: the engine, the
@@ -297,7 +312,7 @@ class Gateway:
         tried: set[WorkerId] = set()
         hashes = self.prompt_hashes(prepared)
         while True:
-            engine, decision = self.route(prepared, tried, hashes)
+            engine, decision, rid = self.route(prepared, tried, hashes)
             reused = decision.local_pages
             if decision.policy == MESH_POLICY:
                 reused += decision.peer_pages  # pulled, not computed
@@ -308,10 +323,11 @@ class Gateway:
                 prefill += round(pull * self.config.coordinator.pull_cost)
             ticket = self.pool.begin(engine, prefill, hashes)
             headers = self.prediction_headers(engine, decision)
+            headers[DECISION_HEADER] = str(rid)
             try:
                 if prepared.stream:
-                    return await self._stream(engine, body, ticket, prepared.chat, headers)
-                return await self._answer(engine, body, ticket, prepared.chat, headers)
+                    return await self._stream(engine, body, ticket, prepared.chat, headers, rid)
+                return await self._answer(engine, body, ticket, prepared.chat, headers, rid)
             except _UNREACHABLE as exc:
                 ticket.close()
                 reason = type(exc).__name__
@@ -345,13 +361,18 @@ class Gateway:
         ticket: Ticket,
         chat: bool,
         headers: dict[str, str],
+        rid: int,
     ) -> Response:
         t0 = time.perf_counter()
         resp = await self.client.post(engine.spec.base_url + "/v1/completions", json=body)
         GATEWAY_FIRST_BYTE.labels(engine.spec.name).observe(time.perf_counter() - t0)
         ticket.close()
         if resp.status_code == 200:
-            self._record_reuse(engine, resp)
+            try:
+                cached = cached_tokens(resp.json().get("usage"))
+            except (ValueError, AttributeError):
+                cached = None
+            self.realize(engine, rid, cached)
         if resp.status_code != 200 or not chat:
             return Response(
                 resp.content,
@@ -365,15 +386,14 @@ class Gateway:
             raise TransportError(f"engine {engine.spec.name} answered with no JSON") from None
         return JSONResponse(chat_from_completion(answer), headers=headers)
 
-    def _record_reuse(self, engine: EngineState, resp: httpx.Response) -> None:
-        """The realized side of the prediction: prompt blocks the engine did not compute, when
-        it reports them (vLLM's ``--enable-prompt-tokens-details``)."""
-        try:
-            details = resp.json().get("usage", {}).get("prompt_tokens_details") or {}
-            cached = int(details.get("cached_tokens") or 0)
-        except (ValueError, AttributeError, TypeError):
+    def realize(self, engine: EngineState, rid: int, cached: int | None) -> None:
+        """The realized side of decision `rid`: the prompt tokens the engine did not compute,
+        when it reports them (vLLM's ``--enable-prompt-tokens-details``; None: it did not)."""
+        if cached is None:
             return
-        GATEWAY_REUSED_BLOCKS.labels(engine.spec.name).inc(cached // self.hasher.block_size)
+        blocks = cached // self.hasher.block_size
+        GATEWAY_REUSED_BLOCKS.labels(engine.spec.name).inc(blocks)
+        self.decisions.realize(rid, blocks)
 
     async def _stream(
         self,
@@ -382,6 +402,7 @@ class Gateway:
         ticket: Ticket,
         chat: bool,
         headers: dict[str, str],
+        rid: int,
     ) -> Response:
         t0 = time.perf_counter()
         request = self.client.build_request(
@@ -401,7 +422,23 @@ class Gateway:
                 media_type=resp.headers.get("content-type", "application/json"),
             )
         relay = _relay(resp, ticket, chat, engine.spec.name, t0)
+        if not chat:
+            relay = self._watch_usage(relay, engine, rid)
         return _UpstreamStream(relay, resp, ticket, headers)
+
+    async def _watch_usage(
+        self, relay: AsyncIterator[bytes], engine: EngineState, rid: int
+    ) -> AsyncIterator[bytes]:
+        """`relay` unchanged; at its end, the usage chunk's cached tokens realize `rid`."""
+        tail = b""
+        async for chunk in relay:
+            tail = (tail + chunk)[-_USAGE_TAIL:]
+            yield chunk
+        self.realize(engine, rid, usage_in_sse(tail))
+
+
+_USAGE_TAIL = 4096
+"""Bytes of a stream's end kept to read its usage chunk (a few hundred bytes long)."""
 
 
 class _UpstreamStream(StreamingResponse):
@@ -566,6 +603,12 @@ def create_app(gateway: Gateway) -> FastAPI:
             {"status": "ok" if up else "no engine up", "engines": engines},
             status_code=200 if up else 503,
         )
+
+    @app.get("/kvmesh/decisions")
+    async def decisions(since: int = 0) -> Response:
+        """The kept routing decisions with id >= `since`, each with its outcome if known."""
+        records = gateway.decisions.records(since)
+        return JSONResponse({"decisions": [r.as_dict() for r in records]})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -93,6 +93,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="approx_prefix: blocks it assumes each engine keeps (0: unbounded)",
     )
+    r.add_argument(
+        "--decision-log",
+        type=non_negative_int,
+        default=4096,
+        help="routing decisions kept, with their outcome, for GET /kvmesh/decisions "
+        "(default 4096; 0: none)",
+    )
     r.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     r.add_argument("--port", type=tcp_port, default=8000, help="port (default 8000)")
     r.add_argument(
@@ -148,6 +155,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         health_interval_s=args.health_interval,
         history_blocks=args.history_blocks,
         served_model=args.served_model_name,
+        decision_log=args.decision_log,
     )
 
 

@@ -73,6 +73,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     history_blocks: int = 0
     served_model: str | None = None  # default: the model the first engine serves
+    decision_log: int = 4096  # routing decisions kept for GET /kvmesh/decisions (0: none)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -91,3 +92,5 @@ class GatewayConfig:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.history_blocks < 0:
             raise ConfigError(f"history_blocks must be >= 0, got {self.history_blocks}")
+        if self.decision_log < 0:
+            raise ConfigError(f"decision_log must be >= 0 records, got {self.decision_log}")

@@ -74,7 +74,24 @@ class Router(Protocol):
         prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         """`prefilling`: the block hashes of the requests each engine is prefilling
-        (`EnginePool.prefilling`): blocks it is about to cache."""
+        (`EnginePool.prefilling`): blocks it is about to cache. The same as
+        ``choose(request, overlaps(request, prefilling), loads, key)``."""
+        ...
+
+    def overlaps(
+        self, request: RouteRequest, prefilling: Prefilling | None = None
+    ) -> dict[WorkerId, int]:
+        """The leading blocks of the request the router counts as held, per engine."""
+        ...
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+    ) -> RouteDecision:
+        """The decision for `overlaps` as `overlaps` returned them (the gateway records them)."""
         ...
 
     def stale(self) -> set[WorkerId]:
@@ -133,10 +150,24 @@ class IndexRouter:
         key: bytes,
         prefilling: Prefilling | None = None,
     ) -> RouteDecision:
-        self._rng.seed(key)
+        return self.choose(request, self.overlaps(request, prefilling), loads, key)
+
+    def overlaps(
+        self, request: RouteRequest, prefilling: Prefilling | None = None
+    ) -> dict[WorkerId, int]:
         overlaps = self.index.match(request.hashes).pages
         if prefilling:
-            overlaps = with_prefilling(overlaps, request.hashes, prefilling)
+            return with_prefilling(overlaps, request.hashes, prefilling)
+        return dict(overlaps)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+    ) -> RouteDecision:
+        self._rng.seed(key)
         return self._policy.choose(request, overlaps, loads)
 
     def stale(self) -> set[WorkerId]:
@@ -154,15 +185,15 @@ class MeshRouter(IndexRouter):
         super().__init__(index, "kv_aware", config)
         self.name = MESH_POLICY
 
-    def route(
+    def choose(
         self,
         request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
         loads: Sequence[WorkerLoad],
         key: bytes,
-        prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         mesh_request = dataclasses.replace(request, allow_pull=True)
-        decision = super().route(mesh_request, loads, key, prefilling)
+        decision = super().choose(mesh_request, overlaps, loads, key)
         return dataclasses.replace(decision, policy=MESH_POLICY)
 
 
@@ -194,7 +225,21 @@ class HistoryRouter:
         prefilling: Prefilling | None = None,
     ) -> RouteDecision:
         """`prefilling` adds nothing here: the history records a decision when it is made."""
-        decision = self._inner.route(request, loads, key)
+        return self.choose(request, self.overlaps(request), loads, key)
+
+    def overlaps(
+        self, request: RouteRequest, prefilling: Prefilling | None = None
+    ) -> dict[WorkerId, int]:
+        return self._inner.overlaps(request)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+        key: bytes,
+    ) -> RouteDecision:
+        decision = self._inner.choose(request, overlaps, loads, key)
         self._record(decision.worker_id, request.hashes)
         return decision
 

@@ -68,13 +68,16 @@ class FakeEngine:
     """A vLLM-shaped engine that answers from the prompt it got and records every request.
 
     `sick`: /health answers 503. `hang_s`: completions wait this long first.
-    `chunks`: SSE chunks per streamed answer.
+    `chunks`: SSE chunks per streamed answer. `cached`: prompt tokens it reports cached in
+    ``usage.prompt_tokens_details`` (as vLLM with ``--enable-prompt-tokens-details``; streams
+    end with a usage chunk when asked ``stream_options.include_usage``); None: no details.
     """
 
     name: str
     sick: bool = False
     hang_s: float = 0.0
     chunks: int = 3
+    cached: int | None = None
     seen: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
 
@@ -107,6 +110,9 @@ class FakeEngine:
                     status_code=400,
                 )
             text = f"{self.name}:{len(prompt)}"
+            usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": 1}
+            if self.cached is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
             if not body.get("stream"):
                 return JSONResponse(
                     {
@@ -115,7 +121,7 @@ class FakeEngine:
                         "created": 1,
                         "model": body["model"],
                         "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1},
+                        "usage": usage,
                     }
                 )
 
@@ -137,6 +143,9 @@ class FakeEngine:
                     }
                     yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                     await asyncio.sleep(0.01)
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    final = {"id": "cmpl-1", "choices": [], "usage": usage}
+                    yield b"data: " + json.dumps(final).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
