@@ -42,7 +42,7 @@ def fresh_cluster() -> Iterator[Callable[..., Any]]:
     """
     import ray
 
-    from kvmesh.client import KVMesh
+    from kvmesh.app import connect
 
     started: list[Any] = []
 
@@ -50,14 +50,14 @@ def fresh_cluster() -> Iterator[Callable[..., Any]]:
         if not started and ray.is_initialized():
             ray.shutdown()
         try:
-            mesh = KVMesh.connect(**kwargs)
+            mesh = connect(**kwargs)
         except Exception as exc:
             # Ray's own start-up (GCS + raylet within 30 s) has timed out on a loaded
             # 2-core machine right after another module's cluster went down: once more.
             if started or "timed out during startup" not in str(exc):
                 raise
             ray.shutdown()
-            mesh = KVMesh.connect(**kwargs)
+            mesh = connect(**kwargs)
         started.append(mesh)
         return mesh
 

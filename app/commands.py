@@ -130,7 +130,7 @@ CLUSTER_FLAGS: dict[str, str] = {
 
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The `ClusterConfig` of the config file, the ``KVMESH_*`` environment and, over
-    them, the cluster flags: the same `load_cluster_config` as `KVMesh.connect()`.
+    them, the cluster flags: the same `load_cluster_config` as `kvmesh.app.connect()`.
 
     A flag left unset keeps the file's or the variable's value in force; a bad
     value names its flag, variable or file key. Nothing is started.

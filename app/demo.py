@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     policies = _check(args)
     from kvmesh.app.commands import _console, transfer_summary
-    from kvmesh.client import KVMesh
+    from kvmesh.app.embedded import connect
     from kvmesh.settings import load_cluster_config
     from kvmesh.trace import load_trace
 
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     reports: list[PolicyReport] = []
-    with KVMesh.connect(args.address, num_workers=args.workers, config=cfg, pull=args.pull) as mesh:
+    with connect(args.address, num_workers=args.workers, config=cfg, pull=args.pull) as mesh:
         num_workers = len(mesh.workers())
         where = "embedded cluster" if args.address is None else f"cluster at {args.address}"
         console.print(

@@ -3,7 +3,9 @@
 This is the app's job, not the client's: the client (`kvmesh.client.KVMesh`)
 only talks to a cluster it is handed (`KVMesh.attach` joins one that runs and
 creates nothing). `connect` here creates what is missing and hands the
-client the handles; `KVMesh.connect`, the convenience users call, is this.
+client the handles; users call it as `kvmesh.app.connect` (the package
+imports it on first use). The client imports nothing of the app, so its old
+spelling `KVMesh.connect` only raises `MovedAPI` pointing here.
 
 Where the cluster is: `address` when given, else ``RAY_ADDRESS`` when set (as
 Ray itself reads it), else a new embedded Ray on this machine. A join checks

@@ -1,7 +1,7 @@
 """Starting worker actors for an embedded cluster: the one place that builds `WorkerActor`s.
 
 The client only talks to workers (it is handed their handles); creating them
-needs the worker's code, so it lives here, beside the CLI, and `KVMesh.connect`
+needs the worker's code, so it lives here, beside the CLI, and `kvmesh.app.connect`
 reaches it through `kvmesh.app.launch.start_workers` only when it must start
 workers itself. Nothing under ``kvmesh/client/`` imports ``kvmesh.worker``.
 """

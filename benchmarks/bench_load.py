@@ -370,7 +370,7 @@ def measure(spec: Spec) -> LoadFigures:
     """Start the embedded cluster, run the phases, stop the cluster."""
     import dataclasses
 
-    from kvmesh.client import KVMesh
+    from kvmesh.app import connect
     from kvmesh.config import ClusterConfig, CoordinatorConfig, HashConfig, PoolConfig
 
     _check(spec)
@@ -383,7 +383,7 @@ def measure(spec: Spec) -> LoadFigures:
         pool=PoolConfig(num_pages=spec.num_pages),
         coordinator=CoordinatorConfig(namespace=ns, actor_name="kvmesh-coordinator"),
     )
-    mesh = KVMesh.connect(
+    mesh = connect(
         num_workers=spec.workers,
         config=cfg,
         worker_max_concurrency=max(8, spec.clients + 2),

@@ -2,7 +2,9 @@
 
 ::
 
-    with KVMesh.connect() as mesh:                  # embedded local cluster, 4 workers
+    from kvmesh.app import connect
+
+    with connect() as mesh:                         # embedded local cluster, 4 workers
         r = mesh.generate("Hello", max_tokens=8)    # route, then serve on the chosen worker
         r.tokens, r.timings.ttft_ms, r.pages_hit_local
 
@@ -17,9 +19,8 @@ predicted vs realized is counted.
 
 The client holds only handles: `KVMesh.attach` joins a running cluster and
 creates nothing; starting one (an embedded Ray, the coordinator, workers) is
-the app's (`kvmesh.app.embedded.connect`, which `KVMesh.connect` is), so
-nothing here imports the worker's or the coordinator's start code
-(tests/test_layering.py).
+the app's (`kvmesh.app.connect`, which returns a `KVMesh`), so nothing here
+imports the app, the worker or the coordinator (tests/test_layering.py).
 
 Failures: a worker that dies before answering is dropped from the
 coordinator and the request is routed again, up to `retries` times (default
@@ -50,7 +51,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
@@ -60,6 +61,7 @@ from kvmesh.errors import (
     DeadlineExceeded,
     InvalidInput,
     KVMeshError,
+    MovedAPI,
     NoWorkers,
     WorkerDied,
 )
@@ -157,7 +159,8 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 class KVMesh:
-    """A connection to a kvmesh cluster; build it with `KVMesh.connect`."""
+    """A connection to a kvmesh cluster: `kvmesh.app.connect` builds one (starting what is
+    missing), `KVMesh.attach` joins a running one."""
 
     def __init__(
         self,
@@ -198,21 +201,17 @@ class KVMesh:
     # ---------------------------------------------------------------- connect
 
     @classmethod
-    def connect(cls, address: str | None = None, **options: Any) -> KVMesh:
-        """Join the Ray cluster at `address` (or ``RAY_ADDRESS``), or start an embedded
-        local one (neither given), creating the coordinator and workers it lacks.
-
-        Starting a cluster is the app's job: this is `kvmesh.app.embedded.connect`
-        (its options: `num_workers`, `config`, `config_file`, `prefill_workers`,
-        `decode_workers`, `worker_num_cpus`, `worker_num_gpus`, `num_cpus`,
-        `retries`, `pull`, `request_timeout_s`, `worker_max_concurrency`, `tenants`).
-        Settings are read as the CLI reads them: a config file (`config_file` or
-        ``KVMESH_CONFIG``), then the ``KVMESH_*`` environment. To use a running
-        cluster and never create anything, `KVMesh.attach`.
+    def connect(cls, address: str | None = None, **options: Any) -> NoReturn:
+        """Moved: `kvmesh.app.connect(address, **options)` starts what is missing and returns
+        the `KVMesh`; `KVMesh.attach` joins a running cluster. Starting a cluster is the
+        app's job, and the client imports nothing of the app, so this only says where to go.
         """
-        from kvmesh.app.embedded import connect
-
-        return connect(address, **options)
+        raise MovedAPI(
+            "KVMesh.connect moved to the app: `from kvmesh.app import connect`, then "
+            "`connect(address, **options)` (same arguments; it starts Ray, the coordinator "
+            "and the workers when missing), or `KVMesh.attach(address)` to join a running "
+            "cluster without creating anything"
+        )
 
     @classmethod
     def attach(
@@ -233,7 +232,7 @@ class KVMesh:
         Refuses with `ClusterUnreachable` within seconds when no Ray answers there
         (`kvmesh.ray_address.reachable`) or when Ray runs but no kvmesh coordinator
         does in the config's namespace; `source` names the address in errors
-        (``--address``). Settings as `connect` reads them.
+        (``--address``). Settings as `kvmesh.app.connect` reads them.
         """
         import ray
 

@@ -388,7 +388,7 @@ class SecurityConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """What `KVMesh.connect()` starts: the whole embedded cluster."""
+    """What `kvmesh.app.connect()` starts: the whole embedded cluster."""
 
     num_workers: int = 4  # worker actors an embedded cluster starts
     prefill_workers: int = 0  # disaggregation: prefill workers (with decode_workers)

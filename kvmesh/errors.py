@@ -214,3 +214,10 @@ class ClusterAlreadyRunning(KVMeshError):
     """`kvmesh start` found a kvmesh cluster already running in its namespace."""
 
     grpc_code = "ALREADY_EXISTS"
+
+
+class MovedAPI(KVMeshError):
+    """A call kvmesh offers elsewhere now; the message names the one to use instead (a
+    clear break, not a silent one, where keeping the old spelling would tie layers)."""
+
+    grpc_code = "UNIMPLEMENTED"

@@ -1,6 +1,6 @@
 """The cluster's settings, read one way by every entry point.
 
-The CLI (`kvmesh.app.commands`), the Python API (`KVMesh.connect`) and the demo
+The CLI (`kvmesh.app.commands`), the Python API (`kvmesh.app.connect`) and the demo
 build their `ClusterConfig` with `load_cluster_config`, in layers, a later one
 winning: the defaults, then a config file (``--config`` / ``KVMESH_CONFIG``,
 TOML or YAML, `file_layer`), then the ``KVMESH_*`` environment, then their
@@ -255,7 +255,7 @@ def load_cluster_config(
     "--policy"}``). `env` defaults to this process's environment. Raises one
     `InvalidSetting` (a `ConfigError`) naming the first bad setting; nothing is
     started. The security profile itself (`kvmesh.security.check_cluster`) is
-    checked where a cluster starts (`KVMesh.connect`), since it reads Ray's
+    checked where a cluster starts (`kvmesh.app.connect`), since it reads Ray's
     variables too.
     """
     environment = os.environ if env is None else env

@@ -24,9 +24,6 @@ NEVER = {("client", "worker"), ("coordinator", "worker"), ("worker", "coordinato
 
 STILL_TO_MOVE: dict[tuple[str, str], str] = {
     ("gateway", "coordinator"): "GlobalIndex, policies, canary, engine_subscriber",
-    # KVMesh.connect, the documented convenience, is kvmesh.app.embedded.connect (which starts
-    # Ray, the coordinator and the workers); the client itself is handed handles (KVMesh.attach)
-    ("client", "app"): "embedded.connect (KVMesh.connect's embedded cluster)",
 }
 
 

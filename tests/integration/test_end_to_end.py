@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from kvmesh.app import connect
 from kvmesh.client import KVMesh
 from kvmesh.config import (
     ClusterConfig,
@@ -139,7 +140,7 @@ def test_a_router_hashing_disagreement_shows_up_as_mismatches(mesh: KVMesh) -> N
     # A second client in this process joins the running cluster with another hash
     # seed: its routes can never match what the workers (original seed) hold.
     wrong = dataclasses.replace(CONFIG, hash=HashConfig(seed="not-the-cluster-seed"))
-    other = KVMesh.connect(config=wrong)
+    other = connect(config=wrong)
     try:
         hits = 0
         for _ in range(4):  # 3 workers: some request lands where the prompt is cached
@@ -198,7 +199,7 @@ def test_disaggregated_mode_reuses_the_decode_workers_pages(disaggregated: KVMes
 def test_more_workers_than_the_cluster_has_cpus_for_is_a_clear_error(mesh: KVMesh) -> None:
     cfg = dataclasses.replace(CONFIG, coordinator=CoordinatorConfig(namespace="kvmesh-too-big"))
     with pytest.raises(ConfigError, match="need 40 CPUs but the Ray cluster has 6"):
-        KVMesh.connect(config=cfg, num_workers=40, worker_num_cpus=1)
+        connect(config=cfg, num_workers=40, worker_num_cpus=1)
 
 
 # -- torch.distributed transport -----------------------------------------------------------------
@@ -210,7 +211,7 @@ def dist_cluster(namespace: str, **workers: int) -> KVMesh:
         coordinator=CoordinatorConfig(namespace=namespace),
         transfer=TransferConfig(transport="dist"),
     )
-    return KVMesh.connect(config=cfg, **workers)
+    return connect(config=cfg, **workers)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +294,7 @@ def test_a_worker_killed_during_a_request_is_retried_on_another_with_the_right_a
 
 
 def test_without_retries_a_killed_worker_gives_a_clear_error(mesh: KVMesh) -> None:
-    strict = KVMesh.connect(config=CONFIG, retries=0)
+    strict = connect(config=CONFIG, retries=0)
     try:
         with pytest.raises(WorkerDied, match="died"):
             _generate_while_killing(strict, mesh, fresh_prompt(2), 600)

@@ -326,8 +326,8 @@ def test_ray_address_is_honoured_by_the_cli_and_the_python_api(address: str) -> 
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(json.loads(res.stdout)["workers"]) == 2
     code = (
-        "from kvmesh.client import KVMesh\n"
-        "with KVMesh.connect() as mesh:\n"
+        "from kvmesh.app import connect\n"
+        "with connect() as mesh:\n"
         "    print(sorted(w['worker_id'] for w in mesh.workers()), mesh.ray_address)\n"
     )
     res = subprocess.run(
@@ -457,11 +457,11 @@ def test_an_address_where_nothing_listens_fails_in_one_line(tmp_path: Path) -> N
 def test_the_python_api_honours_ray_address_and_fails_fast_when_nothing_answers() -> None:
     where = f"127.0.0.1:{_closed_port()}"
     code = (
-        "from kvmesh.client import KVMesh\n"
+        "from kvmesh.app import connect\n"
         "from kvmesh.errors import ClusterUnreachable\n"
         "import ray\n"
         "try:\n"
-        "    KVMesh.connect(num_workers=1)\n"
+        "    connect(num_workers=1)\n"
         "except ClusterUnreachable as exc:\n"
         "    print('refused:', exc, ray.is_initialized())\n"
     )

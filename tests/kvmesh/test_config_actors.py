@@ -1,6 +1,6 @@
 """The config file and the environment reach the Ray actors, and the model's settings act.
 
-`KVMesh.connect()` reads ``KVMESH_CONFIG`` and ``KVMESH_*`` where it runs; the
+`kvmesh.app.connect()` reads ``KVMESH_CONFIG`` and ``KVMESH_*`` where it runs; the
 actors never read their own node's environment, they are handed the config
 (tests/security/test_settings.py pins the same for the security settings).
 Here: a file sets the model seed, the policy and the pool, a variable wins

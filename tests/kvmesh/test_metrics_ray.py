@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvmesh.app import connect
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, PoolConfig
 from kvmesh.metrics import RAY_PREFIX
@@ -47,7 +48,7 @@ def cluster() -> Iterator[tuple[KVMesh, int]]:
         _metrics_export_port=port,
         _system_config={"metrics_report_interval_ms": 500},
     )
-    mesh = KVMesh.connect(num_workers=2, config=CONFIG)
+    mesh = connect(num_workers=2, config=CONFIG)
     try:
         yield mesh, port
     finally:

@@ -131,7 +131,7 @@ def start_worker(
 ) -> Any:
     """Start one more worker actor in `config`'s cluster namespace; returns its handle.
 
-    It registers with the coordinator before this returns, as `KVMesh.connect`'s
+    It registers with the coordinator before this returns, as `kvmesh.app.connect`'s
     workers do, and a client finds it by name at its next route to it.
     """
     import ray

@@ -154,12 +154,12 @@ def test_a_request_past_its_own_deadline_is_stopped_even_if_nobody_cancels_it(
 ORPHAN = textwrap.dedent(
     """
     import json, sys
-    from kvmesh.client import KVMesh
+    from kvmesh.app import connect
     from kvmesh.config import ClusterConfig, CoordinatorConfig
 
     address, namespace, request = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     config = ClusterConfig(coordinator=CoordinatorConfig(namespace=namespace))
-    mesh = KVMesh.connect(address, config=config)  # joins: the cluster's workers serve it
+    mesh = connect(address, config=config)  # joins: the cluster's workers serve it
     print("connected", flush=True)
     mesh.generate(request["prompt"], request["max_tokens"])  # killed while this computes
     """

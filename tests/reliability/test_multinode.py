@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from reliability_kit import held, random_prompt, wait_until
 
+from kvmesh.app import connect
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, CoordinatorConfig, PoolConfig
 from kvmesh.router_replicas import router_handles, shard_actor_name
@@ -106,7 +107,7 @@ def layout() -> Iterator[Layout]:
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     try:
         by_label = {n["Labels"].get(GROUP_LABEL): n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        mesh = KVMesh.connect(config=CONFIG, num_workers=0)
+        mesh = connect(config=CONFIG, num_workers=0)
         workers = {
             "worker-a": start_worker("worker-a", "a"),
             "worker-b": start_worker("worker-b", "b"),

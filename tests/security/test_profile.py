@@ -375,14 +375,14 @@ def test_an_accepted_production_config_refuses_plaintext(
 # Ray reads RAY_AUTH_MODE once per process, so the production cluster runs in its own.
 PRODUCTION_DRIVER = """
 import json, sys
-from kvmesh.client import KVMesh
+from kvmesh.app import connect
 from kvmesh.config import TransferConfig
 from kvmesh.errors import TransportError
 from kvmesh.worker.transfer_client import SyncPeerClient
 
 tls = TransferConfig(**json.loads(sys.argv[1]))
 plaintext = TransferConfig(auth_token=tls.auth_token, deadline_s=3.0, retries=0)
-with KVMesh.connect(worker_num_cpus=0.5) as mesh:  # no config: the environment's settings
+with connect(worker_num_cpus=0.5) as mesh:  # no config: the environment's settings
     tokens = list(range(40))
     out = {"profile": mesh.config.security.profile}
     out["answer"] = len(mesh.generate(tokens, max_tokens=1).tokens)
@@ -402,7 +402,7 @@ print(json.dumps(out))
 def test_the_python_api_starts_a_production_cluster_from_the_environment(
     pki: dict[str, str],
 ) -> None:
-    """`KVMesh.connect()` with no config and every production piece in ``KVMESH_*``: its
+    """`kvmesh.app.connect()` with no config and every production piece in ``KVMESH_*``: its
     workers serve mutual TLS with the token and refuse plaintext (was: a dev cluster)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMESH_", "RAY_ADDRESS"))}
     env.update(

@@ -1,6 +1,6 @@
 """One set of settings for every entry point: the CLI, the Python API and the actors.
 
-`KVMesh.connect()` reads ``KVMESH_*`` exactly as the `kvmesh` command does
+`kvmesh.app.connect()` reads ``KVMESH_*`` exactly as the `kvmesh` command does
 (`kvmesh.settings.load_cluster_config`): the production profile refuses from
 Python with the CLI's error, before Ray starts; a bad value is one error
 naming its variable (from the CLI: one line, exit 2); the seed, token and
@@ -22,6 +22,7 @@ import pytest
 import ray
 import torch
 
+from kvmesh.app import connect
 from kvmesh.app.cli import main
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, TransferConfig
@@ -68,7 +69,7 @@ def test_connect_under_the_production_profile_refuses_as_the_cli_does(
     clean_env.setenv("KVMESH_AUTH_TOKEN", "short")
     clean_env.setenv("KVMESH_SEED", SEED)
     with pytest.raises(ConfigError, match="production profile refuses") as refused:
-        KVMesh.connect(num_workers=1)
+        connect(num_workers=1)
     assert not ray.is_initialized()
     message = str(refused.value)
     for missing in ("RAY_AUTH_MODE", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_AUTH_TOKEN"):
@@ -85,7 +86,7 @@ def test_a_config_built_in_code_cannot_lower_the_production_profile(
 ) -> None:
     clean_env.setenv("KVMESH_PROFILE", "production")
     with pytest.raises(ConfigError, match="KVMESH_PROFILE=production is set"):
-        KVMesh.connect(num_workers=1, config=ClusterConfig())
+        connect(num_workers=1, config=ClusterConfig())
     assert not ray.is_initialized()
 
 
@@ -112,7 +113,7 @@ def test_a_bad_setting_is_one_error_naming_it_before_ray_starts(
 ) -> None:
     clean_env.setenv(variable, value)
     with pytest.raises(InvalidSetting) as bad:
-        KVMesh.connect(num_workers=1)
+        connect(num_workers=1)
     assert not ray.is_initialized()
     message = str(bad.value)
     assert message.startswith(f"{variable}={value!r}: ")
@@ -158,7 +159,7 @@ def test_a_device_the_workers_node_lacks_is_one_error_not_a_ray_traceback(
     # error reaches the caller (and the CLI, which prints it) as one kvmesh error line.
     clean_env.setenv("KVMESH_DEVICE", "cuda")
     with pytest.raises(ConfigError, match=r"a worker could not start: .*CUDA") as bad:
-        KVMesh.connect(num_workers=1, worker_num_cpus=0.5)
+        connect(num_workers=1, worker_num_cpus=0.5)
     assert "\n" not in str(bad.value)
     assert not ray.is_initialized()
 
