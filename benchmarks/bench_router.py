@@ -68,6 +68,7 @@ from typing import Any
 
 from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
@@ -246,7 +247,7 @@ class _NaiveIndex:
 def _ingest(wl: _Workload, coord: Coordinator, naive: _NaiveIndex) -> dict[str, Any]:
     """Stored then removal batches through `Coordinator.report`; the naive sets as baseline."""
     for w in wl.worker_ids:
-        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for wid, data in wl.stored_batches:
@@ -296,7 +297,7 @@ def _routing(
     for p in prompts:
         c = time.thread_time_ns()
         t = time.perf_counter_ns()
-        coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
+        coord.route(RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE))
         ours.append((time.perf_counter_ns() - t) / 1e6)
         ours_cpu.append((time.thread_time_ns() - c) / 1e6)
     policy = make_policy("kv_aware", CoordinatorConfig(), random.Random(seed))
@@ -370,7 +371,7 @@ def _build_sharded(wl: _Workload, shards: int) -> Any:
 
     coord = ShardedCoordinator(CoordinatorConfig(policy="kv_aware", index_shards=shards))
     for w in wl.worker_ids:
-        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
     for wid, data in wl.stored_batches:
         coord.report(wid, [data])
     return coord
@@ -528,7 +529,7 @@ def _sharded_in_process(
         CoordinatorConfig(policy="kv_aware", index_shards=shards), rng=random.Random(seed)
     )
     for w in wl.worker_ids:
-        coord.register_worker(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0")
+        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for wid, data in wl.stored_batches:
@@ -545,7 +546,7 @@ def _sharded_in_process(
     for p in prompts:
         c = time.thread_time_ns()
         t = time.perf_counter_ns()
-        coord.route(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE)
+        coord.route(RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE))
         times.append((time.perf_counter_ns() - t) / 1e6)
         cpu_times.append((time.thread_time_ns() - c) / 1e6)
     route_cpu = time.process_time() - c0
@@ -572,7 +573,7 @@ def _ray_routes(router: Any, prompts: list[list[PageHash]]) -> list[float]:
     times = []
     for p in prompts:
         t = time.perf_counter_ns()
-        ray.get(router.route.remote(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE))
+        ray.get(router.route.remote(RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)))
         times.append((time.perf_counter_ns() - t) / 1e6)
     return times
 
@@ -597,7 +598,7 @@ def _failover_gap_ms(routers: list[Any], prompts: list[list[PageHash]], kill: An
             p = prompts[i % len(prompts)]
             i += 1
             try:
-                ray.get(order[0].route.remote(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE), timeout=30)
+                ray.get(order[0].route.remote(RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)), timeout=30)
                 stamps.append(time.perf_counter())
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 order = order[1:] + order[:1]
@@ -636,7 +637,7 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
     routers = create_layout(cfg)
     ray.get([r.wait_ready.remote(60) for r in routers], timeout=120)
     r0 = routers[0]
-    ray.get([r0.register_worker.remote(w, "127.0.0.1:1", 100_000, "inc-0") for w in wl.worker_ids])
+    ray.get([r0.register_worker.remote(WorkerRegistration(w, "127.0.0.1:1", 100_000, "inc-0")) for w in wl.worker_ids])
     for k in range(0, len(wl.stored_batches), 64):
         ray.get([r0.report.remote(w, [d]) for w, d in wl.stored_batches[k : k + 64]])
     _ray_routes(r0, prompts[:100])  # warm the handles

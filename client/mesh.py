@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
+from kvmesh.coordination import RouteQuery
 from kvmesh.errors import (
     ClusterUnreachable,
     ConfigError,
@@ -68,10 +69,18 @@ from kvmesh.errors import (
 from kvmesh.hashing import ExtraKeys, PageHasher, reusable_pages
 from kvmesh.logs import request_scope
 from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
-from kvmesh.requests import GenerateRequest, GenerationResult, RouteDecision, WorkerStats
+from kvmesh.requests import (
+    GenerateRequest,
+    GenerationResult,
+    ReportMark,
+    Role,
+    RouteDecision,
+    WorkerStats,
+)
 from kvmesh.router_replicas import router_handles
 from kvmesh.security import TenantPolicy, check_cluster
 from kvmesh.settings import settings_for, validate_cluster_config
+from kvmesh.tenants import tenant_of
 from kvmesh.types import PageHash, WorkerId
 
 if TYPE_CHECKING:
@@ -196,6 +205,7 @@ class KVMesh:
         # until `close`, whatever happens to the routing table in `_workers`.
         self._owned: dict[WorkerId, Any] = {wid: workers[wid].actor for wid in created}
         self._lock = threading.Lock()
+        self._reported: dict[WorkerId, ReportMark] = {}  # answers' reports not yet routed after
         self._closed = False
 
     # ---------------------------------------------------------------- connect
@@ -389,7 +399,7 @@ class KVMesh:
         cache_salt: str | None = None,
         lora_id: int | None = None,
         *,
-        role: str | None = None,
+        role: Role | None = None,
         api_key: str | None = None,
     ) -> RouteDecision:
         """The coordinator's `RouteDecision` for `prompt` (nothing is served)."""
@@ -404,12 +414,13 @@ class KVMesh:
         cache_salt: str | None = None,
         lora_id: int | None = None,
         *,
-        role: str | None = None,
+        role: Role | None = None,
         api_key: str | None = None,
     ) -> RouteDecision:
         tokens = self.tokens(prompt)
-        hashes = self.hashes(tokens, cache_salt, lora_id, api_key=api_key)
-        return await self._route(tokens, hashes, role, "")
+        salt = self.tenants.resolve_salt(api_key, cache_salt)
+        hashes = self.hasher.hash_prompt(tokens, ExtraKeys(lora_id=lora_id, cache_salt=salt))
+        return await self._route(self._query(tokens, hashes, role, "", salt))
 
     async def agenerate(
         self,
@@ -533,12 +544,52 @@ class KVMesh:
                 raise cause from None
             raise
 
-    async def _route(
-        self, tokens: Sequence[int], hashes: Sequence[PageHash], role: str | None, rid: str
-    ) -> RouteDecision:
-        args = (list(hashes), len(tokens), self.config.hash.page_size, self.pull, role, self.policy)
+    def _query(
+        self,
+        tokens: Sequence[int],
+        hashes: Sequence[PageHash],
+        role: Role | None,
+        rid: str,
+        salt: str | None,
+    ) -> RouteQuery:
+        """The route query of a prompt: its tenant (by salt), and the reports of the answers
+        this client has read, so that the route sees the pages they stored (`_follow`)."""
+        with self._lock:
+            after = tuple(self._reported.values())
+        return RouteQuery(
+            tuple(hashes),
+            len(tokens),
+            self.config.hash.page_size,
+            self.pull,
+            role,
+            self.policy,
+            rid,
+            tenant_of(salt),
+            after,
+        )
+
+    def _follow(self, result: GenerationResult) -> GenerationResult:
+        """Keep the report `result` followed (`GenerationResult.reported`): this client's
+        next route waits for it, so a follow-up request finds what this one stored."""
+        mark = result.reported
+        if mark is not None:
+            with self._lock:
+                known = self._reported.get(mark.worker_id)
+                if known is None or known.incarnation != mark.incarnation or known.seq < mark.seq:
+                    self._reported[mark.worker_id] = mark
+        return result
+
+    async def _route(self, query: RouteQuery) -> RouteDecision:
+        decision = await self._route_anywhere(query)
+        with self._lock:  # a route that waited for a mark saw it: later routes need not wait
+            for mark in query.after:
+                if self._reported.get(mark.worker_id) is mark:
+                    del self._reported[mark.worker_id]
+        return decision
+
+    async def _route_anywhere(self, query: RouteQuery) -> RouteDecision:
         try:
-            return await self._call(self._coordinator.route.remote(*args, rid), None)
+            return await self._call(self._coordinator.route.remote(query), None)
         except NoWorkers:
             if self.config.coordinator.router_replicas <= 1:
                 raise
@@ -548,7 +599,7 @@ class KVMesh:
         replicas = await asyncio.to_thread(router_handles, cfg, range(1, cfg.router_replicas))
         for i, router in enumerate(replicas):
             try:
-                return await self._call(router.route.remote(*args, rid), None)
+                return await self._call(router.route.remote(query), None)
             except NoWorkers:
                 if i == len(replicas) - 1:
                     raise
@@ -589,21 +640,23 @@ class KVMesh:
         return local, pull, peer.address
 
     async def _serve(self, base: GenerateRequest, hashes: Sequence[PageHash]) -> GenerationResult:
-        decision = await self._route(base.token_ids, hashes, None, base.request_id)
+        decision = await self._route(
+            self._query(base.token_ids, hashes, None, base.request_id, base.cache_salt)
+        )
         w = await self._handle(decision.worker_id)
         local, pull, peer = self._promise(decision, len(base.token_ids))
         request = dataclasses.replace(
             base, promised_local=local, promised_pull=pull, peer_address=peer
         )
-        return await self._call(w.actor.generate.remote(request), w.worker_id)
+        return self._follow(await self._call(w.actor.generate.remote(request), w.worker_id))
 
     async def _disaggregated(
         self, base: GenerateRequest, hashes: Sequence[PageHash]
     ) -> GenerationResult:
-        n = len(base.token_ids)
+        n, salt = len(base.token_ids), base.cache_salt
         pre_d, dec_d = await asyncio.gather(  # one round trip for both halves
-            self._route(base.token_ids, hashes, "prefill", base.request_id),
-            self._route(base.token_ids, hashes, "decode", base.request_id),
+            self._route(self._query(base.token_ids, hashes, "prefill", base.request_id, salt)),
+            self._route(self._query(base.token_ids, hashes, "decode", base.request_id, salt)),
         )
         pre_w = await self._handle(pre_d.worker_id)
         dec_w = await self._handle(dec_d.worker_id)
@@ -619,7 +672,7 @@ class KVMesh:
         limit = reusable_pages(n, self.config.hash.page_size)
         promised = min(limit, max(dec_d.local_pages, pre.pages_pushed))
         dec_req = dataclasses.replace(base, promised_local=promised)
-        return await self._call(dec_w.actor.generate.remote(dec_req), dec_w.worker_id)
+        return self._follow(await self._call(dec_w.actor.generate.remote(dec_req), dec_w.worker_id))
 
     async def _forget(self, worker_id: WorkerId) -> None:
         """Drop a dead worker here and at the coordinator (so it is not routed to again)."""

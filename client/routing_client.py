@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 import grpc
 
 from kvmesh.config import TransferConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
 from kvmesh.grpc_security import channel_credentials, error_from_rpc
 from kvmesh.load import WorkerLoad
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.types import PageHash
 
 T = TypeVar("T")
 _FAIL_OVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -46,6 +46,8 @@ class RoutedTo:
     policy: str
     degraded: bool
     router: str  # the router that answered
+    promote_pages: int = 0  # of matched_pages, in the worker's host or disk tier
+    request_id: str = ""  # the query's, echoed
 
 
 class RoutingClient:
@@ -115,25 +117,21 @@ class RoutingClient:
             return out, self.addresses[i]
         raise last or TransportError("no router to call")
 
-    def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        *,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: str | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RoutedTo:
+    def route(self, query: RouteQuery) -> RoutedTo:
+        """Where `query`'s request goes (the same decision as the Ray API's route)."""
         req = pb.RouteRequest(
-            page_hashes=list(hashes),
-            num_tokens=num_tokens,
-            page_size=page_size,
-            allow_pull=allow_pull,
-            role=role or "",
-            policy=policy or "",
-            request_id=request_id,
+            page_hashes=list(query.hashes),
+            num_tokens=query.num_tokens,
+            page_size=query.page_size,
+            allow_pull=query.allow_pull,
+            role=query.role or "",
+            policy=query.policy or "",
+            request_id=query.request_id,
+            tenant=query.tenant or "",
+            after=[
+                pb.ReportMark(worker_id=m.worker_id, incarnation=m.incarnation, seq=m.seq)
+                for m in query.after
+            ],
         )
         r, router = self._call("Route", req, pb.RouteResponse)
         return RoutedTo(
@@ -147,18 +145,19 @@ class RoutingClient:
             r.policy,
             r.degraded,
             router,
+            r.promote_pages,
+            r.request_id,
         )
 
-    def register(
-        self, worker_id: str, address: str, capacity: int, incarnation: str, role: str = "both"
-    ) -> bool:
-        """Register a worker or engine; True when the coordinator wants a snapshot batch first."""
+    def register(self, reg: WorkerRegistration) -> bool:
+        """Register a worker or engine; True when the coordinator wants a snapshot batch first.
+        (An engine has no Ray actor: the actor fields do not travel.)"""
         req = pb.RegisterRequest(
-            worker_id=worker_id,
-            address=address,
-            capacity=capacity,
-            incarnation=incarnation,
-            role=role,
+            worker_id=reg.worker_id,
+            address=reg.address,
+            capacity=reg.capacity,
+            incarnation=reg.incarnation,
+            role=reg.role,
         )
         reply, _ = self._call("Register", req, pb.RegisterResponse)
         return bool(reply.needs_snapshot)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ import msgpack
 import ray
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
@@ -60,9 +62,9 @@ from kvmesh.coordinator.service import (
 )
 from kvmesh.errors import KVMeshError, TransportError
 from kvmesh.logs import configure_logging, request_scope
-from kvmesh.metrics import COORDINATOR_CALLS, in_ray_actor
+from kvmesh.metrics import COORDINATOR_CALLS, REPORT_WAITS, in_ray_actor
 from kvmesh.rendezvous import DistRendezvous, LinkBook
-from kvmesh.requests import Role, RouteOutcome
+from kvmesh.requests import RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -87,20 +89,12 @@ class WorkerStore:
         self.namespace = _kv_namespace(config)
         self.prefix = _kv_prefix(config)
 
-    def put(self, info: WorkerInfo) -> None:
+    def put(self, reg: WorkerRegistration) -> None:
         from ray.experimental import internal_kv
 
-        record = {
-            "worker_id": info.worker_id,
-            "address": info.address,
-            "capacity": info.capacity,
-            "incarnation": info.incarnation,
-            "role": info.role,
-            "actor_name": info.actor_name,
-            "actor_namespace": info.actor_namespace,
-        }
+        record = {f.name: getattr(reg, f.name) for f in dataclasses.fields(reg)}
         internal_kv._internal_kv_put(
-            self.prefix + info.worker_id,
+            self.prefix + reg.worker_id,
             msgpack.packb(record, use_bin_type=True),
             overwrite=True,
             namespace=self.namespace,
@@ -155,6 +149,7 @@ class CoordinatorActor:
         self._api: CoordinatorAPIServer | None = None
         self.store = WorkerStore(config)
         self._ready = asyncio.Event()
+        self._report_seen = asyncio.Event()  # replaced by a fresh one after every report
         self._snapshot_asked: dict[WorkerId, float] = {}
         self._links: LinkBook | None = None
         self._link_store: Any = None  # torch's TCPStore serving every link's rendezvous
@@ -177,15 +172,7 @@ class CoordinatorActor:
             records = await self._blocking(self.store.load)
             for rec in records:
                 try:
-                    self.core.register_worker(
-                        WorkerId(rec["worker_id"]),
-                        rec["address"],
-                        rec["capacity"],
-                        rec["incarnation"],
-                        rec["role"],
-                        actor_name=rec.get("actor_name"),
-                        actor_namespace=rec.get("actor_namespace"),
-                    )
+                    self.core.register_worker(WorkerRegistration(**rec))
                 except Exception as exc:  # one bad record must not stop the others
                     log.warning("cannot restore worker %r: %s", rec.get("worker_id"), exc)
             if records:
@@ -253,28 +240,10 @@ class CoordinatorActor:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         return self._ready.is_set()
 
-    async def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration:
-        reg = self.core.register_worker(
-            worker_id,
-            address,
-            capacity,
-            incarnation,
-            role,
-            actor_name=actor_name,
-            actor_namespace=actor_namespace,
-        )
-        info = self.core.registry_info(worker_id)
-        await self._blocking(self.store.put, info)
-        return reg
+    async def register_worker(self, reg: WorkerRegistration) -> Registration:
+        out = self.core.register_worker(reg)
+        await self._blocking(self.store.put, reg)
+        return out
 
     async def report(
         self,
@@ -286,34 +255,44 @@ class CoordinatorActor:
         """A worker's events, load and request outcomes (`Coordinator.report`): the one
         call a request costs a worker, sent without waiting for the reply."""
         self._calls["report"].inc()
-        return self.core.report(worker_id, encoded_batches, load, outcomes)
+        try:
+            return self.core.report(worker_id, encoded_batches, load, outcomes)
+        finally:
+            self._reports_applied()
 
     async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
         self._calls["heartbeat"].inc()
         return self.core.heartbeat(worker_id, load)
 
-    async def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RouteDecision:
-        """The one call a request costs its client (`Coordinator.route`)."""
+    def _reports_applied(self) -> None:
+        """Wake the routes waiting for reports (`_wait_reported`)."""
+        self._report_seen.set()
+        self._report_seen = asyncio.Event()
+
+    async def _wait_reported(self, marks: Sequence[ReportMark]) -> None:
+        """Until every mark's batch is applied, for at most `heartbeat_interval_s`: the
+        worker sent it before its answer, so it is on its way; past that it was lost (the
+        worker resends with its next heartbeat) and the route goes on without it."""
+        if not marks or self.core.reported(marks):
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.config.heartbeat_interval_s
+        while not self.core.reported(marks):
+            left = until - loop.time()
+            if left <= 0:
+                REPORT_WAITS.labels(self.core.name, "timed_out").inc()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report_seen.wait(), left)
+        REPORT_WAITS.labels(self.core.name, "waited").inc()
+
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        """The one call a request costs its client (`Coordinator.route`), once the reports
+        it follows (`query.after`) are applied."""
         self._calls["route"].inc()
-        with request_scope(request_id):  # its id on our logs and on the error we raise
-            return self.core.route(
-                hashes,
-                num_tokens,
-                page_size=page_size,
-                allow_pull=allow_pull,
-                role=role,
-                policy=policy,
-                request_id=request_id,
-            )
+        with request_scope(query.request_id):  # its id on our logs and on the error we raise
+            await self._wait_reported(query.check().after)  # unpickled: no constructor ran
+            return self.core.route(query)
 
     async def count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:
         """A router in front of shards routed a request to one of this shard's workers."""
@@ -322,15 +301,18 @@ class CoordinatorActor:
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return self.core.match(hashes)
 
-    async def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
-        """Overlaps and loads for a router in front of shards; waits for the start-up rebuild.
+    async def view(self, query: RouteQuery) -> RouteView:
+        """Overlaps and loads for a router in front of shards; waits for the start-up rebuild
+        and for the reports the query follows (`query.after`, the marks of this shard's
+        workers).
 
         A shard answers only once its index is rebuilt from the workers'
         snapshots, so a restarted shard never hands a router a half-empty
         index (that would be a wrong answer, not a slow one).
         """
         await self._ready.wait()
-        return self.core.view(hashes, role)
+        await self._wait_reported(query.after)
+        return self.core.view(query)
 
     async def address_of(self, worker_id: WorkerId) -> str:
         """The worker's serving address; raises `UnknownWorker`."""

@@ -29,10 +29,12 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordination import MAX_ID_CHARS, ReportMark, RouteQuery, WorkerRegistration
 from kvmesh.coordinator.policies import REGISTRY, RouteDecision, WorkerLoad
 from kvmesh.coordinator.service import Registration, ReportResult
 from kvmesh.errors import DeadlineExceeded, InvalidInput, KVMeshError
 from kvmesh.grpc_security import ERROR_METADATA_KEY, TokenAuthInterceptor, server_credentials
+from kvmesh.logs import request_scope
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.requests import ROLES, Role
 from kvmesh.types import PageHash, WorkerId
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # "kvmesh.v1.Coordinator"
 MAX_ROUTE_HASHES = 100_000
 MAX_BATCHES_PER_REPORT = 1024
-MAX_ID_CHARS = 256
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 T = TypeVar("T")
 
@@ -50,27 +51,9 @@ T = TypeVar("T")
 class RoutingBackend(Protocol):
     """What the API needs from a coordinator (the actor's and the router's async methods)."""
 
-    async def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RouteDecision: ...
+    async def route(self, query: RouteQuery) -> RouteDecision: ...
 
-    async def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration: ...
+    async def register_worker(self, reg: WorkerRegistration) -> Registration: ...
 
     async def report(
         self,
@@ -92,41 +75,13 @@ class LocalBackend:
     def __init__(self, core: Any) -> None:
         self.core = core
 
-    async def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RouteDecision:
-        decision: RouteDecision = self.core.route(
-            hashes,
-            num_tokens,
-            page_size=page_size,
-            allow_pull=allow_pull,
-            role=role,
-            policy=policy,
-            request_id=request_id,
-        )
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        decision: RouteDecision = self.core.route(query)
         return decision
 
-    async def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration:
-        reg: Registration = self.core.register_worker(
-            worker_id, address, capacity, incarnation, role
-        )
-        return reg
+    async def register_worker(self, reg: WorkerRegistration) -> Registration:
+        out: Registration = self.core.register_worker(reg)
+        return out
 
     async def report(
         self,
@@ -152,12 +107,6 @@ class LocalBackend:
         return {"serving": True, "workers": len(self.core.workers()), "shards": shards}
 
 
-def _check_id(value: str, what: str, *, empty_ok: bool = False) -> str:
-    if (not value and not empty_ok) or len(value) > MAX_ID_CHARS:
-        raise InvalidInput(f"{what} must be 1-{MAX_ID_CHARS} characters, got {value!r:.60}")
-    return value
-
-
 def _role(value: str, empty: Role | None) -> Role | None:
     if not value:
         return empty
@@ -176,7 +125,28 @@ def _hashes(raw: Sequence[bytes]) -> list[PageHash]:
     return [PageHash(h) for h in raw]
 
 
-def route_response(decision: RouteDecision, address: str, peer_address: str) -> pb.RouteResponse:
+def route_query(req: pb.RouteRequest) -> RouteQuery:
+    """The `RouteQuery` a RouteRequest asks; `InvalidInput` for any field out of bounds."""
+    if req.policy and req.policy not in REGISTRY:
+        raise InvalidInput(f"unknown policy {req.policy!r:.40}; known: {sorted(REGISTRY)}")
+    if len(req.after) > MAX_ROUTE_HASHES:
+        raise InvalidInput(f"{len(req.after)} report marks in one call; at most {MAX_ROUTE_HASHES}")
+    return RouteQuery(
+        tuple(_hashes(req.page_hashes)),
+        req.num_tokens,
+        req.page_size or 16,
+        req.allow_pull,
+        _role(req.role, None),
+        req.policy or None,
+        req.request_id,
+        req.tenant or None,
+        tuple(ReportMark(WorkerId(m.worker_id), m.incarnation, m.seq) for m in req.after),
+    )
+
+
+def route_response(
+    decision: RouteDecision, address: str, peer_address: str, request_id: str = ""
+) -> pb.RouteResponse:
     return pb.RouteResponse(
         worker_id=decision.worker_id,
         worker_address=address,
@@ -188,6 +158,8 @@ def route_response(decision: RouteDecision, address: str, peer_address: str) -> 
         total_pages=decision.total_pages,
         degraded=decision.degraded,
         cost=decision.cost,
+        promote_pages=decision.promote_pages,
+        request_id=request_id,
     )
 
 
@@ -288,30 +260,22 @@ class CoordinatorAPIServer:
             ) from None
 
     async def _route(self, req: pb.RouteRequest) -> pb.RouteResponse:
-        hashes = _hashes(req.page_hashes)
-        if req.policy and req.policy not in REGISTRY:
-            raise InvalidInput(f"unknown policy {req.policy!r:.40}; known: {sorted(REGISTRY)}")
-        decision = await self.backend.route(
-            hashes,
-            req.num_tokens,
-            req.page_size or 16,
-            req.allow_pull,
-            _role(req.role, None),
-            req.policy or None,
-            _check_id(req.request_id, "request_id", empty_ok=True),
-        )
-        address = await self.backend.address_of(decision.worker_id)
-        peer = await self.backend.address_of(decision.peer_id) if decision.peer_id else ""
-        return route_response(decision, address, peer)
+        query = route_query(req)
+        with request_scope(query.request_id):  # its id on our logs and on the error we raise
+            decision = await self.backend.route(query)
+            address = await self.backend.address_of(decision.worker_id)
+            peer = await self.backend.address_of(decision.peer_id) if decision.peer_id else ""
+        return route_response(decision, address, peer, query.request_id)
 
     async def _register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
-        role = _role(req.role, "both")
         reg = await self.backend.register_worker(
-            WorkerId(_check_id(req.worker_id, "worker_id")),
-            _check_id(req.address, "address", empty_ok=True),
-            req.capacity,
-            _check_id(req.incarnation, "incarnation"),
-            role or "both",
+            WorkerRegistration(
+                WorkerId(req.worker_id),
+                req.address,
+                req.capacity,
+                req.incarnation,
+                _role(req.role, "both") or "both",
+            )
         )
         return pb.RegisterResponse(
             needs_snapshot=reg.needs_snapshot,
@@ -320,7 +284,11 @@ class CoordinatorAPIServer:
         )
 
     async def _report(self, req: pb.ReportRequest) -> pb.ReportResponse:
-        wid = WorkerId(_check_id(req.worker_id, "worker_id"))
+        if not 0 < len(req.worker_id) <= MAX_ID_CHARS:
+            raise InvalidInput(
+                f"worker_id must be 1-{MAX_ID_CHARS} characters, got {req.worker_id!r:.60}"
+            )
+        wid = WorkerId(req.worker_id)
         batches = ([req.batch] if req.batch else []) + list(req.batches)
         if len(batches) > MAX_BATCHES_PER_REPORT:
             raise InvalidInput(

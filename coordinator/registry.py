@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.errors import InvalidInput, UnknownWorker
-from kvmesh.requests import ROLES, Role
+from kvmesh.requests import Role
 from kvmesh.types import WorkerId
 
 
@@ -38,6 +39,20 @@ class WorkerInfo:
     actor_name: str | None = None
     actor_namespace: str | None = None
 
+    @property
+    def registration(self) -> WorkerRegistration:
+        """What the worker registered with (to register it again elsewhere: a replica, a
+        restarted coordinator)."""
+        return WorkerRegistration(
+            self.worker_id,
+            self.address,
+            self.capacity,
+            self.incarnation,
+            self.role,
+            self.actor_name,
+            self.actor_namespace,
+        )
+
     def serves(self, role: Role | None) -> bool:
         """Whether this worker takes requests of `role` (None: any)."""
         return role is None or self.role == "both" or self.role == role
@@ -50,29 +65,13 @@ class WorkerRegistry:
         self.clock = clock
         self._workers: dict[WorkerId, WorkerInfo] = {}
 
-    def register(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        *,
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-        now: float | None = None,
-    ) -> WorkerInfo:
-        """Add or refresh a worker; a new incarnation replaces the old entry (drain flag cleared)."""
-        if not isinstance(worker_id, str) or not worker_id:
-            raise InvalidInput(f"worker_id must be a non-empty string, got {worker_id!r}")
-        if not isinstance(address, str):
-            raise InvalidInput(f"address must be a string, got {type(address).__name__}")
-        if type(capacity) is not int or capacity < 0:
-            raise InvalidInput(f"capacity must be a non-negative int of pages, got {capacity!r}")
-        if not isinstance(incarnation, str) or not incarnation:
-            raise InvalidInput(f"incarnation must be a non-empty string, got {incarnation!r}")
-        if role not in ROLES:
-            raise InvalidInput(f"role must be one of {ROLES}, got {role!r}")
+    def register(self, reg: WorkerRegistration, *, now: float | None = None) -> WorkerInfo:
+        """Add or refresh a worker; a new incarnation replaces the old entry (drain flag cleared).
+
+        Raises `InvalidInput` for a registration that does not check (it may have crossed
+        a process boundary without its constructor running)."""
+        reg.check()
+        worker_id, capacity, incarnation = reg.worker_id, reg.capacity, reg.incarnation
         t = self.clock() if now is None else now
         old = self._workers.get(worker_id)
         same = old is not None and old.incarnation == incarnation
@@ -83,16 +82,16 @@ class WorkerRegistry:
         )
         info = WorkerInfo(
             worker_id,
-            address,
+            reg.address,
             capacity,
             incarnation,
-            role,
+            reg.role,
             old.registered_at if same and old is not None else t,
             t,
             load,
             old.draining if same and old is not None else False,
-            actor_name,
-            actor_namespace,
+            reg.actor_name,
+            reg.actor_namespace,
         )
         self._workers[worker_id] = info
         return info

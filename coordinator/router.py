@@ -53,12 +53,19 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
 from kvmesh.coordinator.registry import WorkerInfo
-from kvmesh.coordinator.service import RebuildResult, Registration, ReportResult, RouteView
+from kvmesh.coordinator.service import (
+    RebuildResult,
+    Registration,
+    ReportResult,
+    RouteView,
+    policy_request,
+)
 from kvmesh.coordinator.shards import (
     ShardRouter,
     SlowShards,
@@ -71,7 +78,7 @@ from kvmesh.errors import InvalidInput, KVMeshError, TransportError
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
-from kvmesh.requests import Role, RouteOutcome
+from kvmesh.requests import RouteOutcome
 from kvmesh.router_replicas import router_actor_name, shard_actor_name
 from kvmesh.types import PageHash, WorkerId
 
@@ -338,18 +345,7 @@ class RouterActor:
                             if mine is None or mine.incarnation != info.incarnation:
                                 missing.setdefault(info.worker_id, info)
                 for info in missing.values():
-                    await self._call(
-                        self.replica,
-                        shard,
-                        "register_worker",
-                        info.worker_id,
-                        info.address,
-                        info.capacity,
-                        info.incarnation,
-                        info.role,
-                        info.actor_name,
-                        info.actor_namespace,
-                    )
+                    await self._call(self.replica, shard, "register_worker", info.registration)
                     await self._feed_snapshot(shard, info)
                 if missing:
                     log.info(
@@ -395,29 +391,10 @@ class RouterActor:
         )
         return all(ok is True for ok in oks)
 
-    async def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration:
-        shard = shard_of(worker_id, self.num_shards) if isinstance(worker_id, str) else 0
-        regs: list[Registration] = await self._everywhere(
-            shard,
-            "register_worker",
-            worker_id,
-            address,
-            capacity,
-            incarnation,
-            role,
-            actor_name,
-            actor_namespace,
-        )
-        self._addresses[worker_id] = address
+    async def register_worker(self, reg: WorkerRegistration) -> Registration:
+        shard = shard_of(reg.check().worker_id, self.num_shards)
+        regs: list[Registration] = await self._everywhere(shard, "register_worker", reg)
+        self._addresses[reg.worker_id] = reg.address
         return dataclasses.replace(regs[0], needs_snapshot=any(r.needs_snapshot for r in regs))
 
     async def report(
@@ -454,30 +431,28 @@ class RouterActor:
         self._addresses.pop(worker_id, None)
         return any(removed)
 
-    async def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
-        """Every shard's view, merged (own replica first, hedged to the others)."""
+    async def view(self, query: RouteQuery) -> RouteView:
+        """Every shard's view, merged (own replica first, hedged to the others); each shard
+        waits only for the reports of its own workers (`query.after`)."""
         await self._ready.wait()
         views = await asyncio.gather(
-            *(self._hedged(s, "view", list(hashes), role) for s in range(self.num_shards))
+            *(self._hedged(s, "view", self._for_shard(query, s)) for s in range(self.num_shards))
         )
         return merge_views(views)
 
-    async def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RouteDecision:
-        request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
-        with request_scope(request_id):  # its id on our logs and on the error we raise
-            view = await self.view(request.hashes, role)
-            decision = self.router.decide(request, view, policy)
-        if request_id:  # a request on its way: its worker's load counts it (`Coordinator.route`)
-            self._count_routed(decision, request)
+    def _for_shard(self, query: RouteQuery, shard: int) -> RouteQuery:
+        """`query` with only the report marks of `shard`'s workers (the others are not its)."""
+        if not query.after or self.num_shards == 1:
+            return query
+        mine = tuple(m for m in query.after if shard_of(m.worker_id, self.num_shards) == shard)
+        return dataclasses.replace(query, after=mine)
+
+    async def route(self, query: RouteQuery) -> RouteDecision:
+        with request_scope(query.request_id):  # its id on our logs and on the error we raise
+            view = await self.view(query.check())
+            decision = self.router.decide(query, view)
+        if query.request_id:  # a request on its way: its load counts it (`Coordinator.route`)
+            self._count_routed(decision, policy_request(query))
         return decision
 
     def _count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:

@@ -8,7 +8,7 @@ What the coordinator needs from a worker
 ----------------------------------------
 Only two things, both in `kvmesh` types:
 
-- it calls `register_worker(...)` once per incarnation, then `report(worker_id,
+- it calls `register_worker(WorkerRegistration(...))` once per incarnation, then `report(worker_id,
   batches, load)` every heartbeat interval with its encoded event batches
   (`kvmesh.events.encode_batch`, sequence numbers from 0 per incarnation);
   `UnknownWorker` from `report` means "register again" (the coordinator
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import ApplyResult, GlobalIndex, MatchResult
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -147,6 +148,42 @@ class RouteView:
     loads: tuple[WorkerLoad, ...]
     tiers: dict[WorkerId, TierPages] = field(default_factory=dict)
     """`GlobalIndex.tier_pages` of the overlaps: workers holding part of theirs off the device."""
+    tenant_totals: dict[str, int] = field(default_factory=dict)
+    """With a query's tenant: every tenant's pages on these workers (all tiers), for its share."""
+    tenant_pages: dict[WorkerId, int] = field(default_factory=dict)
+    """With a query's tenant: the pages that tenant holds on each of these workers."""
+
+
+def policy_request(
+    query: RouteQuery, tenant_pages: Mapping[WorkerId, int] | None = None
+) -> RouteRequest:
+    """What a policy reads of `query` (plus the tenant's pages when it is over its share)."""
+    return RouteRequest(
+        query.hashes,
+        query.num_tokens,
+        query.page_size,
+        query.allow_pull,
+        query.request_id,
+        tenant_pages,
+    )
+
+
+def over_share_pages(
+    weights: TenantWeights,
+    tenant_totals: Mapping[str, int],
+    tenant: str,
+    tenant_pages: Mapping[WorkerId, int],
+) -> dict[WorkerId, int] | None:
+    """`tenant_pages` when `tenant` holds more than its fair share of all tenants' pages
+    (`tenant_totals`, the whole cluster's), else None: `RouteRequest.tenant_pages`.
+
+    One definition for the single coordinator and a router merging shards' views, over
+    tenants in name order, so both compute the same floats and decide alike."""
+    counts = {t: tenant_totals[t] for t in sorted(tenant_totals) if tenant_totals[t] > 0}
+    held = counts.get(tenant, 0)
+    if not held or not held > weights.shares(counts, sum(counts.values()))[tenant]:
+        return None
+    return {w: n for w, n in sorted(tenant_pages.items()) if n}
 
 
 class Coordinator:
@@ -190,28 +227,11 @@ class Coordinator:
 
     # ---------------------------------------------------------------- workers
 
-    def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        *,
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration:
+    def register_worker(self, reg: WorkerRegistration) -> Registration:
         """Add (or refresh) a worker. A new incarnation drops the old one's index entries."""
+        worker_id, incarnation = reg.worker_id, reg.incarnation
         with self._lock:
-            self.registry.register(
-                worker_id,
-                address,
-                capacity,
-                incarnation,
-                role,
-                actor_name=actor_name,
-                actor_namespace=actor_namespace,
-            )
+            self.registry.register(reg)
             self.index.register_worker(worker_id, incarnation)
             self._loads.clear()
             self._export_gauges()
@@ -429,54 +449,73 @@ class Coordinator:
         with self._lock:
             return self.index.match(hashes)
 
-    def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
-        """The index's overlaps (and their tiers) for `hashes` and the loads of the workers serving `role`."""
+    def view(self, query: RouteQuery) -> RouteView:
+        """The index's overlaps (and their tiers) for the query's hashes, the loads of the
+        workers serving its role and, with a tenant, the tenant counts a router needs to
+        weigh its fair share (`over_share_pages`)."""
         with self._lock:
-            matched = self.index.match(hashes)
-            tiers = self.index.tier_pages(hashes, matched)
-            return RouteView(matched.pages, tuple(self._current_loads(role)), tiers)
+            matched = self.index.match(query.hashes)
+            tiers = self.index.tier_pages(query.hashes, matched)
+            view = RouteView(matched.pages, tuple(self._current_loads(query.role)), tiers)
+            if query.tenant is None or self.config.tenant_share_weight <= 0:
+                return view
+            totals, pages = self._tenant_counts(query.tenant)
+            return replace(view, tenant_totals=totals, tenant_pages=pages)
 
-    def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        *,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-        tenant: str | None = None,
-    ) -> RouteDecision:
+    def _tenant_counts(self, tenant: str) -> tuple[dict[str, int], dict[WorkerId, int]]:
+        """Every tenant's pages here, and `tenant`'s per worker (under the lock; O(workers))."""
+        shares = self.tenant_shares
+        totals = {t: s.pages for t, s in shares.shares().items()}
+        pages = {
+            info.worker_id: n
+            for info in self.registry.workers()
+            if (n := shares.worker_pages(info.worker_id, tenant))
+        }
+        return totals, pages
+
+    def reported(self, marks: Sequence[ReportMark]) -> bool:
+        """Whether every mark's batch is applied (or can no longer be: its worker is gone or
+        restarted), so a route that waits for them may go on."""
+        with self._lock:
+            for mark in marks:
+                if mark.worker_id not in self.registry:
+                    continue
+                state = self.index.worker_state(mark.worker_id)
+                if state.incarnation == mark.incarnation and state.last_seq < mark.seq:
+                    return False
+            return True
+
+    def route(self, query: RouteQuery) -> RouteDecision:
         """Pick a worker for a request (one index walk + one policy call); raises `NoWorkers`.
 
-        `tenant` (`kvmesh.tenants.tenant_of` the request's salt): when it holds more than its
-        fair share of the cluster's pages, `kv_aware` weighs the pages it would take from
-        other tenants on each worker."""
-        if policy is not None and policy not in REGISTRY:
-            make_policy(policy)  # raises ConfigError naming the known policies
-        request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
+        With `query.tenant` holding more than its fair share of the cluster's pages,
+        `kv_aware` weighs the pages it would take from other tenants on each worker
+        (`over_share_pages`). `query.after` is the async shells' (`CoordinatorActor`):
+        here every report is applied before it returns."""
+        if query.policy is not None and query.policy not in REGISTRY:
+            make_policy(query.policy)  # raises ConfigError naming the known policies
         with self._lock:
             t0 = time.perf_counter_ns()
-            if tenant is not None:
-                crowded = self.tenant_shares.over_share_pages(tenant)
-                if crowded is not None:
-                    request = replace(request, tenant_pages=crowded)
+            crowded = None
+            if query.tenant is not None and self.config.tenant_share_weight > 0:
+                totals, pages = self._tenant_counts(query.tenant)
+                crowded = over_share_pages(self.tenant_shares.weights, totals, query.tenant, pages)
+            request = policy_request(query, crowded)
             matched = self.index.match(request.hashes)
             tiers = self.index.tier_pages(request.hashes, matched)
-            decision = self._policy(policy).choose(
-                request, matched.pages, self._current_loads(role), tiers
+            decision = self._policy(query.policy).choose(
+                request, matched.pages, self._current_loads(query.role), tiers
             )
             elapsed_s = (time.perf_counter_ns() - t0) / 1e9
-            if request_id:  # a request on its way (not a look), counted in its worker's load
+            if query.request_id:  # a request on its way (not a look), counted in its load
                 self._count_routed(decision, request)
-        name, policy_name = self.name, policy or self.config.policy
+        name, policy_name = self.name, query.policy or self.config.policy
         ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
         ROUTES.labels(name, policy_name, decision.worker_id).inc()
         if decision.degraded:
             DEGRADED_ROUTES.labels(name).inc()
         PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
-        if allow_pull:
+        if query.allow_pull:
             PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
         return decision
 

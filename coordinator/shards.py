@@ -46,6 +46,7 @@ from typing import Any
 import xxhash
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -62,6 +63,8 @@ from kvmesh.coordinator.service import (
     Registration,
     ReportResult,
     RouteView,
+    over_share_pages,
+    policy_request,
 )
 from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import InvalidInput
@@ -73,6 +76,7 @@ from kvmesh.metrics import (
     ROUTES,
 )
 from kvmesh.requests import Role, RouteOutcome
+from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, WorkerId
 
 ROUTER_COUNTERS = (
@@ -104,13 +108,18 @@ def merge_views(views: Iterable[RouteView]) -> RouteView:
         return views[0]
     overlaps: dict[WorkerId, int] = {}
     tiers: dict[WorkerId, TierPages] = {}
+    tenant_totals: dict[str, int] = {}
+    tenant_pages: dict[WorkerId, int] = {}
     for v in views:
         overlaps.update(v.overlaps)
         tiers.update(v.tiers)
+        tenant_pages.update(v.tenant_pages)
+        for tenant, n in v.tenant_totals.items():
+            tenant_totals[tenant] = tenant_totals.get(tenant, 0) + n
     # Timsort finds the shards' sorted runs and merges them in C: a Python merge of
     # 64 loads cost more than the shards' index walks.
     loads = tuple(sorted(itertools.chain.from_iterable(v.loads for v in views), key=_WORKER_ID))
-    return RouteView(overlaps, loads, tiers)
+    return RouteView(overlaps, loads, tiers, tenant_totals, tenant_pages)
 
 
 def merge_matches(results: Sequence[MatchResult]) -> MatchResult:
@@ -207,6 +216,7 @@ class ShardRouter:
         self.per_request_rng = per_request_rng
         self._rng = rng if rng is not None else random.Random(config.seed)
         self._policies: dict[str, RoutingPolicy] = {}
+        self.tenant_weights = TenantWeights.parse(config.tenant_weights)
         # its decisions count in kvmesh.metrics under its own name, as a Coordinator's do
         self.name = COORDINATOR_NAMES.claim(self, name or f"{config.actor_name}-router")
 
@@ -219,14 +229,20 @@ class ShardRouter:
             self._policies[key] = policy
         return policy
 
-    def decide(
-        self, request: RouteRequest, view: RouteView, policy: str | None = None
-    ) -> RouteDecision:
-        """The policy's decision on `view`; raises `NoWorkers` when it has no load at all."""
+    def decide(self, query: RouteQuery, view: RouteView) -> RouteDecision:
+        """The policy's decision on `view` (the shards' merged views for `query`, tenant
+        counts included when it names a tenant); raises `NoWorkers` when it has no load."""
+        policy = query.policy
         if policy is not None and policy not in REGISTRY:
             make_policy(policy)  # raises ConfigError naming the known policies
         chosen = self.policy(policy)
         t0 = time.perf_counter_ns()
+        crowded = None
+        if query.tenant is not None and self.config.tenant_share_weight > 0:
+            crowded = over_share_pages(
+                self.tenant_weights, view.tenant_totals, query.tenant, view.tenant_pages
+            )
+        request = policy_request(query, crowded)
         if self.per_request_rng:
             self._rng.seed(request_seed(self.config.seed, request))
         decision = chosen.choose(request, view.overlaps, view.loads, view.tiers)
@@ -284,28 +300,8 @@ class ShardedCoordinator:
         """The shard holding `worker_id` (`shard_of`)."""
         return self.shards[shard_of(worker_id, len(self.shards))]
 
-    def register_worker(
-        self,
-        worker_id: WorkerId,
-        address: str,
-        capacity: int,
-        incarnation: str,
-        role: Role = "both",
-        *,
-        actor_name: str | None = None,
-        actor_namespace: str | None = None,
-    ) -> Registration:
-        if not isinstance(worker_id, str) or not worker_id:
-            raise InvalidInput(f"worker_id must be a non-empty string, got {worker_id!r}")
-        return self.shard(worker_id).register_worker(
-            worker_id,
-            address,
-            capacity,
-            incarnation,
-            role,
-            actor_name=actor_name,
-            actor_namespace=actor_namespace,
-        )
+    def register_worker(self, reg: WorkerRegistration) -> Registration:
+        return self.shard(reg.check().worker_id).register_worker(reg)
 
     def report(
         self,
@@ -347,25 +343,14 @@ class ShardedCoordinator:
     def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return merge_matches([s.match(hashes) for s in self.shards])
 
-    def view(self, hashes: Sequence[PageHash], role: Role | None = None) -> RouteView:
-        return merge_views(s.view(hashes, role) for s in self.shards)
+    def view(self, query: RouteQuery) -> RouteView:
+        return merge_views(s.view(query) for s in self.shards)
 
-    def route(
-        self,
-        hashes: Sequence[PageHash],
-        num_tokens: int,
-        *,
-        page_size: int = 16,
-        allow_pull: bool = False,
-        role: Role | None = None,
-        policy: str | None = None,
-        request_id: str = "",
-    ) -> RouteDecision:
+    def route(self, query: RouteQuery) -> RouteDecision:
         """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""
-        request = RouteRequest(tuple(hashes), num_tokens, page_size, allow_pull, request_id)
-        decision = self.router.decide(request, self.view(request.hashes, role), policy)
-        if request_id:  # a request on its way, counted in its worker's load (`Coordinator.route`)
-            self.shard(decision.worker_id).count_routed(decision, request)
+        decision = self.router.decide(query, self.view(query))
+        if query.request_id:  # a request on its way, counted in its load (`Coordinator.route`)
+            self.shard(decision.worker_id).count_routed(decision, policy_request(query))
         return decision
 
     def stats(self) -> dict[str, Any]:

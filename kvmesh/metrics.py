@@ -527,6 +527,12 @@ COORDINATOR_CALLS = Counter(
     "Calls a coordinator actor served, by method (the request path makes a route and a report)",
     ["coordinator", "method"],
 )
+REPORT_WAITS = Counter(
+    "kvmesh_route_report_waits",
+    "Routes that waited for the reports they follow (RouteQuery.after), by outcome: waited "
+    "(the reports came), timed_out (a heartbeat interval passed; routed without them)",
+    ["coordinator", "outcome"],
+)
 
 # ---------------------------------------------------------------- the gateway
 # (kvmesh.gateway) (kvmesh.gateway) in front of real engines; `engine` is the engine's name
@@ -610,7 +616,7 @@ GATEWAY_FIRST_BYTE = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 
-# Real engines' KV events (coordinator/engine_subscriber.py); `engine` is the
+# Real engines' KV events (kvmesh/engine_subscriber.py); `engine` is the
 # index worker id (``engine-0``, ``engine-0@dp1`` for a data-parallel rank).
 ENGINE_EVENT_BATCHES = Counter(
     "kvmesh_engine_event_batches",

@@ -112,6 +112,34 @@ class RouteOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ReportMark:
+    """A worker's event batch `seq` of `incarnation`: what a later route may wait to see applied.
+
+    A worker answers a request with the mark of the last batch it sent the
+    coordinator (`GenerationResult.reported`); a client's next route carries
+    the marks of the answers it read (`kvmesh.coordination.RouteQuery.after`),
+    so that it sees the pages its earlier requests stored.
+    """
+
+    worker_id: WorkerId
+    incarnation: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> ReportMark:
+        """Itself, or `InvalidInput` naming the bad field (it may come from outside Ray)."""
+        for name in ("worker_id", "incarnation"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not 0 < len(v) <= 256:
+                raise InvalidInput(f"report mark {name} must be 1-256 characters, got {v!r:.60}")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise InvalidInput(f"report mark seq must be a non-negative int, got {self.seq!r:.40}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
 class RouteDecision:
     """Where the coordinator sends a request and what it can reuse there.
 
@@ -165,6 +193,9 @@ class GenerationResult:
     promised_local: int
     promised_pull: int
     pull_error: str | None = None
+    reported: ReportMark | None = None
+    """The last event batch the worker sent before answering (None: it reports to no
+    coordinator): a client's next route waits for it (`RouteQuery.after`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +258,7 @@ __all__ = [
     "GenerateRequest",
     "GenerationResult",
     "PrefillResult",
+    "ReportMark",
     "RequestTimings",
     "Role",
     "RouteDecision",

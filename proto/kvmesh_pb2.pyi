@@ -71,7 +71,7 @@ class PushResponse(_message.Message):
     def __init__(self, inserted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("page_hashes", "num_tokens", "page_size", "allow_pull", "role", "policy", "request_id")
+    __slots__ = ("page_hashes", "num_tokens", "page_size", "allow_pull", "role", "policy", "request_id", "tenant", "after")
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class RouteRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     page_size: int
@@ -86,10 +88,22 @@ class RouteRequest(_message.Message):
     role: str
     policy: str
     request_id: str
-    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., allow_pull: _Optional[bool] = ..., role: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tenant: str
+    after: _containers.RepeatedCompositeFieldContainer[ReportMark]
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., allow_pull: _Optional[bool] = ..., role: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., after: _Optional[_Iterable[_Union[ReportMark, _Mapping]]] = ...) -> None: ...
+
+class ReportMark(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "seq")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy", "total_pages", "degraded", "cost")
+    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy", "total_pages", "degraded", "cost", "promote_pages", "request_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +114,8 @@ class RouteResponse(_message.Message):
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
     matched_pages: int
@@ -110,7 +126,9 @@ class RouteResponse(_message.Message):
     total_pages: int
     degraded: bool
     cost: float
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ..., total_pages: _Optional[int] = ..., degraded: _Optional[bool] = ..., cost: _Optional[float] = ...) -> None: ...
+    promote_pages: int
+    request_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ..., total_pages: _Optional[int] = ..., degraded: _Optional[bool] = ..., cost: _Optional[float] = ..., promote_pages: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "address", "capacity", "incarnation", "role")

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
 from kvmesh.hashing import PageHasher, RequestHashes
 from kvmesh.load import WorkerLoad
@@ -67,6 +68,7 @@ from kvmesh.requests import (
     GenerateRequest,
     GenerationResult,
     PrefillResult,
+    ReportMark,
     Role,
     RouteOutcome,
     WorkerSpec,
@@ -216,7 +218,7 @@ class WorkerActor:
             max_concurrent=spec.max_concurrent,
             lock=self._lock,
         )
-        # Workers started by another driver never saw KVMesh.connect's profile check:
+        # Workers started by another driver never saw kvmesh.app.connect's profile check:
         # refuse a non-loopback bind here unless the operator asked for it.
         check_bind_address(
             cfg.transfer.host,
@@ -318,6 +320,9 @@ class WorkerActor:
                 raise
             finally:
                 self.reporter.report_request(outcome)
+        if self._rpc is not None and self.reporter.last_seq >= 0:  # the client's next route
+            mark = ReportMark(self.worker_id, self.incarnation, self.reporter.last_seq)
+            result = dataclasses.replace(result, reported=mark)
         wid = self.worker_id
         WORKER_REQUESTS.labels(wid).inc()
         PROMPT_PAGES.labels(wid, "local").inc(result.pages_hit_local)
@@ -462,13 +467,15 @@ class WorkerActor:
             return
         self._rpc(
             "register_worker",
-            self.worker_id,
-            self.address,
-            self.pool.num_pages - 1,
-            self.incarnation,
-            self.role,
-            actor_name=worker_actor_name(self.worker_id),
-            actor_namespace=self.config.coordinator.namespace,
+            WorkerRegistration(
+                self.worker_id,
+                self.address,
+                self.pool.num_pages - 1,
+                self.incarnation,
+                self.role,
+                actor_name=worker_actor_name(self.worker_id),
+                actor_namespace=self.config.coordinator.namespace,
+            ),
         )
 
     # ---------------------------------------------------------------- control

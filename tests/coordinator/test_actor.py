@@ -18,6 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvmesh.config import CoordinatorConfig  # noqa: E402
+from kvmesh.coordination import RouteQuery, WorkerRegistration  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
 from kvmesh.coordinator.index import GlobalIndex  # noqa: E402
 from kvmesh.errors import UnknownWorker  # noqa: E402
@@ -61,13 +62,15 @@ class PoolWorker:
     def register(self) -> bool:
         reg = ray.get(
             self.coordinator.register_worker.remote(
-                self.worker_id,
-                "127.0.0.1:0",
-                self.pool.num_pages - 1,
-                self.incarnation,
-                "both",
-                self.actor_name,
-                self.namespace,
+                WorkerRegistration(
+                    self.worker_id,
+                    "127.0.0.1:0",
+                    self.pool.num_pages - 1,
+                    self.incarnation,
+                    "both",
+                    self.actor_name,
+                    self.namespace,
+                ),
             )
         )
         return bool(reg.needs_snapshot)
@@ -143,7 +146,7 @@ def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_clust
     ray.get(named[0].serve.remote([prompt(6, 1), prompt(3, 2)]))
     ray.get(named[1].serve.remote([prompt(4, 1), prompt(5, 3)]))
     ray.get(anonymous.serve.remote([prompt(2, 4)]))
-    ray.get(coord.route.remote(prompt(6, 1), 24, PAGE))
+    ray.get(coord.route.remote(RouteQuery(prompt(6, 1), 24, PAGE)))
     before = index_of(coord)
     assert before.match(prompt(6, 1)).pages == {"w0": 6, "w1": 4}
     assert get_or_create_coordinator(cfg)._actor_id == coord._actor_id  # get-if-exists
@@ -176,7 +179,7 @@ def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_clust
     assert ray.get(anonymous.serve.remote([prompt(2, 5)])) is True
     assert ray.get(anonymous.send_snapshot.remote()) is False
     assert index_of(coord).worker_pages(WorkerId("anon")) == ray.get(anonymous.cached.remote())
-    d = ray.get(coord.route.remote(prompt(5, 3), 20, PAGE))
+    d = ray.get(coord.route.remote(RouteQuery(prompt(5, 3), 20, PAGE)))
     assert (d.worker_id, d.local_pages) == ("w1", 5)
     for w in workers:
         ray.kill(w)

@@ -8,6 +8,7 @@ import pytest
 
 from kvmesh import metrics
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import EventDecodeError
 from tests.coordinator.test_service import PoolWorker, prompt
@@ -30,7 +31,7 @@ def test_routes_are_counted_by_policy_and_worker_with_their_decision_time() -> N
     coord, w = new_coordinator()
     served(coord, w, tag=1)
     for _ in range(3):
-        coord.route(prompt(3, 1), 12, page_size=4)
+        coord.route(RouteQuery(prompt(3, 1), 12, page_size=4))
     me = coord.name
     assert metrics.ROUTES.value(coordinator=me, policy="kv_aware", worker="w0") == 3
     assert metrics.ROUTE_SECONDS.value(coordinator=me, policy="kv_aware") == 3
@@ -84,7 +85,7 @@ def test_two_live_coordinators_of_one_name_count_apart() -> None:
     b, _ = new_coordinator()
     assert a.name != b.name
     served(a, wa, tag=1)
-    a.route(prompt(3, 1), 12, page_size=4)
+    a.route(RouteQuery(prompt(3, 1), 12, page_size=4))
     assert (a.stats().routes, b.stats().routes) == (1, 0)
 
 

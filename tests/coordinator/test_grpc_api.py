@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvmesh.client.routing_client import RoutingClient
 from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.grpc_api import SERVICE_NAME, CoordinatorAPIServer, LocalBackend
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
@@ -88,7 +89,7 @@ class Served:
 def populated(core: Any) -> Any:
     for i in range(3):
         wid = WorkerId(f"w{i}")
-        core.register_worker(wid, f"10.0.0.{i}:5000", 100, "inc")
+        core.register_worker(WorkerRegistration(wid, f"10.0.0.{i}:5000", 100, "inc"))
         events = [PagesStored(tuple(prompt(4 + i, 7)), None, (), 4)]
         core.report(wid, [encode_batch(make_batch(events, wid, "inc", 0))])
     return core
@@ -113,8 +114,12 @@ def test_route_answers_the_coordinators_decision_with_the_workers_addresses(
     served: Served,
 ) -> None:
     with RoutingClient(served.address, TransferConfig(auth_token=TOKEN)) as client:
-        got = client.route(prompt(6, 7), 24, page_size=4, allow_pull=True, request_id="r1")
-    want = served.core.route(prompt(6, 7), 24, page_size=4, allow_pull=True, request_id="r1")
+        got = client.route(
+            RouteQuery(prompt(6, 7), 24, page_size=4, allow_pull=True, request_id="r1")
+        )
+    want = served.core.route(
+        RouteQuery(prompt(6, 7), 24, page_size=4, allow_pull=True, request_id="r1")
+    )
     assert (got.worker_id, got.matched_pages, got.peer_worker_id, got.peer_pages) == (
         want.worker_id,
         want.local_pages,
@@ -127,7 +132,10 @@ def test_route_answers_the_coordinators_decision_with_the_workers_addresses(
 
 def test_register_report_and_stats_reach_the_index(served: Served) -> None:
     with RoutingClient(served.address, TransferConfig(auth_token=TOKEN)) as client:
-        assert client.register("engine-a", "http://engine-a:8000", 500, "boot-1") is True
+        assert (
+            client.register(WorkerRegistration("engine-a", "http://engine-a:8000", 500, "boot-1"))
+            is True
+        )
         stored = [PagesStored(tuple(prompt(9, 3)), None, (), 4)]
         batch = make_batch(stored, WorkerId("engine-a"), "boot-1", 0)
         resync, results = client.report(
@@ -145,9 +153,9 @@ def test_a_missing_or_wrong_token_is_refused_and_changes_nothing(served: Served)
     for security in (TransferConfig(), TransferConfig(auth_token="not-the-token")):
         with RoutingClient(served.address, security) as client:
             with pytest.raises(Unauthenticated, match="bearer token"):
-                client.route(prompt(3, 7), 12, page_size=4)
+                client.route(RouteQuery(prompt(3, 7), 12, page_size=4))
             with pytest.raises(Unauthenticated):
-                client.register("intruder", "x:1", 10, "i")
+                client.register(WorkerRegistration("intruder", "x:1", 10, "i"))
             with pytest.raises(Unauthenticated):
                 client.stats()
     assert state(served.core) == before
@@ -166,17 +174,17 @@ def test_bad_requests_get_the_kvmesh_error_and_change_nothing(served: Served) ->
     before = state(served.core)
     with RoutingClient(served.address, TransferConfig(auth_token=TOKEN)) as client:
         with pytest.raises(InvalidInput, match="1-64 bytes"):
-            client.route([PageHash(b"x" * 65)], 16)
+            client.route(RouteQuery([PageHash(b"x" * 65)], 16))
         with pytest.raises(InvalidInput, match="role"):
-            client.route(prompt(2, 7), 8, role="janitor")
+            client.route(RouteQuery(prompt(2, 7), 8, role="janitor"))
         with pytest.raises(InvalidInput, match="unknown policy"):
-            client.route(prompt(2, 7), 8, policy="fastest")
+            client.route(RouteQuery(prompt(2, 7), 8, policy="fastest"))
         with pytest.raises(UnknownWorker):
             client.report("nobody", [])
         with pytest.raises(EventDecodeError):
             client.report("w0", [b"\x93garbage"])
         with pytest.raises(InvalidInput, match="worker_id"):
-            client.register("", "a:1", 1, "i")
+            client.register(WorkerRegistration("", "a:1", 1, "i"))
     assert state(served.core) == before
 
 
@@ -184,7 +192,7 @@ def test_no_workers_travels_as_unavailable_and_the_client_raises_no_workers(loop
     s = Served(loop, Coordinator(), TransferConfig())
     try:
         with RoutingClient(s.address) as client, pytest.raises(NoWorkers):
-            client.route(prompt(2, 1), 8)
+            client.route(RouteQuery(prompt(2, 1), 8))
     finally:
         s.stop()
 
@@ -210,7 +218,7 @@ def test_a_call_past_the_servers_deadline_is_deadline_exceeded(loop: Loop) -> No
 def test_the_client_fails_over_to_the_next_router(served: Served) -> None:
     dead = "127.0.0.1:1"  # nothing listens there
     with RoutingClient([dead, served.address], TransferConfig(auth_token=TOKEN)) as client:
-        got = client.route(prompt(4, 7), 16, page_size=4)
+        got = client.route(RouteQuery(prompt(4, 7), 16, page_size=4))
         assert got.router == served.address
     with RoutingClient([dead], TransferConfig(), deadline_s=1) as c, pytest.raises(TransportError):
         c.stats()
@@ -221,7 +229,7 @@ def test_a_sharded_coordinator_serves_the_same_api(loop: Loop) -> None:
     s = Served(loop, core, TransferConfig())
     try:
         with RoutingClient(s.address) as client:
-            got = client.route(prompt(6, 7), 24, page_size=4)
+            got = client.route(RouteQuery(prompt(6, 7), 24, page_size=4))
             assert (got.worker_id, got.matched_pages) == ("w2", 6)
             assert client.health().shards == 3
     finally:
@@ -307,7 +315,7 @@ def test_mutual_tls_serves_a_client_with_a_certificate_and_refuses_plaintext(
     s = Served(loop, populated(Coordinator(clock=lambda: 0.0)), tls)
     try:
         with RoutingClient(s.address, tls) as client:
-            assert client.route(prompt(4, 7), 16, page_size=4).matched_pages == 4
+            assert client.route(RouteQuery(prompt(4, 7), 16, page_size=4)).matched_pages == 4
         plain = TransferConfig(auth_token=TOKEN)
         no_cert = TransferConfig(tls_root_ca=str(cert), auth_token=TOKEN)
         for security in (plain, no_cert):

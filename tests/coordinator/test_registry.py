@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.registry import WorkerRegistry
 from kvmesh.errors import InvalidInput, UnknownWorker
@@ -22,7 +23,7 @@ class Clock:
 
 def test_a_registered_worker_starts_idle_with_its_capacity_free() -> None:
     reg = WorkerRegistry(Clock())
-    info = reg.register(A, "127.0.0.1:5000", 64, "inc-1", "prefill")
+    info = reg.register(WorkerRegistration(A, "127.0.0.1:5000", 64, "inc-1", "prefill"))
     assert (info.capacity, info.role, info.registered_at) == (64, "prefill", 100.0)
     assert info.load == WorkerLoad(A, free_pages=64, total_pages=64)
     assert A in reg and len(reg) == 1
@@ -31,8 +32,8 @@ def test_a_registered_worker_starts_idle_with_its_capacity_free() -> None:
 def test_heartbeats_keep_a_worker_alive_and_silence_expires_it() -> None:
     clock = Clock()
     reg = WorkerRegistry(clock)
-    reg.register(A, "a", 8, "i")
-    reg.register(B, "b", 8, "i")
+    reg.register(WorkerRegistration(A, "a", 8, "i"))
+    reg.register(WorkerRegistration(B, "b", 8, "i"))
     clock.t = 104.0
     reg.heartbeat(A, WorkerLoad(A, active_prefill_tokens=7))
     clock.t = 106.0
@@ -50,7 +51,7 @@ def test_a_heartbeat_from_an_unknown_worker_says_register_again() -> None:
 
 def test_a_load_reported_for_another_worker_is_rejected() -> None:
     reg = WorkerRegistry(Clock())
-    reg.register(A, "a", 8, "i")
+    reg.register(WorkerRegistration(A, "a", 8, "i"))
     with pytest.raises(InvalidInput):
         reg.heartbeat(A, WorkerLoad(B))
 
@@ -58,19 +59,19 @@ def test_a_load_reported_for_another_worker_is_rejected() -> None:
 def test_re_registering_the_same_incarnation_keeps_load_drain_and_start_time() -> None:
     clock = Clock()
     reg = WorkerRegistry(clock)
-    reg.register(A, "a", 8, "i")
+    reg.register(WorkerRegistration(A, "a", 8, "i"))
     reg.heartbeat(A, WorkerLoad(A, active_decode_pages=3))
     reg.drain(A)
     clock.t = 150.0
-    info = reg.register(A, "a", 8, "i")
+    info = reg.register(WorkerRegistration(A, "a", 8, "i"))
     assert (info.registered_at, info.draining, info.load.active_decode_pages) == (100.0, True, 3)
-    fresh = reg.register(A, "a2", 16, "j")
+    fresh = reg.register(WorkerRegistration(A, "a2", 16, "j"))
     assert (fresh.registered_at, fresh.draining, fresh.load.total_pages) == (150.0, False, 16)
 
 
 def test_drain_marks_and_unmarks_a_worker() -> None:
     reg = WorkerRegistry(Clock())
-    reg.register(A, "a", 8, "i")
+    reg.register(WorkerRegistration(A, "a", 8, "i"))
     assert reg.drain(A).draining
     assert not reg.drain(A, draining=False).draining
     with pytest.raises(UnknownWorker):
@@ -79,9 +80,9 @@ def test_drain_marks_and_unmarks_a_worker() -> None:
 
 def test_workers_are_listed_by_role() -> None:
     reg = WorkerRegistry(Clock())
-    reg.register(A, "a", 8, "i", "prefill")
-    reg.register(B, "b", 8, "i", "decode")
-    reg.register(WorkerId("c"), "c", 8, "i", "both")
+    reg.register(WorkerRegistration(A, "a", 8, "i", "prefill"))
+    reg.register(WorkerRegistration(B, "b", 8, "i", "decode"))
+    reg.register(WorkerRegistration(WorkerId("c"), "c", 8, "i", "both"))
     assert [w.worker_id for w in reg.workers("prefill")] == ["c", A]
     assert [w.worker_id for w in reg.workers("decode")] == ["c", B]
     assert len(reg.workers()) == 3
@@ -96,5 +97,5 @@ def test_bad_registrations_are_rejected(
 ) -> None:
     reg = WorkerRegistry(Clock())
     with pytest.raises(InvalidInput):
-        reg.register(WorkerId(worker_id), "addr", capacity, incarnation, role)  # type: ignore[arg-type]
+        reg.register(WorkerRegistration(WorkerId(worker_id), "addr", capacity, incarnation, role))  # type: ignore[arg-type]
     assert len(reg) == 0

@@ -22,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvmesh.config import CoordinatorConfig  # noqa: E402
+from kvmesh.coordination import RouteQuery, WorkerRegistration  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
 from kvmesh.coordinator.router import HedgeDelay, create_layout  # noqa: E402
 from kvmesh.coordinator.shards import shard_of  # noqa: E402
@@ -65,13 +66,15 @@ class PoolWorker:
     def register(self) -> None:
         ray.get(
             self.coordinator.register_worker.remote(
-                self.worker_id,
-                f"addr-{self.worker_id}",
-                self.pool.num_pages - 1,
-                self.incarnation,
-                "both",
-                self.actor_name,
-                self.namespace,
+                WorkerRegistration(
+                    self.worker_id,
+                    f"addr-{self.worker_id}",
+                    self.pool.num_pages - 1,
+                    self.incarnation,
+                    "both",
+                    self.actor_name,
+                    self.namespace,
+                ),
             )
         )
         ray.get(self.coordinator.report.remote(self.worker_id, [self._batch(True)]))
@@ -158,7 +161,7 @@ def test_a_sharded_coordinator_routes_on_every_shards_workers(ray_cluster: None)
     workers = start_workers(cfg, router, 6)
     held = truth(workers)
     for p in PROMPTS:
-        d = ray.get(router.route.remote(p, len(p) * PAGE, PAGE, True))
+        d = ray.get(router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True)))
         check(d, p, held)
         best = max(held_prefix(h, p) for h in held.values())
         assert d.local_pages + d.peer_pages == best  # the longest prefix anywhere is found
@@ -192,7 +195,9 @@ def test_a_shard_killed_mid_load_is_rebuilt_and_routing_resumes_with_no_wrong_an
         while not stop.is_set():
             p = PROMPTS[rng.randrange(len(PROMPTS))]
             try:
-                answers.append((ray.get(router.route.remote(p, len(p) * PAGE, PAGE, True)), p))
+                answers.append(
+                    (ray.get(router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True))), p)
+                )
             except Exception as exc:  # counted: the test wants none
                 failures.append(exc)
 
@@ -235,8 +240,12 @@ def test_two_replicas_fed_the_same_events_decide_alike(ray_cluster: None) -> Non
     batch = 500
     for k in range(0, len(reqs), batch):
         part = reqs[k : k + batch]
-        a = ray.get([r0.route.remote(p, t, PAGE, True, None, None, rid) for p, t, rid in part])
-        b = ray.get([r1.route.remote(p, t, PAGE, True, None, None, rid) for p, t, rid in part])
+        a = ray.get(
+            [r0.route.remote(RouteQuery(p, t, PAGE, True, None, None, rid)) for p, t, rid in part]
+        )
+        b = ray.get(
+            [r1.route.remote(RouteQuery(p, t, PAGE, True, None, None, rid)) for p, t, rid in part]
+        )
         assert a == b
         for d, (p, _, _) in zip(a, part, strict=True):
             check(d, p, held)
@@ -256,7 +265,7 @@ def test_a_request_routed_by_one_replica_counts_in_every_replicas_loads(
     _workers = start_workers(cfg, keep, 3)  # held until the end: Ray collects unheld actors
     prompt = PROMPTS[0]
     tokens = len(prompt) * PAGE
-    d = ray.get(r0.route.remote(prompt, tokens, PAGE, False, None, None, "req-1"))
+    d = ray.get(r0.route.remote(RouteQuery(prompt, tokens, PAGE, False, None, None, "req-1")))
     want = tokens - d.local_pages * PAGE  # what the single coordinator adds (`_count_routed`)
 
     def queued(router: Any) -> int:
@@ -287,7 +296,9 @@ def test_a_replica_killed_under_load_from_8_clients_fails_no_request(ray_cluster
             p = PROMPTS[rng.randrange(len(PROMPTS))]
             for i, r in enumerate(order):
                 try:
-                    d = ray.get(r.route.remote(p, len(p) * PAGE, PAGE, True), timeout=30)
+                    d = ray.get(
+                        r.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True)), timeout=30
+                    )
                     check(d, p, held)
                     done[k] += 1
                     break
@@ -323,8 +334,8 @@ def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: N
     assert ray.get(r1.wait_ready.remote(60), timeout=90)
     # looks (no request id), so that asking both replicas the same adds no load twice
     for p in PROMPTS:  # routes only once caught up: the pools' truth, as replica 0
-        d1 = ray.get(r1.route.remote(p, len(p) * PAGE, PAGE, True, None, None, ""))
-        d0 = ray.get(r0.route.remote(p, len(p) * PAGE, PAGE, True, None, None, ""))
+        d1 = ray.get(r1.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True, None, None, "")))
+        d0 = ray.get(r0.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True, None, None, "")))
         check(d1, p, held)
         assert d1 == d0
     time.sleep(3 * cfg.heartbeat_interval_s)  # replica 0's router finds replica 1
@@ -333,8 +344,12 @@ def test_a_new_replica_catches_up_from_snapshots_before_it_routes(ray_cluster: N
     held = truth(workers)
     deadline = time.monotonic() + 30
     while True:  # a gap from before it was found heals by snapshot; then both agree
-        a = [ray.get(r0.route.remote(p, 48, PAGE, True, None, None, "")) for p in PROMPTS]
-        b = [ray.get(r1.route.remote(p, 48, PAGE, True, None, None, "")) for p in PROMPTS]
+        a = [
+            ray.get(r0.route.remote(RouteQuery(p, 48, PAGE, True, None, None, ""))) for p in PROMPTS
+        ]
+        b = [
+            ray.get(r1.route.remote(RouteQuery(p, 48, PAGE, True, None, None, ""))) for p in PROMPTS
+        ]
         if a == b or time.monotonic() > deadline:
             break
         time.sleep(0.3)
@@ -357,18 +372,20 @@ def test_the_routers_serve_the_grpc_api_and_a_client_fails_over(ray_cluster: Non
     with RoutingClient(addresses, security, deadline_s=10) as client:
         assert client.health().replicas == 2
         for i in range(3):
-            client.register(f"engine-{i}", f"http://engine-{i}:8000", 1000, "boot")
+            client.register(
+                WorkerRegistration(f"engine-{i}", f"http://engine-{i}:8000", 1000, "boot")
+            )
             events = [PagesStored(tuple(PROMPTS[0][: 3 + 3 * i]), None, (), PAGE)]
             batch = encode_batch(make_batch(events, WorkerId(f"engine-{i}"), "boot", 0))
             assert client.report(f"engine-{i}", [batch]) == (False, ["applied"])
-        got = client.route(PROMPTS[0], 48, page_size=PAGE)
+        got = client.route(RouteQuery(PROMPTS[0], 48, page_size=PAGE))
         assert (got.worker_id, got.matched_pages, got.worker_address) == (
             "engine-2",
             9,
             "http://engine-2:8000",
         )
         ray.kill(routers[0], no_restart=True)
-        again = client.route(PROMPTS[0], 48, page_size=PAGE)
+        again = client.route(RouteQuery(PROMPTS[0], 48, page_size=PAGE))
         assert (again.worker_id, again.matched_pages) == ("engine-2", 9)
         assert again.router == addresses[1]
 
@@ -384,7 +401,7 @@ def test_the_single_coordinator_actor_serves_the_grpc_api_too(ray_cluster: None)
     with RoutingClient(address) as client:
         assert client.health().shards == 1
         for p in PROMPTS:
-            got = client.route(p, len(p) * PAGE, page_size=PAGE)
+            got = client.route(RouteQuery(p, len(p) * PAGE, page_size=PAGE))
             assert got.matched_pages == held_prefix(held[got.worker_id], p)
             assert got.worker_address == f"addr-{got.worker_id}"
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import ApplyResult
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
@@ -69,11 +70,13 @@ class PoolWorker:
 
     def register(self, coord: Coordinator, **kw: object) -> bool:
         reg = coord.register_worker(
-            self.worker_id,
-            f"127.0.0.1:{5000 + len(self.worker_id)}",
-            self.pool.num_pages - 1,
-            self.incarnation,
-            **kw,  # type: ignore[arg-type]
+            WorkerRegistration(
+                self.worker_id,
+                f"127.0.0.1:{5000 + len(self.worker_id)}",
+                self.pool.num_pages - 1,
+                self.incarnation,
+                **kw,
+            ),  # type: ignore[arg-type]
         )
         return reg.needs_snapshot
 
@@ -107,7 +110,7 @@ def test_a_request_goes_to_the_worker_whose_pool_holds_its_prefix() -> None:
     p = prompt(6, tag=1)
     w1.serve(p)
     coord.report(w1.worker_id, [w1.batch()])
-    d = coord.route(p, 6 * PAGE + 1, page_size=PAGE)
+    d = coord.route(RouteQuery(p, 6 * PAGE + 1, page_size=PAGE))
     assert (d.worker_id, d.local_pages) == (w1.worker_id, 6)
     assert w1.serve(p) == d.local_pages  # the promise holds on the real pool
 
@@ -117,7 +120,7 @@ def test_the_decision_names_the_peer_when_the_chosen_worker_holds_less() -> None
     p = prompt(8, tag=2)
     w0.serve(p)
     coord.report(w0.worker_id, [w0.batch()], WorkerLoad(w0.worker_id, 100 * PAGE))
-    d = coord.route(p, 8 * PAGE, page_size=PAGE, allow_pull=True)
+    d = coord.route(RouteQuery(p, 8 * PAGE, page_size=PAGE, allow_pull=True))
     assert d.worker_id != w0.worker_id  # w0's prefill queue is far longer
     assert (d.peer_id, d.peer_pages) == (w0.worker_id, 8)
 
@@ -150,7 +153,7 @@ def test_a_gap_asks_for_a_snapshot_which_brings_the_index_back_in_line() -> None
     w0.serve(prompt(2, tag=5))
     reply = coord.report(w0.worker_id, [w0.batch()])
     assert reply.needs_snapshot and reply.results == (ApplyResult.STALE,)
-    assert coord.route(prompt(3, tag=4), 12, page_size=PAGE).local_pages == 0
+    assert coord.route(RouteQuery(prompt(3, tag=4), 12, page_size=PAGE)).local_pages == 0
     reply = coord.report(w0.worker_id, [w0.snapshot()])
     assert not reply.needs_snapshot
     assert index_equals_pools(coord, [w0])
@@ -187,9 +190,9 @@ def test_a_draining_worker_gets_requests_only_when_nothing_else_is_left() -> Non
     w0.serve(p)
     coord.report(w0.worker_id, [w0.batch()])
     coord.drain_worker(w0.worker_id)
-    assert coord.route(p, 16, page_size=PAGE).worker_id == w1.worker_id
+    assert coord.route(RouteQuery(p, 16, page_size=PAGE)).worker_id == w1.worker_id
     coord.remove_worker(w1.worker_id)
-    d = coord.route(p, 16, page_size=PAGE)
+    d = coord.route(RouteQuery(p, 16, page_size=PAGE))
     assert (d.worker_id, d.degraded) == (w0.worker_id, True)
 
 
@@ -199,24 +202,27 @@ def test_removing_every_worker_leaves_nothing_to_route_to() -> None:
         assert coord.remove_worker(w.worker_id)
     assert not coord.remove_worker(WorkerId("w0"))
     with pytest.raises(NoWorkers):
-        coord.route(prompt(2, tag=9), 8, page_size=PAGE)
+        coord.route(RouteQuery(prompt(2, tag=9), 8, page_size=PAGE))
 
 
 def test_route_can_ask_for_another_policy_by_name() -> None:
     coord, _, _ = cluster(3)
-    picks = [coord.route(prompt(2, 10), 8, page_size=PAGE, policy="round_robin") for _ in range(3)]
+    picks = [
+        coord.route(RouteQuery(prompt(2, 10), 8, page_size=PAGE, policy="round_robin"))
+        for _ in range(3)
+    ]
     assert [d.worker_id for d in picks] == ["w0", "w1", "w2"]
     assert {d.policy for d in picks} == {"round_robin"}
     with pytest.raises(ConfigError, match="unknown routing policy"):
-        coord.route(prompt(2, 10), 8, page_size=PAGE, policy="nope")
+        coord.route(RouteQuery(prompt(2, 10), 8, page_size=PAGE, policy="nope"))
 
 
 def test_routes_can_be_restricted_to_a_role() -> None:
     coord = Coordinator(rng=random.Random(0))
     PoolWorker("p").register(coord, role="prefill")
     PoolWorker("d").register(coord, role="decode")
-    assert {coord.route([], 4, role="decode").worker_id for _ in range(5)} == {"d"}
-    assert {coord.route([], 4, role="prefill").worker_id for _ in range(5)} == {"p"}
+    assert {coord.route(RouteQuery([], 4, role="decode")).worker_id for _ in range(5)} == {"d"}
+    assert {coord.route(RouteQuery([], 4, role="prefill")).worker_id for _ in range(5)} == {"p"}
 
 
 def test_rebuild_from_snapshots_equals_the_pools_and_isolates_a_bad_one() -> None:
@@ -277,22 +283,26 @@ def test_a_bad_outcome_refuses_the_whole_report_and_changes_nothing() -> None:
 def test_a_routed_request_weighs_on_its_worker_until_the_worker_reports() -> None:
     coord, _, _ = cluster(2)
     p = prompt(3, tag=32)
-    coord.route(p, 3 * PAGE + 2)  # a look: nothing is sent
-    assert all(load.active_prefill_tokens == 0 for load in coord.view(p).loads)
-    decision = coord.route(p, 3 * PAGE + 2, request_id="r1")
-    loads = {load.worker_id: load for load in coord.view(p).loads}
+    coord.route(RouteQuery(p, 3 * PAGE + 2))  # a look: nothing is sent
+    assert all(
+        load.active_prefill_tokens == 0 for load in coord.view(RouteQuery(p, 3 * PAGE + 2)).loads
+    )
+    decision = coord.route(RouteQuery(p, 3 * PAGE + 2, request_id="r1"))
+    loads = {load.worker_id: load for load in coord.view(RouteQuery(p, 3 * PAGE + 2)).loads}
     routed = loads[decision.worker_id]
     assert (routed.active_prefill_tokens, routed.active_requests) == (3 * PAGE + 2, 1)
     assert sum(load.active_requests for load in loads.values()) == 1
     coord.report(decision.worker_id, [], WorkerLoad(decision.worker_id))  # measured: idle
-    assert all(load.active_prefill_tokens == 0 for load in coord.view(p).loads)
+    assert all(
+        load.active_prefill_tokens == 0 for load in coord.view(RouteQuery(p, 3 * PAGE + 2)).loads
+    )
 
 
 def test_stats_count_routes_batches_and_pages() -> None:
     coord, (w0, _w1, _w2), _ = cluster()
     w0.serve(prompt(5, tag=11))
     coord.report(w0.worker_id, [w0.batch()])
-    coord.route(prompt(5, tag=11), 20, page_size=PAGE)
+    coord.route(RouteQuery(prompt(5, tag=11), 20, page_size=PAGE))
     s = coord.stats()
     assert (s.workers, s.indexed_pages, s.index_entries, s.routes) == (3, 5, 5, 1)
     assert s.routes_by_worker == {"w0": 1}
@@ -326,7 +336,7 @@ def test_concurrent_reports_and_routes_keep_the_index_consistent() -> None:
                 with locks[w.worker_id]:  # one worker's batches go out in seq order
                     w.serve(prompt(rng.randint(1, 5), tag=rng.randint(0, 6)))
                     coord.report(w.worker_id, [w.batch()])
-                coord.route(prompt(4, tag=rng.randint(0, 6)), 16, page_size=PAGE)
+                coord.route(RouteQuery(prompt(4, tag=rng.randint(0, 6)), 16, page_size=PAGE))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -348,7 +358,7 @@ def test_a_stale_worker_is_not_routed_to_for_its_prefix_until_it_resyncs() -> No
     coord.report(w0.worker_id, [w0.batch()])
     w0.batch()  # lost: the next report reveals the gap
     coord.report(w0.worker_id, [w0.batch()])
-    d = coord.route(p, 24, page_size=PAGE)
+    d = coord.route(RouteQuery(p, 24, page_size=PAGE))
     assert (d.worker_id, d.local_pages, d.peer_id) == (w1.worker_id, 0, None)
     coord.report(w0.worker_id, [w0.snapshot()])
-    assert coord.route(p, 24, page_size=PAGE).worker_id == w0.worker_id
+    assert coord.route(RouteQuery(p, 24, page_size=PAGE)).worker_id == w0.worker_id

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvmesh.app.sim_engine import PreparedTrace, prepare_trace
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
 from kvmesh.coordinator.service import Coordinator, RouteView
 from kvmesh.coordinator.shards import (
@@ -97,7 +98,11 @@ def replay(
 
     def register(w: TraceWorker) -> None:
         for c in coordinators:
-            c.register_worker(w.worker_id, f"host:{w.worker_id}", POOL_PAGES - 1, w.incarnation)
+            c.register_worker(
+                WorkerRegistration(
+                    w.worker_id, f"host:{w.worker_id}", POOL_PAGES - 1, w.incarnation
+                )
+            )
 
     def report(w: TraceWorker, data: bytes, load: WorkerLoad | None = None) -> None:
         replies = [c.report(w.worker_id, [data], load) for c in coordinators]
@@ -135,12 +140,14 @@ def replay(
         pull = rng.random() < 0.5
         decisions = [
             c.route(
-                hashes,
-                req.input_tokens,
-                page_size=16,
-                allow_pull=pull,
-                policy=policy,
-                request_id=req.request_id,
+                RouteQuery(
+                    hashes,
+                    req.input_tokens,
+                    page_size=16,
+                    allow_pull=pull,
+                    policy=policy,
+                    request_id=req.request_id,
+                ),
             )
             for c in coordinators
         ]
@@ -208,7 +215,9 @@ def test_merged_views_keep_worker_id_order_for_the_policies_tie_breaks() -> None
 
 def test_a_sharded_coordinator_without_workers_refuses_to_route() -> None:
     with pytest.raises(NoWorkers):
-        ShardedCoordinator(CoordinatorConfig(index_shards=3)).route([PageHash(b"h" * 16)], 16)
+        ShardedCoordinator(CoordinatorConfig(index_shards=3)).route(
+            RouteQuery([PageHash(b"h" * 16)], 16)
+        )
 
 
 def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() -> None:
@@ -224,7 +233,7 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
     pool = [TraceWorker(f"w{i}") for i in range(6)]
     for w in pool:
         for c in (a, b):
-            c.register_worker(w.worker_id, "h", POOL_PAGES - 1, w.incarnation)
+            c.register_worker(WorkerRegistration(w.worker_id, "h", POOL_PAGES - 1, w.incarnation))
     reqs = trace().requests
     agreed = 0
     for n in range(10_000):
@@ -238,15 +247,15 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
         req = reqs[rng.randrange(len(reqs))]
         hashes = req.page_hashes[: rng.randint(1, MAX_PAGES)]
         only_a = rng.random() < 0.3  # a's own history: looks b never sees
-        da = a.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
+        da = a.route(RouteQuery(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware"))
         if only_a:
             # a routed it alone; its load reaches every replica as a state change (RouterActor)
             routed = RouteRequest(tuple(hashes), req.input_tokens, request_id=f"r{n}")
             b.shard(da.worker_id).count_routed(da, routed)
             # and a look (no request id: no load counts it) that b never sees
-            a.route(hashes[:1], 16, policy="random")
+            a.route(RouteQuery(hashes[:1], 16, policy="random"))
             continue
-        db = b.route(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware")
+        db = b.route(RouteQuery(hashes, req.input_tokens, request_id=f"r{n}", policy="kv_aware"))
         assert da == db, n
         agreed += 1
     assert agreed > 6000
@@ -266,7 +275,7 @@ def test_a_router_refuses_an_unknown_policy_by_name() -> None:
     router = ShardRouter(CoordinatorConfig())
     view = RouteView({}, (WorkerLoad(WorkerId("w0")),))
     with pytest.raises(Exception, match="nope"):
-        router.decide(RouteRequest((), 1), view, "nope")
+        router.decide(RouteQuery((), 1, policy="nope"), view)
 
 
 @pytest.mark.parametrize(

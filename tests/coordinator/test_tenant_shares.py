@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
@@ -138,7 +139,7 @@ def test_tenant_names_hide_the_salt_and_bad_weights_say_how_to_write_them() -> N
 
 def test_the_coordinator_tracks_tenant_shares_from_the_reports_with_configured_weights() -> None:
     coord = Coordinator(CoordinatorConfig(tenant_weights=f"{QUIET}=2"))
-    coord.register_worker(W0, "127.0.0.1:1", 100, "i")
+    coord.register_worker(WorkerRegistration(W0, "127.0.0.1:1", 100, "i"))
     batch = make_batch([stored("q", 3, QUIET), stored("n", 6, NOISY, "cpu")], W0, "i", 0)
     coord.report(W0, [encode_batch(batch)])
     view = coord.tenant_share_view()
@@ -168,12 +169,12 @@ def test_an_over_share_tenant_is_routed_where_it_already_holds_pages() -> None:
 def test_the_coordinator_weighs_shares_only_for_a_tenant_above_its_share() -> None:
     coord = Coordinator(CoordinatorConfig(tenant_share_weight=2.0), rng=random.Random(0))
     for wid in (W0, W1):
-        coord.register_worker(wid, "127.0.0.1:1", 100, "i")
+        coord.register_worker(WorkerRegistration(wid, "127.0.0.1:1", 100, "i"))
     coord.report(W1, [encode_batch(make_batch([stored("n", 9, NOISY)], W1, "i", 0))])
     coord.report(W0, [encode_batch(make_batch([stored("q", 1, QUIET)], W0, "i", 0))])
     coord.report(W1, [], WorkerLoad(W1, 2 * 16, free_pages=100, total_pages=100))
     new = list(pages("fresh", 3))
     # W1 has 2 queued pages; the noisy tenant holds 9 of 10 pages, all on W1: it goes there
-    assert coord.route(new, 3 * 16, tenant=NOISY).worker_id == W1
-    assert coord.route(new, 3 * 16, tenant=QUIET).worker_id == W0
-    assert coord.route(new, 3 * 16).worker_id == W0
+    assert coord.route(RouteQuery(new, 3 * 16, tenant=NOISY)).worker_id == W1
+    assert coord.route(RouteQuery(new, 3 * 16, tenant=QUIET)).worker_id == W0
+    assert coord.route(RouteQuery(new, 3 * 16)).worker_id == W0

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import (
     Candidates,
@@ -255,15 +256,15 @@ def test_the_coordinator_prefers_a_device_holder_and_promises_a_host_holder_prom
         W1: PagePool(32, page_size=PAGE, medium="cpu"),
     }
     for wid, pool in pools.items():
-        coord.register_worker(wid, "127.0.0.1:1", 31, "inc")
+        coord.register_worker(WorkerRegistration(wid, "127.0.0.1:1", 31, "inc"))
         pages = pool.get_new_pages(len(prompt))
         pool.cache_full_pages(pages, prompt, 0, len(prompt))
         pool.free_pages(reversed(pages))
         coord.report(
             wid, [encode_batch(make_batch(pool.take_events(), wid, "inc", 0, snapshot=True))]
         )
-    d = coord.route(prompt, len(prompt) * PAGE + 1, page_size=PAGE)
+    d = coord.route(RouteQuery(prompt, len(prompt) * PAGE + 1, page_size=PAGE))
     assert (d.worker_id, d.local_pages, d.promote_pages) == (W0, len(prompt), 0)
     coord.remove_worker(W0)
-    d = coord.route(prompt, len(prompt) * PAGE + 1, page_size=PAGE)
+    d = coord.route(RouteQuery(prompt, len(prompt) * PAGE + 1, page_size=PAGE))
     assert (d.worker_id, d.local_pages, d.promote_pages) == (W1, len(prompt), len(prompt))

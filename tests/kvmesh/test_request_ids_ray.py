@@ -13,6 +13,7 @@ import ray
 
 from kvmesh.client import KVMesh
 from kvmesh.config import ClusterConfig, PoolConfig
+from kvmesh.coordination import RouteQuery
 from kvmesh.errors import ConfigError, InvalidInput, KVMeshError
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -36,7 +37,9 @@ def test_the_coordinator_actor_tags_the_error_of_the_route_it_refused(mesh: KVMe
 
     coordinator: Any = get_or_create_coordinator(CONFIG.coordinator)
     with pytest.raises(Exception) as refused:
-        ray.get(coordinator.route.remote([], 16, policy="nope", request_id="req-route-1"))
+        ray.get(
+            coordinator.route.remote(RouteQuery([], 16, policy="nope", request_id="req-route-1"))
+        )
     err = cause(refused.value)
     assert isinstance(err, ConfigError) and "nope" in str(err)
     assert err.request_id == "req-route-1"

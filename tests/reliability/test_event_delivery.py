@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.events import encode_batch, make_batch
@@ -90,7 +91,9 @@ def cluster(reorder_window: int = 64) -> tuple[Coordinator, list[PoolWorker]]:
     coord = Coordinator(CoordinatorConfig(reorder_window=reorder_window))
     workers = [PoolWorker(w) for w in WORKERS]
     for w in workers:
-        coord.register_worker(w.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w.incarnation)
+        coord.register_worker(
+            WorkerRegistration(w.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w.incarnation)
+        )
         coord.report(w.worker_id, [w.batch(snapshot=True)])
     return coord, workers
 
@@ -184,7 +187,9 @@ def test_a_late_batch_from_before_a_restart_changes_nothing() -> None:
     late = w0.batch()  # events of the old life, delivered after the restart
     w0.pool = PagePool(POOL_PAGES, page_size=PAGE)
     w0.incarnation, w0.seq = uuid.uuid4().hex, 0
-    coord.register_worker(w0.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w0.incarnation)
+    coord.register_worker(
+        WorkerRegistration(w0.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w0.incarnation)
+    )
     coord.report(w0.worker_id, [w0.batch(snapshot=True)])
     w0.serve(PROMPTS[0])
     coord.report(w0.worker_id, [w0.batch()])
@@ -205,7 +210,9 @@ def test_snapshot_then_restore_gives_identical_matches_on_10000_random_prefixes(
     copy.check_invariants()
     restored = Coordinator(CoordinatorConfig())
     for w in workers:
-        restored.register_worker(w.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w.incarnation)
+        restored.register_worker(
+            WorkerRegistration(w.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w.incarnation)
+        )
     restored.restore_index(data)
     assert copy.snapshot() == data  # a second round trip is byte-identical
     foreign = HASHER.hash_prompt([255] * (8 * PAGE))

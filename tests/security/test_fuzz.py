@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ChecksumMismatch, EventDecodeError, KVMeshError
@@ -578,7 +579,7 @@ def test_the_global_index_applies_a_valid_batch_or_refuses_and_changes_nothing(
 @given(data=event_bytes())
 def test_the_coordinator_rejects_a_bad_report_whole_and_changes_nothing(data: bytes) -> None:
     coordinator = Coordinator(CoordinatorConfig())
-    coordinator.register_worker(WORKER, "127.0.0.1:1", 16, "inc-1")
+    coordinator.register_worker(WorkerRegistration(WORKER, "127.0.0.1:1", 16, "inc-1"))
     good = encode_batch(make_batch([], WORKER, "inc-1", 0, snapshot=True))
     coordinator.report(WORKER, [good])
     before = (coordinator.snapshot_index(), coordinator.stats().batches_applied)

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig, ModelConfig, SecurityConfig, TransferConfig
+from kvmesh.coordination import RouteQuery, WorkerRegistration
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, Unauthenticated
 from kvmesh.events import PagesRemoved, PagesStored, encode_batch, make_batch
@@ -101,7 +102,9 @@ class Cluster:
         server = ServerThread(pages, TRANSFER)
         server.start()
         node = Node(wid, engine, pages, server)
-        self.coordinator.register_worker(wid, node.address, 63, node.incarnation)
+        self.coordinator.register_worker(
+            WorkerRegistration(wid, node.address, 63, node.incarnation)
+        )
         self._report(node, [], snapshot=True)
         return node
 
@@ -161,7 +164,7 @@ class Cluster:
     def routed(self, tokens: Sequence[int], salt: str | None) -> tuple[Node, GenerationResult]:
         """Route through the coordinator and serve where it says, with its pull hint."""
         d = self.coordinator.route(
-            self.hashes(tokens, salt), len(tokens), page_size=PAGE, allow_pull=True
+            RouteQuery(self.hashes(tokens, salt), len(tokens), page_size=PAGE, allow_pull=True)
         )
         node = self.node(d.worker_id)
         peer = self.node(d.peer_id).address if d.peer_id is not None and d.peer_pages else None
@@ -195,7 +198,7 @@ def test_tenant_b_gets_no_hit_and_no_pull_from_tenant_a_but_a_gets_all(cluster: 
 
     # The coordinator sees nothing of B's prompt anywhere.
     d = cluster.coordinator.route(
-        cluster.hashes(PROMPT, "tenant-b"), len(PROMPT), page_size=PAGE, allow_pull=True
+        RouteQuery(cluster.hashes(PROMPT, "tenant-b"), len(PROMPT), page_size=PAGE, allow_pull=True)
     )
     assert (d.local_pages, d.peer_pages) == (0, 0)
     _, b = cluster.routed(PROMPT, "tenant-b")
@@ -211,7 +214,7 @@ def test_tenant_b_gets_no_hit_and_no_pull_from_tenant_a_but_a_gets_all(cluster: 
     # The control: A again hits in full where its pages are, and pulls them in full elsewhere.
     assert cluster.serve(w0, PROMPT, "tenant-a").pages_hit_local == REUSABLE
     d = cluster.coordinator.route(
-        cluster.hashes(PROMPT, "tenant-a"), len(PROMPT), page_size=PAGE, allow_pull=True
+        RouteQuery(cluster.hashes(PROMPT, "tenant-a"), len(PROMPT), page_size=PAGE, allow_pull=True)
     )
     assert d.local_pages + d.peer_pages == REUSABLE
     pulled = cluster.serve(w1, PROMPT, "tenant-a", RouteHint(0, REUSABLE, w0.address))
@@ -357,7 +360,7 @@ def test_another_tenants_pages_cannot_be_reached_by_hash_through_any_api(
 
     # route and match (coordinator)
     for g in guesses:
-        d = cluster.coordinator.route(g, len(PROMPT), page_size=PAGE, allow_pull=True)
+        d = cluster.coordinator.route(RouteQuery(g, len(PROMPT), page_size=PAGE, allow_pull=True))
         assert (d.local_pages, d.peer_pages) == (0, 0)
     assert cluster.coordinator.match(b_hashes).pages == {}
     assert cluster.coordinator.match(a_hashes).pages == {w0.worker_id: REUSABLE}

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvmesh.config import CoordinatorConfig
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import UnknownWorker
 from kvmesh.events import decode_batch
@@ -69,7 +70,7 @@ class HeldCoordinator:
 
 
 def register(core: Coordinator) -> None:
-    core.register_worker(WID, "127.0.0.1:1", 15, "inc-1")
+    core.register_worker(WorkerRegistration(WID, "127.0.0.1:1", 15, "inc-1"))
 
 
 def setup() -> tuple[HeldCoordinator, EventReporter, PagePool]:

@@ -23,6 +23,7 @@ from worker_kit import (
 )
 
 from kvmesh.config import TransferConfig
+from kvmesh.coordination import WorkerRegistration
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportError
 from kvmesh.events import decode_batch
@@ -146,7 +147,7 @@ def test_snapshot_rebuilds_an_index_that_lost_the_worker(
     w0 = workers[0]
     w0.generate(request(prompt(5)))
     fresh = Coordinator(CONFIG.coordinator)
-    fresh.register_worker(WorkerId("w0"), w0.address, 63, w0.incarnation)
+    fresh.register_worker(WorkerRegistration(WorkerId("w0"), w0.address, 63, w0.incarnation))
     result = fresh.rebuild_from_snapshots({WorkerId("w0"): w0.snapshot()})
     assert not result.failed
     assert index_equals_pool(fresh, w0)
