@@ -14,7 +14,8 @@ is detected when it is read (or adopted), deleted, counted
 (``kvmesh_disk_pages_dropped_total``) and never served: `take` raises
 `DiskPageCorrupt`.
 
-The tier keeps ``hash -> entry`` in LRU order and evicts (its `EvictionPolicy`)
+The tier keeps ``hash -> entry`` in LRU order (and each tenant's entries in
+their own queue, for fair eviction) and evicts (its `EvictionPolicy`)
 until a new page fits `budget_bytes`. A restarted worker re-adopts the files
 its folder holds (headers checked, bytes checked when read), oldest first by
 modification time. Not thread-safe; emits no events (`TieredCache` does).
@@ -40,7 +41,12 @@ from kvmesh.metrics import DISK_PAGES_DROPPED
 from kvmesh.types import PageHash
 from kvmesh.worker.kv_store import PageBlob, checksum, resolve_dtype
 from kvmesh.worker.page_pool import PageMeta
-from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction, second_chance
+from kvmesh.worker.tenant_share import (
+    EvictionPolicy,
+    LruEviction,
+    QueuedCandidates,
+    TenantQueues,
+)
 
 MAGIC = b"KVMPAGE1"
 SUFFIX = ".kvp"
@@ -159,6 +165,7 @@ class DiskTier:
         self.policy: EvictionPolicy = policy or LruEviction()
         self.worker = worker
         self._entries: OrderedDict[PageHash, DiskEntry] = OrderedDict()
+        self._queues: TenantQueues[PageHash] = TenantQueues()
         self.tenant_pages: Counter[str] = Counter()
         self.used_bytes = 0
         # a page file's size, its header's variable fields at their widest (64-byte hashes)
@@ -217,7 +224,7 @@ class DiskTier:
                 f"{blob.dtype} {list(blob.shape)}"
             )
         if meta.page_hash in self._entries:
-            self._entries.move_to_end(meta.page_hash)
+            self._refresh(meta.page_hash)
             return []
         head, data = encode_page_file(meta, blob)
         size = len(head) + len(data)
@@ -240,10 +247,9 @@ class DiskTier:
     def admit(self, meta: PageMeta, size: int) -> list[PageMeta]:
         """Hold a page whose file `write` made; returns the pages evicted to fit the budget."""
         if meta.page_hash in self._entries:  # written twice: the file was replaced whole
-            self._entries.move_to_end(meta.page_hash)
+            self._refresh(meta.page_hash)
             return []
-        self._entries[meta.page_hash] = DiskEntry(meta, size)
-        self.tenant_pages[meta.tenant] += 1
+        self._hold(DiskEntry(meta, size))
         self.used_bytes += size
         if self.used_bytes <= self.budget_bytes:
             return []
@@ -255,16 +261,26 @@ class DiskTier:
         while self.used_bytes + size > self.budget_bytes and len(self._entries) > (
             keep is not None
         ):
-            walked: list[PageHash] = []
-            (victim,) = second_chance(
-                self._entries,
-                self.policy.choose(
-                    _walk(self._entries, walked, keep), self.tenant_pages, capacity, 1, tenant
-                ),
-                walked,
+            (victim,) = self.policy.choose(
+                QueuedCandidates(self._entries.__iter__, self._queues, keep),
+                self.tenant_pages,
+                capacity,
+                1,
+                tenant,
             )
             evicted.append(self._drop(victim))
         return evicted
+
+    def _hold(self, entry: DiskEntry) -> None:
+        """Hold a new entry as the most recently used (its bytes counted by the caller)."""
+        key, tenant = entry.meta.page_hash, entry.meta.tenant
+        self._entries[key] = entry
+        self._queues.push(key, tenant)
+        self.tenant_pages[tenant] += 1
+
+    def _refresh(self, page_hash: PageHash) -> None:
+        self._entries.move_to_end(page_hash)
+        self._queues.push(page_hash, self._entries[page_hash].meta.tenant)
 
     def _write(self, path: Path, head: bytes, data: bytes) -> None:
         tmp = path.with_name(f"{_TMP_MARK}{path.name}-{uuid.uuid4().hex[:8]}")
@@ -353,6 +369,7 @@ class DiskTier:
         self.path_of(page_hash).unlink(missing_ok=True)
         self.used_bytes -= entry.nbytes
         tenant = entry.meta.tenant
+        self._queues.remove(page_hash, tenant)
         self.tenant_pages[tenant] -= 1
         if not self.tenant_pages[tenant]:
             del self.tenant_pages[tenant]
@@ -395,8 +412,7 @@ class DiskTier:
             found.append((stat.st_mtime, name, DiskEntry(header.meta, stat.st_size)))
         found.sort(key=lambda item: (item[0], item[1]))
         for _, _, entry in found:
-            self._entries[entry.meta.page_hash] = entry
-            self.tenant_pages[entry.meta.tenant] += 1
+            self._hold(entry)
             self.used_bytes += entry.nbytes
         while self.used_bytes > self.budget_bytes and self._entries:
             self._drop(next(iter(self._entries)))
@@ -432,12 +448,10 @@ class DiskTier:
             raise InvariantViolation(
                 f"disk tier tenant counts {dict(self.tenant_pages)} != {counts}"
             )
-
-
-def _walk(
-    entries: OrderedDict[PageHash, DiskEntry], walked: list[PageHash], keep: PageHash | None
-) -> Iterator[tuple[PageHash, str | None]]:
-    for h, e in entries.items():
-        if h != keep:
-            walked.append(h)
-            yield h, e.meta.tenant
+        by_tenant: dict[str | None, list[PageHash]] = {}
+        for h, e in self._entries.items():
+            by_tenant.setdefault(e.meta.tenant, []).append(h)
+        if self._queues.as_lists() != by_tenant:
+            raise InvariantViolation(
+                "disk tier tenant queues are not its entries per tenant in LRU order"
+            )

@@ -8,7 +8,9 @@ machines) and ``hash -> entry`` in LRU order. Invariants:
   this tier, a spilled one leaves the device's cached set);
 - every entry owns one slot; a slot is free, owned by exactly one entry, or
   reserved by an entry `detach`ed for a promotion until it is `release`d;
-- `tenant_pages` counts the entries per tenant.
+- `tenant_pages` counts the entries per tenant, and each tenant's entries are
+  also queued in LRU order on their own, so fair eviction takes a tenant's
+  oldest without reordering anyone's (`kvmesh.worker.tenant_share`).
 
 The tier stores and gives back bytes; it emits no events and takes no locks
 (`TieredCache` does both). Not thread-safe.
@@ -26,7 +28,12 @@ from torch import Tensor
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
 from kvmesh.types import PageHash
 from kvmesh.worker.page_pool import PageMeta
-from kvmesh.worker.tenant_share import EvictionPolicy, LruEviction, second_chance
+from kvmesh.worker.tenant_share import (
+    EvictionPolicy,
+    LruEviction,
+    QueuedCandidates,
+    TenantQueues,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +55,19 @@ class HostPut:
 class HostTier:
     """A fixed number of host-memory page slots with LRU (or fair-share) eviction.
 
-    Costs: `get`, `touch`, `take` O(1); `put` O(pages evicted + candidates walked).
+    Costs: `get`, `touch`, `take` O(1); `put` O(pages evicted) (fair: x log tenants).
     """
 
-    __slots__ = ("_entries", "_free", "_reserved", "data", "num_pages", "policy", "tenant_pages")
+    __slots__ = (
+        "_entries",
+        "_free",
+        "_queues",
+        "_reserved",
+        "data",
+        "num_pages",
+        "policy",
+        "tenant_pages",
+    )
 
     def __init__(
         self,
@@ -70,6 +86,7 @@ class HostTier:
         self.data = torch.empty((num_pages, *page_shape), dtype=dtype, pin_memory=pin_memory)
         self.policy: EvictionPolicy = policy or LruEviction()
         self._entries: OrderedDict[PageHash, HostEntry] = OrderedDict()
+        self._queues: TenantQueues[PageHash] = TenantQueues()
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._reserved: set[int] = set()  # slots of detached entries, until released
         self.tenant_pages: Counter[str] = Counter()
@@ -90,6 +107,7 @@ class HostTier:
     def touch(self, page_hash: PageHash) -> None:
         """Make an entry the most recently used."""
         self._entries.move_to_end(page_hash)
+        self._queues.push(page_hash, self._entries[page_hash].meta.tenant)
 
     def put(self, metas: Sequence[PageMeta], pages: Tensor) -> HostPut:
         """Keep `pages` (``[len(metas), *page_shape]``, any device) under `metas`.
@@ -108,24 +126,19 @@ class HostTier:
         keep = [i for i, m in enumerate(metas) if m.page_hash not in self._entries]
         for m in metas:
             if m.page_hash in self._entries:
-                self._entries.move_to_end(m.page_hash)
+                self.touch(m.page_hash)
         room = len(self._free) + len(self._entries)
         overflow = keep[: max(0, len(keep) - room)]
         keep = keep[len(overflow) :]
         evicted: list[tuple[PageMeta, Tensor]] = []
         short = len(keep) - len(self._free)
         if short > 0:
-            walked: list[PageHash] = []
-            victims = second_chance(
-                self._entries,
-                self.policy.choose(
-                    _walk(self._entries, walked),
-                    self.tenant_pages,
-                    self.num_pages,
-                    short,
-                    metas[keep[0]].tenant,
-                ),
-                walked,
+            victims = self.policy.choose(
+                QueuedCandidates(self._entries.__iter__, self._queues),
+                self.tenant_pages,
+                self.num_pages,
+                short,
+                metas[keep[0]].tenant,
             )
             if len(victims) < short:
                 raise InvariantViolation(
@@ -143,6 +156,7 @@ class HostTier:
             data[slot].copy_(pages[i])  # blocking: the slot is read as soon as it is held
             meta = metas[i]
             self._entries[meta.page_hash] = HostEntry(meta, slot)
+            self._queues.push(meta.page_hash, meta.tenant)
             self.tenant_pages[meta.tenant] += 1
             kept.append(meta)
         return HostPut(kept, evicted, spilled)
@@ -182,6 +196,7 @@ class HostTier:
     def _forget(self, page_hash: PageHash) -> HostEntry:
         entry = self._entries.pop(page_hash)
         tenant = entry.meta.tenant
+        self._queues.remove(page_hash, tenant)
         self.tenant_pages[tenant] -= 1
         if not self.tenant_pages[tenant]:
             del self.tenant_pages[tenant]
@@ -205,16 +220,16 @@ class HostTier:
             raise InvariantViolation(
                 f"host tier tenant counts {dict(self.tenant_pages)} != {counts}"
             )
+        by_tenant: dict[str | None, list[PageHash]] = {}
+        for h, e in self._entries.items():
+            by_tenant.setdefault(e.meta.tenant, []).append(h)
+        queued = self._queues.as_lists()
+        if queued != by_tenant:
+            raise InvariantViolation(
+                "host tier tenant queues are not its entries per tenant in LRU order"
+            )
         for h, e in self._entries.items():
             if e.meta.page_hash != h:
                 raise InvariantViolation(
                     f"host entry {h.hex()[:16]} carries {e.meta.page_hash.hex()[:16]}"
                 )
-
-
-def _walk(
-    entries: OrderedDict[PageHash, HostEntry], walked: list[PageHash]
-) -> Iterator[tuple[PageHash, str | None]]:
-    for h, e in entries.items():
-        walked.append(h)
-        yield h, e.meta.tenant

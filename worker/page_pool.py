@@ -29,7 +29,9 @@ index can turn them off.
 Tiers and tenants (both optional, see `kvmesh.worker.tiered_cache`): every
 cached page counts against a tenant (`tenant_of` its cache salt; `tenant_pages`);
 an `eviction` policy (`kvmesh.worker.tenant_share`) may choose which free pages
-`get_new_pages` reuses instead of the queue's head, and a `spill_listener` is
+`get_new_pages` reuses instead of the queue's head (with a policy the pool also
+queues its free pages per tenant, in the free queue's order, so a fair choice
+takes each tenant's oldest and reorders nothing), and a `spill_listener` is
 handed each evicted hash's last page (its id and `PageMeta`) before the caller
 can overwrite it, so that the host tier can copy it out. `record` lets the tiers
 put their events into the same ordered stream.
@@ -49,7 +51,7 @@ from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.tenants import DEFAULT_TENANT
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import FreePageQueue, KVPage
-from kvmesh.worker.tenant_share import EvictionPolicy
+from kvmesh.worker.tenant_share import EvictionPolicy, QueuedCandidates, TenantQueues
 
 _CacheEntry = KVPage | dict[PageId, KVPage]
 """One page (the common case, no dict allocated) or several copies by page id."""
@@ -85,9 +87,10 @@ class PagePool:
     __slots__ = (
         "_cached",
         "_events",
+        "_eviction",
+        "_free_queues",
         "enable_caching",
         "event_token_ids",
-        "eviction",
         "free_queue",
         "medium",
         "null_page",
@@ -129,7 +132,9 @@ class PagePool:
         # the tenant of each cached page (by page id) and the count per tenant
         self.page_tenants: list[str | None] = [None] * num_pages
         self.tenant_pages: Counter[str] = Counter()
-        self.eviction: EvictionPolicy | None = None  # None: the free queue's head (LRU)
+        self._eviction: EvictionPolicy | None = None  # None: the free queue's head (LRU)
+        # with a policy: the free pages per tenant (None: no cached data), in queue order
+        self._free_queues: TenantQueues[KVPage] | None = None
         self.spill_listener: SpillListener | None = None
         # tiers below answer snapshots for the whole worker (their pages and the device's)
         self.snapshot_hook: Callable[[], list[PagesStored]] | None = None
@@ -190,9 +195,62 @@ class PagePool:
         """Pages `get_new_pages` can hand out now (free, cached or not)."""
         return self.free_queue.num_free_pages
 
-    def evictions_for(self, n: int) -> int:
-        """How many cached pages `get_new_pages(n)` would evict now; O(n)."""
+    def evictions_for(self, n: int, tenant: str | None = None) -> int:
+        """How many cached pages `get_new_pages(n, tenant)` would evict now: those of the
+        very pages it would take, under the `eviction` policy too. O(n) (a fair choice:
+        O(n log tenants)); changes nothing."""
+        if n <= 0:
+            return 0
+        if self._uses_policy(tenant):
+            victims = self._choose(min(n, self.free_queue.num_free_pages), tenant)
+            return sum(p.page_hash is not None for p in victims)
         return self.free_queue.count_cached_in_head(n)
+
+    @property
+    def eviction(self) -> EvictionPolicy | None:
+        """Which free pages `get_new_pages` reuses: None, the free queue's head (LRU)."""
+        return self._eviction
+
+    @eviction.setter
+    def eviction(self, policy: EvictionPolicy | None) -> None:
+        self._eviction = policy
+        self._free_queues = None
+        if policy is not None:
+            self._requeue()
+
+    def _requeue(self) -> None:
+        """Queue the free pages per tenant anew, in the free queue's order; O(free pages)."""
+        queues: TenantQueues[KVPage] = TenantQueues()
+        for page in self.free_queue.get_all_free_pages():
+            queues.push(page, self._tenant_of_free(page))
+        self._free_queues = queues
+
+    def _tenant_of_free(self, page: KVPage) -> str | None:
+        """The tenant a free page's data counts against (None: it holds no cached data)."""
+        if page.page_hash is None:
+            return None
+        return self.page_tenants[page.page_id] or DEFAULT_TENANT
+
+    def _uses_policy(self, tenant: str | None) -> bool:
+        """Whether `get_new_pages` asks the policy: when pages of a tenant other than the
+        requester's are cached (one tenant alone evicts its oldest, as plain LRU)."""
+        return (
+            self._eviction is not None
+            and bool(self.tenant_pages)
+            and (len(self.tenant_pages) > 1 or tenant not in self.tenant_pages)
+        )
+
+    def _choose(self, n: int, tenant: str | None) -> list[KVPage]:
+        """The `n` free pages the policy would reuse for `tenant` (nothing moved)."""
+        if self._eviction is None or self._free_queues is None:
+            raise InvariantViolation("the pool has no eviction policy to choose with")
+        return self._eviction.choose(
+            QueuedCandidates(self._oldest_free, self._free_queues),
+            self.tenant_pages,
+            self.num_pages - 1,
+            n,
+            tenant,
+        )
 
     @property
     def usage(self) -> float:
@@ -205,8 +263,8 @@ class PagePool:
         """Hand out `n` pages (ref count 1) from the head of the free queue.
 
         With an `eviction` policy and several tenants cached, the policy picks
-        which free pages (oldest first, for `tenant`) are reused instead; the pages
-        it walked past move to the queue's tail (a second chance). A reused
+        which free pages are reused instead (each tenant's oldest, for `tenant`;
+        the others keep their places). A reused
         page loses its old hash first (one `PagesRemoved` per tenant losing hashes; the
         `spill_listener` sees the last copies before). Raises `PoolExhausted` when
         fewer than `n` pages are free, and then changes nothing.
@@ -218,26 +276,20 @@ class PagePool:
                 f"asked for {n} pages but only {self.free_queue.num_free_pages} of "
                 f"{self.num_pages - 1} are free; free requests or grow the pool"
             )
-        if (
-            self.eviction is not None
-            and self.tenant_pages
-            and (len(self.tenant_pages) > 1 or tenant not in self.tenant_pages)
-        ):
-            walked: list[KVPage] = []
-            pages = self.eviction.choose(
-                self._free_candidates(walked), self.tenant_pages, self.num_pages - 1, n, tenant
-            )
-            queue = self.free_queue
-            queue.remove_n(pages)
-            # Second chance: the pages walked past go to the tail in their order, so the
-            # next allocation does not walk them again (O(1) amortised, not O(protected)).
-            chosen = set(pages)
-            skipped = [p for p in walked if p not in chosen]
-            if skipped:
-                queue.remove_n(skipped)
-                queue.append_n(skipped)
+        if self._uses_policy(tenant):
+            pages = self._choose(n, tenant)
+            if len(pages) != n or len(set(pages)) != n:
+                raise InvariantViolation(
+                    f"eviction policy chose {len(set(pages))} distinct of {n} pages among "
+                    f"{self.free_queue.num_free_pages} free"
+                )
+            self.free_queue.remove_n(pages)
         else:
             pages = self.free_queue.popleft_n(n)
+        queues = self._free_queues
+        if queues is not None:
+            for page in pages:
+                queues.remove(page, self._tenant_of_free(page))
         if len(self.tenant_pages) > 1:
             self._reuse(pages)
             return pages
@@ -320,17 +372,11 @@ class PagePool:
         else:
             del self.tenant_pages[tenant]
 
-    def _free_candidates(self, walked: list[KVPage]) -> Iterator[tuple[KVPage, str | None]]:
-        """Free pages oldest first with their tenant (None: no cached data to lose); each
-        page handed out is noted in `walked`."""
-        tenants = self.page_tenants
+    def _oldest_free(self) -> Iterator[KVPage]:
+        """Free pages from the queue's head (the next plain LRU reuses)."""
         page = self.free_queue.peek()
         while page is not None and page.page_id >= 0:
-            walked.append(page)
-            yield (
-                page,
-                (None if page.page_hash is None else tenants[page.page_id] or DEFAULT_TENANT),
-            )
+            yield page
             page = page.next_free
 
     def record(self, event: KVEvent) -> None:
@@ -356,9 +402,12 @@ class PagePool:
     def touch(self, pages: Iterable[KVPage]) -> None:
         """Take hit pages: ref count +1, out of the free queue if it was 0."""
         remove = self.free_queue.remove  # raises if a ref_cnt-0 page is not queued
+        queues = self._free_queues
         for p in pages:
             if not p.ref_cnt and not p.is_null:
                 remove(p)
+                if queues is not None:
+                    queues.remove(p, self._tenant_of_free(p))
             p.ref_cnt += 1
 
     def free_pages(self, ordered_pages: Iterable[KVPage]) -> None:
@@ -381,6 +430,10 @@ class PagePool:
                     f"page {page.page_id} freed more often than it was taken (ref_cnt {rc})"
                 )
         self.free_queue.append_n(released)
+        queues = self._free_queues
+        if queues is not None:
+            for page in released:
+                queues.push(page, self._tenant_of_free(page))
 
     # ------------------------------------------------------------------ caching
 
@@ -547,7 +600,12 @@ class PagePool:
                 continue
             copies = [entry] if type(entry) is KVPage else list(entry.values())  # type: ignore[union-attr]
             owner = DEFAULT_TENANT
+            queues = self._free_queues
             for page in copies:
+                if queues is not None and not page.ref_cnt:
+                    # a free page keeps its place in the free queue, now holding no data
+                    queues.remove(page, self._tenant_of_free(page))
+                    queues.push(page, None)
                 page.page_hash = page.parent_hash = None
                 page.lora_id = None
                 owner = self._untenant(page)
@@ -570,6 +628,8 @@ class PagePool:
             page.lora_id = None
         self.page_tenants = [None] * self.num_pages
         self.tenant_pages.clear()
+        if self._eviction is not None:
+            self._requeue()
         self._events.append(AllPagesCleared())
 
     def _untenant(self, page: KVPage) -> str:
@@ -680,6 +740,18 @@ class PagePool:
                         f"page {page.page_id} carries hash {page.page_hash.hex()[:16]} that the "
                         f"hash map does not map to it (maps to {sorted(ids)})"
                     )
+        if self._free_queues is not None:
+            by_tenant: dict[str | None, list[KVPage]] = {}
+            for page in self.free_queue.get_all_free_pages():
+                by_tenant.setdefault(self._tenant_of_free(page), []).append(page)
+            queued = self._free_queues.as_lists()
+            # pages that lost their data keep their places, so only the tenants' are in order
+            if {t: q for t, q in queued.items() if t is not None} != {
+                t: q for t, q in by_tenant.items() if t is not None
+            } or set(queued.get(None, ())) != set(by_tenant.get(None, ())):
+                raise InvariantViolation(
+                    "the free pages queued per tenant are not the free queue's per tenant in order"
+                )
         tenant_counts = Counter(
             self.page_tenants[p.page_id] for p in self.pages if p.page_hash is not None
         )

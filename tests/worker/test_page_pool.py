@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.config import PoolConfig
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation, PagesInUse, PoolExhausted
 from kvmesh.events import AllPagesCleared, PagesRemoved, PagesStored, replay_into
+from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, PageId
 from kvmesh.worker.free_queue import KVPage
 from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.tenant_share import make_eviction
 
 PS = 4
 
@@ -378,3 +382,61 @@ def test_a_pool_is_built_from_its_config() -> None:
     )
     assert not pool.event_token_ids
     assert pool.pages[3].page_id == PageId(3)
+
+
+# ------------------------------------------------- evictions_for under fair eviction
+
+TENANTS = ("t-a", "t-b", "t-c")
+_POOL_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(("serve", "free", "hit", "forget", "ask")),
+        st.integers(0, 2),  # which tenant
+        st.integers(1, 6),  # how many pages
+        st.integers(0, 1_000),  # which request / hash
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_POOL_OPS, weighted=st.booleans())
+def test_evictions_for_is_what_an_allocation_then_evicts_under_fair_eviction(
+    ops: list[tuple[str, int, int, int]], weighted: bool
+) -> None:
+    """`evictions_for` (the push-eviction budget) names the victims fair eviction
+    really takes, whichever tenants hold which free pages."""
+    pool = PagePool(17, page_size=PS)
+    weights = TenantWeights({"t-a": 2.0}) if weighted else None
+    pool.eviction = make_eviction("fair", weights)
+    held: list[list[KVPage]] = []
+    names = 0
+    for op, t, n, pick in ops:
+        tenant = TENANTS[t]
+        if op in ("serve", "ask"):
+            n = min(n, pool.get_num_free_pages())
+            if not n:
+                continue
+            asked = tenant if op == "serve" else None
+            expected = pool.evictions_for(n, asked)
+            before = sum(pool.tenant_pages.values())
+            pages = pool.get_new_pages(n, asked)
+            assert before - sum(pool.tenant_pages.values()) == expected
+            hashes = [h(f"{tenant}-{names + i}") for i in range(n)]
+            names += n
+            pool.cache_full_pages(pages, hashes, 0, n, tenant=tenant)
+            held.append(pages)
+        elif op == "free" and held:
+            pool.free_pages(reversed(held.pop(pick % len(held))))
+        elif op == "hit":
+            cached = sorted(pool.cached_hashes())
+            if cached:
+                page = pool.get_cached_page(cached[pick % len(cached)])
+                assert page is not None
+                pool.touch([page])
+                held.append([page])
+        elif op == "forget":
+            cached = sorted(pool.cached_hashes())
+            if cached:
+                pool.evict_pages([cached[pick % len(cached)]])
+        pool.check_invariants()

@@ -14,7 +14,12 @@ from kvmesh.tenants import DEFAULT_TENANT, TenantWeights, tenant_of
 from kvmesh.types import PageHash
 from kvmesh.worker.host_tier import HostTier
 from kvmesh.worker.page_pool import PageMeta, PagePool
-from kvmesh.worker.tenant_share import FairShareEviction, LruEviction, make_eviction
+from kvmesh.worker.tenant_share import (
+    FairShareEviction,
+    LruEviction,
+    QueuedCandidates,
+    make_eviction,
+)
 from kvmesh.worker.tiered_cache import DEVICE, HOST
 
 QUIET, NOISY = "quiet-salt", "noisy-salt"
@@ -22,31 +27,33 @@ Q, N = tenant_of(QUIET), tenant_of(NOISY)
 
 
 def test_lru_takes_the_oldest_whoever_holds_them() -> None:
-    candidates = [("a1", "a"), ("b1", "b"), ("a2", "a")]
+    candidates = QueuedCandidates.from_pairs([("a1", "a"), ("b1", "b"), ("a2", "a")])
     assert LruEviction().choose(candidates, {"a": 2, "b": 1}, 3, 2) == ["a1", "b1"]
 
 
 def test_fair_takes_from_tenants_above_their_share_first() -> None:
-    candidates = [("q1", "q"), ("q2", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    candidates = QueuedCandidates.from_pairs(
+        [("q1", "q"), ("q2", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    )
     # capacity 6: shares 3 and 3; q holds 2 (below), n holds 4 (above by one)
     chosen = FairShareEviction().choose(candidates, {"q": 2, "n": 4}, 6, 2, requester="n")
     assert chosen == ["n1", "n2"]  # one above share, then the requester's own
 
 
 def test_fair_never_cuts_a_tenant_below_its_share_while_another_is_above() -> None:
-    candidates = [("q1", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    candidates = QueuedCandidates.from_pairs([("q1", "q"), ("n1", "n"), ("n2", "n"), ("n3", "n")])
     chosen = FairShareEviction().choose(candidates, {"q": 1, "n": 5}, 6, 2, requester="q")
     assert chosen == ["n1", "n2"]
 
 
 def test_fair_takes_free_pages_without_data_before_anyones_cache() -> None:
-    candidates = [("q1", "q"), ("free", None), ("n1", "n")]
+    candidates = QueuedCandidates.from_pairs([("q1", "q"), ("free", None), ("n1", "n")])
     assert FairShareEviction().choose(candidates, {"q": 1, "n": 1}, 4, 1) == ["free"]
 
 
 def test_weights_shift_the_shares() -> None:
     weights = TenantWeights({"q": 3.0})
-    candidates = [("q1", "q"), ("q2", "q"), ("n1", "n")]
+    candidates = QueuedCandidates.from_pairs([("q1", "q"), ("q2", "q"), ("n1", "n")])
     # capacity 4: q's share 3, n's 1; q holds 2, n holds 2 -> n is above
     assert FairShareEviction(weights).choose(candidates, {"q": 2, "n": 2}, 4, 1) == ["n1"]
 
@@ -139,28 +146,62 @@ def test_pages_without_a_salt_count_against_the_default_tenant() -> None:
     assert not pool.tenant_pages
 
 
-def test_a_fair_allocation_moves_the_pages_it_walks_past_to_the_tail() -> None:
+def _cache(pool: PagePool, tenant: str, n: int, tag: str = "") -> list[int]:
+    """Cache `n` new pages for `tenant` and free them (tail-first); their page ids."""
+    pages = pool.get_new_pages(n, tenant)
+    keys = [PageHash(f"{tenant}{tag}{p.page_id}".encode()) for p in pages]
+    pool.cache_full_pages(pages, keys, 0, n, (), None, tenant)
+    pool.free_pages(pages)
+    return [p.page_id for p in pages]
+
+
+def test_a_fair_allocation_moves_no_page_it_does_not_take() -> None:
     pool = PagePool(7, page_size=4)
     pool.eviction = make_eviction("fair")
-
-    def cache(tenant: str, n: int) -> list[int]:
-        pages = pool.get_new_pages(n, tenant)
-        keys = [PageHash(f"{tenant}{p.page_id}".encode()) for p in pages]
-        pool.cache_full_pages(pages, keys, 0, n, (), None, tenant)
-        pool.free_pages(pages)
-        return [p.page_id for p in pages]
-
-    quiet = cache("q", 2)  # the oldest pages: below its share of 3
-    noisy = cache("n", 4)  # above its share
+    quiet = _cache(pool, "q", 2)  # the oldest pages: below its share of 3
+    noisy = _cache(pool, "n", 4)  # above its share
     (taken,) = pool.get_new_pages(1, "n")
     assert taken.page_id == noisy[0]
     order = [p.page_id for p in pool.free_queue.get_all_free_pages()]
-    assert order == noisy[1:] + quiet  # walked past once, now behind the rest
+    assert order == quiet + noisy[1:]  # the protected pages keep their places
     pool.check_invariants()
 
 
+def test_a_protected_tenant_still_loses_its_own_least_recently_used_page_first() -> None:
+    # The cause of the quiet tenant's lost hits in the simulator: moving the pages an
+    # allocation walked past to the tail made a tenant's old pages look newer than its
+    # recent ones, so its own next eviction took a recently used page.
+    pool = PagePool(9, page_size=4)
+    pool.eviction = make_eviction("fair")
+    old = _cache(pool, "q", 2, "old")
+    noisy = _cache(pool, "n", 4)
+    recent = _cache(pool, "q", 2, "recent")  # q: 4 of 8, at its share; n: 4
+    pool.get_new_pages(2, "n")  # n evicts its own oldest, walking past q's old pages
+    assert pool.tenant_pages["q"] == 4
+    taken = pool.get_new_pages(2, "q")  # q at its share, n below: q loses its own oldest
+    assert sorted(p.page_id for p in taken) == sorted(old)
+    assert all(pool.pages[i].page_hash is not None for i in recent)
+    assert all(pool.pages[i].page_hash is not None for i in noisy[2:])
+    pool.check_invariants()
+
+
+def test_the_host_tier_evicts_a_tenants_oldest_after_fair_evictions_of_others() -> None:
+    host = HostTier(6, (1,), torch.float32, policy=make_eviction("fair"))
+
+    def put(name: str, tenant: str) -> list[str]:
+        got = host.put([PageMeta(PageHash(name.encode()), None, None, tenant)], torch.zeros(1, 1))
+        return [m.page_hash.decode() for m, _ in got.evicted]
+
+    for name in ("q-old", "n0", "n1", "n2", "n3", "q-new"):
+        put(name, "q" if name.startswith("q") else "n")
+    assert put("n4", "n") == ["n0"]  # n above its share of 3 loses its oldest
+    assert put("q-3rd", "q") == ["n1"]
+    assert put("q-4th", "q") == ["q-old"]  # q at its share: its own oldest, not q-new
+    host.check_invariants()
+
+
 def test_a_newcomer_is_entitled_to_its_share_before_it_holds_a_page() -> None:
-    candidates = [("m1", "m"), ("n1", "n"), ("n2", "n"), ("n3", "n")]
+    candidates = QueuedCandidates.from_pairs([("m1", "m"), ("n1", "n"), ("n2", "n"), ("n3", "n")])
     # q asks for room in a full tier of 4: shares are 4/3 each, so m (1 page) is below
     # its share and n (3) above; counting only m and n (shares 1 and 3) nobody would be
     # above, and the oldest page, m's only one, would go
