@@ -47,6 +47,7 @@ class RoutedTo:
     degraded: bool
     router: str  # the router that answered
     promote_pages: int = 0  # of matched_pages, in the worker's host or disk tier
+    cost: float = 0.0  # the policy's cost of the chosen worker
     request_id: str = ""  # the query's, echoed
 
 
@@ -146,6 +147,7 @@ class RoutingClient:
             r.degraded,
             router,
             r.promote_pages,
+            r.cost,
             r.request_id,
         )
 

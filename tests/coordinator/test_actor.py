@@ -24,6 +24,7 @@ from kvmesh.coordinator.index import GlobalIndex  # noqa: E402
 from kvmesh.errors import UnknownWorker  # noqa: E402
 from kvmesh.events import encode_batch, make_batch  # noqa: E402
 from kvmesh.hashing import PageHasher  # noqa: E402
+from kvmesh.requests import ReportMark  # noqa: E402
 from kvmesh.types import PageHash, WorkerId  # noqa: E402
 from kvmesh.worker.page_pool import PagePool  # noqa: E402
 
@@ -95,6 +96,9 @@ class PoolWorker:
 
     def cached(self) -> set[PageHash]:
         return self.pool.cached_hashes()
+
+    def incarnation_of(self) -> str:
+        return self.incarnation
 
 
 # Ray workers cannot import this test module by name: ship it by value.
@@ -183,6 +187,56 @@ def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_clust
     assert (d.worker_id, d.local_pages) == ("w1", 5)
     for w in workers:
         ray.kill(w)
+    ray.kill(coord, no_restart=True)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_route_waits_for_the_report_its_client_read_the_answer_of(
+    ray_cluster: None, shards: int
+) -> None:
+    """A worker answers before its report reaches the coordinator; the client's next route
+    names that report (`RouteQuery.after`) and is decided only once it is applied. The
+    heartbeat interval is long, so the route cannot give up waiting within this test."""
+    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
+    cfg = CoordinatorConfig(
+        namespace=ns, heartbeat_interval_s=60.0, heartbeat_timeout_s=600.0, index_shards=shards
+    )
+    coord = get_or_create_coordinator(cfg)
+    wait_until_ready(coord)
+    workers = [RemoteWorker.remote(f"w{i}", coord, None, ns) for i in range(3)]
+    ray.get([w.register.remote() for w in workers])
+    ray.get([w.send_snapshot.remote() for w in workers])  # seq 0 each
+    held = prompt(5, 11)
+    incarnation = ray.get(workers[1].incarnation_of.remote())
+    after = (ReportMark(WorkerId("w1"), incarnation, 1),)  # the report of seq 1: not sent yet
+    pending = coord.route.remote(RouteQuery(held, 5 * PAGE + 1, PAGE, after=after))
+    ready, _ = ray.wait([pending], timeout=1.0)
+    assert not ready, "the route was decided before the report it follows"
+    assert ray.get(workers[1].serve.remote([held])) is False  # seq 1
+    d = ray.get(pending, timeout=60)
+    assert (d.worker_id, d.local_pages) == ("w1", 5)
+    # A mark of a report already applied, or of a worker gone, does not hold a route.
+    d = ray.get(coord.route.remote(RouteQuery(held, 5 * PAGE + 1, PAGE, after=after)), timeout=30)
+    assert d.worker_id == "w1"
+    for w in workers:
+        ray.kill(w)
+    ray.kill(coord, no_restart=True)
+
+
+def test_a_route_following_a_lost_report_waits_one_heartbeat_interval_at_most(
+    ray_cluster: None,
+) -> None:
+    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
+    cfg = CoordinatorConfig(namespace=ns, heartbeat_interval_s=0.2, heartbeat_timeout_s=600.0)
+    coord = get_or_create_coordinator(cfg)
+    wait_until_ready(coord)
+    worker = RemoteWorker.remote("w0", coord, None, ns)
+    ray.get(worker.register.remote())
+    ray.get(worker.serve.remote([prompt(3, 12)]))  # seq 0
+    lost = (ReportMark(WorkerId("w0"), ray.get(worker.incarnation_of.remote()), 7),)
+    d = ray.get(coord.route.remote(RouteQuery(prompt(3, 12), 13, PAGE, after=lost)), timeout=60)
+    assert (d.worker_id, d.local_pages) == ("w0", 3)  # routed on what the index holds
+    ray.kill(worker)
     ray.kill(coord, no_restart=True)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from api_kit import Loop, Served
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -49,41 +49,11 @@ def prompt(n: int, tag: int) -> list[PageHash]:
     return HASHER.hash_prompt([tag * 1000 + i for i in range(n * 4)])
 
 
-class Loop:
-    """An event loop in a thread, where the API server runs."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def loop() -> Iterator[Loop]:
     lp = Loop()
     yield lp
     lp.close()
-
-
-class Served:
-    def __init__(self, loop: Loop, core: Any, security: TransferConfig, **cfg: Any) -> None:
-        self.core = core
-        self.loop = loop
-        self.server = CoordinatorAPIServer(
-            LocalBackend(core), CoordinatorConfig(api_port=0, **cfg), security
-        )
-        self.port = loop.run(self.server.start())
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.loop.run(self.server.stop(0))
 
 
 def populated(core: Any) -> Any:
