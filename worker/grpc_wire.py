@@ -45,7 +45,14 @@ from kvmesh.worker.chunk_reader import read_chunk_message
 from kvmesh.worker.h2_frames import ChunkSink, WireStatus
 
 READ_BUFFER_BYTES = 1 << 20
-"""Bytes read per ``recv`` for frame headers and small fields; page bytes bypass it."""
+"""The largest frame payload other than DATA the reader takes (SETTINGS, headers, GOAWAY)."""
+READ_AHEAD_BYTES = 8 * 1024
+"""Bytes one ``recv`` for frame headers and small fields may take beyond what is needed.
+
+Whatever page data the buffer takes is copied once more on its way to the
+page; reading ahead a little covers a frame header, the message prefix and a
+chunk's small fields in one ``recv`` while most page bytes bypass the buffer.
+"""
 WINDOW_TOP_UP = 1 << 30
 """Consumed DATA bytes after which both windows are topped up again."""
 
@@ -393,7 +400,8 @@ class WireChannel:
             raise self.fail(grpc.StatusCode.CANCELLED, "cancelled")
         while self._end - self._start < n:
             sock.settimeout(self._remaining())
-            got = sock.recv_into(self._view[self._end :])
+            want = max(n - (self._end - self._start), READ_AHEAD_BYTES)
+            got = sock.recv_into(self._view[self._end : self._end + want])
             if got == 0:
                 raise ConnectionResetError("the peer closed the connection")
             self._end += got

@@ -165,6 +165,30 @@ def test_zero_copy_pull_lands_pages_bit_exact_over_the_wire_and_ref_counts_retur
     receiver.check_invariants()
 
 
+def test_page_bytes_go_from_the_socket_to_the_page_not_through_the_read_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the read buffer takes is copied once more; it reads ahead only a little, so the
+    pages' bytes (2 MiB pages, 1 MiB chunks: frames of hundreds of KiB) bypass it."""
+    buffered = [0]
+    real = WireChannel._fill
+
+    def _fill(self: WireChannel, n: int) -> None:
+        had = self._end - self._start
+        real(self, n)
+        buffered[0] += self._end - self._start - had
+
+    monkeypatch.setattr(WireChannel, "_fill", _fill)
+    sender, receiver = service(10, "float32", heads=64, dim=128), service(10, "float32", 64, 128)
+    keys = fill(sender, 8)
+    cfg = dataclasses.replace(CFG, chunk_bytes=1 << 20, max_message_bytes=4 << 20)
+    with ServerThread(sender, cfg) as server, SyncPeerClient(server.address, cfg) as client:
+        assert client.pull_into(into(receiver, 8), keys) == 8
+    assert same_bytes(sender, receiver, keys)
+    page_bytes = 8 * receiver.store.page_nbytes
+    assert 0 < buffered[0] < page_bytes // 20, (buffered[0], page_bytes)
+
+
 def test_a_store_the_socket_cannot_write_into_gets_checked_pages_copied_in(
     monkeypatch: pytest.MonkeyPatch, wire: list[str]
 ) -> None:
