@@ -49,7 +49,6 @@ rejected with `EventDecodeError` / `UnknownWorker` before anything changes.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -63,6 +62,7 @@ from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
 from kvmesh.events import (
     AllPagesCleared,
+    ApplyResult,
     EventBatch,
     KVEvent,
     PagesRemoved,
@@ -93,23 +93,6 @@ _TIERS_OF_BITS: tuple[tuple[str, ...], ...] = tuple(
 _GPU_ONLY = _TIERS_OF_BITS[1]
 SNAPSHOT_FORMAT = "kvmesh-index"
 SNAPSHOT_VERSION = 1
-
-
-class ApplyResult(enum.Enum):
-    """What `GlobalIndex.apply` did with a batch."""
-
-    APPLIED = "applied"
-    """Applied in order; the worker is up to date."""
-    REPLACED = "replaced"
-    """A snapshot or a new incarnation replaced the worker's entries."""
-    IGNORED = "ignored"
-    """A duplicate, an old batch, or one from a retired incarnation: nothing changed."""
-    STALE = "stale"
-    """The worker has a gap in its sequence: it is stale until a snapshot (or the gap fills)."""
-
-    @property
-    def needs_snapshot(self) -> bool:
-        return self is ApplyResult.STALE
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,10 +161,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
 def build_gateway(args: argparse.Namespace) -> Gateway:
     """The gateway the flags describe, with a KV event subscriber when the policy reads events."""
-    from kvmesh.coordinator.canary import run_hash_parity_canary
-    from kvmesh.coordinator.engine_subscriber import EngineEventsEndpoint, EngineSubscriber
     from kvmesh.coordinator.index import GlobalIndex
+    from kvmesh.engine_canary import run_hash_parity_canary
     from kvmesh.engine_hash import EngineHasher
+    from kvmesh.engine_subscriber import EngineEventsEndpoint, EngineSubscriber
     from kvmesh.gateway.app import Gateway
     from kvmesh.gateway.config import HISTORY_POLICY, EngineTarget
     from kvmesh.gateway.tokenizer import PromptTokenizer

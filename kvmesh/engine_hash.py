@@ -26,7 +26,7 @@ Events carry each hash either as the 32-byte digest or, by default
 an unsigned int; kvmesh stores that int as 8 bytes big-endian, which are the
 digest's last 8 bytes. Either way the chain itself always uses full digests.
 A hasher must be configured as its engine is (algorithm, seed, block size,
-int form); the hash-parity canary (`kvmesh.coordinator.canary`) proves it.
+int form); the hash-parity canary (`kvmesh.engine_canary`) proves it.
 """
 
 from __future__ import annotations

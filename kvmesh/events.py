@@ -24,6 +24,7 @@ per event; nil is the default tenant.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Iterable
@@ -79,6 +80,24 @@ class EventBatch:
     ts: float = 0.0
     snapshot: bool = False
     data_parallel_rank: int | None = None
+
+
+class ApplyResult(enum.Enum):
+    """What an index (`kvmesh.coordinator.index.GlobalIndex`) did with a batch: the answer a
+    batch's sender acts on (a stale worker resends a snapshot, a followed engine is healed)."""
+
+    APPLIED = "applied"
+    """Applied in order; the worker is up to date."""
+    REPLACED = "replaced"
+    """A snapshot or a new incarnation replaced the worker's entries."""
+    IGNORED = "ignored"
+    """A duplicate, an old batch, or one from a retired incarnation: nothing changed."""
+    STALE = "stale"
+    """The worker has a gap in its sequence: it is stale until a snapshot (or the gap fills)."""
+
+    @property
+    def needs_snapshot(self) -> bool:
+        return self is ApplyResult.STALE
 
 
 def make_batch(

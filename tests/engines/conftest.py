@@ -21,7 +21,7 @@ stopped when the module ends, process group included):
     the same ports.
 
 For an engine started here, ``EngineEventsEndpoint.of_engine(engine)``
-(``kvmesh.coordinator.engine_subscriber``) is what an ``EngineSubscriber``
+(``kvmesh.engine_subscriber``) is what an ``EngineSubscriber``
 needs to follow its KV events.
 
 Tests skip, with the reason, only when ``.venv-engine`` or the model is

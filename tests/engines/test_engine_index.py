@@ -17,15 +17,15 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from kvmesh.coordinator.canary import CanaryResult, run_hash_parity_canary
-from kvmesh.coordinator.engine_subscriber import (
+from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.engine_canary import CanaryResult, run_hash_parity_canary
+from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
+from kvmesh.engine_launcher import EngineSpec, VLLMEngine
+from kvmesh.engine_subscriber import (
     EngineEventsEndpoint,
     EngineSubscriber,
     EngineSubscriberThread,
 )
-from kvmesh.coordinator.index import GlobalIndex
-from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
-from kvmesh.engine_launcher import EngineSpec, VLLMEngine
 from kvmesh.errors import HashParityError
 from kvmesh.types import PageHash, WorkerId
 

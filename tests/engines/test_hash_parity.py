@@ -21,13 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.coordinator.canary import CanaryResult, run_hash_parity_canary
-from kvmesh.coordinator.engine_subscriber import (
-    EngineEventsEndpoint,
-    EngineSubscriber,
-    EngineSubscriberThread,
-)
 from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.engine_canary import CanaryResult, run_hash_parity_canary
 from kvmesh.engine_hash import (
     ENGINE_HASH_ALGORITHMS,
     EngineExtraKeys,
@@ -35,6 +30,11 @@ from kvmesh.engine_hash import (
     MultimodalInput,
 )
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_python, engine_setup_missing
+from kvmesh.engine_subscriber import (
+    EngineEventsEndpoint,
+    EngineSubscriber,
+    EngineSubscriberThread,
+)
 from kvmesh.errors import HashParityError
 from kvmesh.types import WorkerId
 

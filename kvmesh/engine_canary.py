@@ -23,12 +23,11 @@ from typing import Any, NoReturn
 import httpx
 
 from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS, EngineHasher
+from kvmesh.engine_subscriber import EngineSubscriber
 from kvmesh.errors import DeadlineExceeded, HashParityError, TransportError
 from kvmesh.events import EventBatch, PagesStored
 from kvmesh.metrics import ENGINE_CANARY
 from kvmesh.types import PageHash, WorkerId
-
-from .engine_subscriber import EngineSubscriber
 
 
 @dataclass(frozen=True, slots=True)

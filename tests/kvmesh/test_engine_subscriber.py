@@ -20,7 +20,10 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from kvmesh.coordinator.engine_subscriber import (
+from kvmesh.coordinator.index import GlobalIndex
+from kvmesh.engine_hash import external_to_page_hash
+from kvmesh.engine_launcher import free_port
+from kvmesh.engine_subscriber import (
     END_SEQ,
     EngineEventsEndpoint,
     EngineSubscriber,
@@ -30,9 +33,6 @@ from kvmesh.coordinator.engine_subscriber import (
     engine_worker_id,
     offset_endpoint,
 )
-from kvmesh.coordinator.index import GlobalIndex
-from kvmesh.engine_hash import external_to_page_hash
-from kvmesh.engine_launcher import free_port
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.types import PageHash, WorkerId
 

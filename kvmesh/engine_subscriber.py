@@ -3,7 +3,8 @@
 A vLLM engine publishes every change of its prefix cache on a ZMQ PUB socket
 (``--kv-events-config``) as frames ``[topic, seq, payload]`` and keeps the
 last batches for replay on a ROUTER socket. `EngineSubscriber` follows one
-such stream per engine and data-parallel rank and feeds a `GlobalIndex`,
+such stream per engine and data-parallel rank and feeds an index (an
+`EngineIndex`: the coordinator's `GlobalIndex`, which the gateway hosts),
 each rank as its own index worker (`engine_worker_id`: ``engine-0``,
 ``engine-0@dp1``), with the engine's own block hashes.
 
@@ -50,6 +51,10 @@ The subscriber runs on an asyncio loop (`start` / `stop`), or on its own
 thread with its own loop (`EngineSubscriberThread`). Every index change
 happens under `lock`, which a caller reading the index from another thread
 takes too.
+
+It lives in the base, beside the engines' event decoding (`engine_events`)
+and launcher, because it speaks the engines' protocol, not a component's:
+whoever hosts an index of real engines follows them with it.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -71,7 +76,7 @@ import zmq.asyncio
 from kvmesh.engine_events import SEQ_BYTES, EngineBatch, decode_engine_payload, decode_seq
 from kvmesh.engine_launcher import VLLMEngine
 from kvmesh.errors import ConfigError, EventDecodeError, InvalidInput, UnknownWorker
-from kvmesh.events import EventBatch
+from kvmesh.events import ApplyResult, EventBatch
 from kvmesh.metrics import (
     ENGINE_BAD_PAYLOADS,
     ENGINE_EVENT_BATCHES,
@@ -79,8 +84,6 @@ from kvmesh.metrics import (
     ENGINE_RESTARTS,
 )
 from kvmesh.types import WorkerId
-
-from .index import ApplyResult, GlobalIndex
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +93,32 @@ END_SEQ = b"\xff" * SEQ_BYTES
 T = TypeVar("T")
 AttachMode = Literal["auto", "bind", "connect"]
 BatchListener = Callable[[WorkerId, EventBatch], None]
+
+
+class SeqState(Protocol):
+    """The part of an index's view of a worker the subscriber reads: its last applied seq."""
+
+    @property
+    def last_seq(self) -> int: ...
+
+
+class EngineIndex(Protocol):
+    """What the subscriber feeds: an index applying event batches per worker in seq order,
+    holding back the ones past a gap (`kvmesh.coordinator.index.GlobalIndex` is one)."""
+
+    def register_worker(self, worker_id: WorkerId, incarnation: str | None = None) -> None: ...
+
+    def remove_worker(self, worker_id: WorkerId) -> int: ...
+
+    def workers(self) -> list[WorkerId]: ...
+
+    def worker_state(self, worker_id: WorkerId) -> SeqState: ...
+
+    def is_stale(self, worker_id: WorkerId) -> bool: ...
+
+    def mark_stale(self, worker_id: WorkerId) -> None: ...
+
+    def apply(self, batch: EventBatch) -> ApplyResult: ...
 
 
 def engine_worker_id(engine_id: str, dp_rank: int | None = 0) -> WorkerId:
@@ -240,7 +269,7 @@ class _Stream:
 
 
 class EngineSubscriber:
-    """Feeds a `GlobalIndex` from engines' KV event streams; see the module docstring.
+    """Feeds an `EngineIndex` from engines' KV event streams; see the module docstring.
 
     `drop_frame(worker_id, seq)` (fault drills and tests) drops a received
     frame as if the network had lost it. Listeners get every decoded batch
@@ -252,7 +281,7 @@ class EngineSubscriber:
 
     def __init__(
         self,
-        index: GlobalIndex,
+        index: EngineIndex,
         engines: Iterable[EngineEventsEndpoint] = (),
         *,
         config: SubscriberConfig | None = None,

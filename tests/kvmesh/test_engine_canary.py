@@ -17,7 +17,7 @@ import random
 import httpx
 import pytest
 
-from kvmesh.coordinator.canary import run_hash_parity_canary
+from kvmesh.engine_canary import run_hash_parity_canary
 from kvmesh.engine_hash import EngineHasher
 from kvmesh.errors import DeadlineExceeded
 from kvmesh.events import EventBatch, PagesStored
