@@ -20,11 +20,23 @@ transport moves all the pages from the peer into the puller's pool:
 
 Timed: from the pull's start until every page is in the puller's pool (for
 tcp: until the last byte is in its KV tensor). The pool is emptied between
-rounds; each transport runs ``--rounds`` times after one warm-up, and the
-best round counts (the machine is shared; the best is the least disturbed).
-``ratio_vs_tcp`` = a transport's GB/s / the tcp GB/s of the same run. The
-1-minute load average before and after the run is printed with the figures:
-on a shared machine, other work competes for the same cores.
+rounds; each transport runs ``--rounds`` times after one warm-up, the
+transports taking turns within a round. Three figures per transport, all
+from the same run:
+
+- ``ratio_vs_tcp``: its best round's GB/s / tcp's best round's GB/s (the
+  machine is shared; the best is the least disturbed);
+- ``median_ratio_vs_tcp``: the median over rounds of tcp's time / its time
+  *in the same round*, so that load which comes and goes during the run
+  touches both sides of each ratio alike;
+- ``puller_cpu_s_per_gib`` / ``peer_cpu_s_per_gib``: the CPU time (every
+  thread, user and system) each process spent per GiB moved, the mean over
+  rounds. Under load the GB/s move with others' work; the CPU a transport
+  costs per byte moves much less, and on a machine where both ends share the
+  cores it is what bounds the rate.
+
+The 1-minute load average before and after the run is printed with the
+figures: on a shared machine, other work competes for the same cores.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -46,6 +59,8 @@ DEFAULT_PAGES = 256
 DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
 PAGE_SIZE = 16
 SEED = "bench-transfer"
+CPU_QUERY = b"cpu"
+"""Asks the peer for its CPU time so far (`time.process_time`, all threads)."""
 TRANSPORT_CHOICES = ("grpc", "dist", "both")
 
 
@@ -63,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="transports to measure next to the raw TCP baseline",
     )
-    parser.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per transport")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds per transport")
     parser.add_argument(
         "--batch-bytes",
         type=positive_int,
@@ -138,6 +153,12 @@ class Figure:
     load_before: float = 0.0
     """The machine's 1-minute load average when the run started (others' work competes)."""
     load_after: float = 0.0
+    median_ratio_vs_tcp: float = 0.0
+    """Median over rounds of tcp's time / this transport's time in the same round."""
+    puller_cpu_s_per_gib: float = 0.0
+    """CPU seconds (all threads) the pulling process spent per GiB, mean over rounds."""
+    peer_cpu_s_per_gib: float = 0.0
+    """CPU seconds (all threads) the serving peer spent per GiB, mean over rounds."""
 
 
 # --------------------------------------------------------------------------- both sides
@@ -262,8 +283,12 @@ def _peer_main(conn: Any, spec_json: str) -> None:
                 errors.append(f"dist serving: {exc}")
 
         threading.Thread(target=serve_dist, daemon=True).start()
-    if conn.poll(spec.timeout_s * (4 + 3 * spec.rounds)):
-        conn.recv_bytes()
+    # Answers CPU-time queries until told to stop (or the puller is gone for too long).
+    end = time.monotonic() + spec.timeout_s * (4 + 3 * spec.rounds)
+    while (left := end - time.monotonic()) > 0 and conn.poll(left):
+        if conn.recv_bytes() != CPU_QUERY:
+            break
+        conn.send_bytes(struct.pack("<d", time.process_time()))
     stop.set()
     conn.send_bytes(json.dumps({"errors": errors}).encode())
     listener.close()
@@ -378,7 +403,13 @@ def measure(spec: Spec) -> list[Figure]:
                 else ("gathered batches" if spec.gather else "batches, in place where consecutive")
             )
 
+        def peer_cpu() -> float:
+            parent.send_bytes(CPU_QUERY)
+            reply = _wait_for(parent, peer, spec.timeout_s, "report its CPU time")
+            return float(struct.unpack("<d", reply)[0])
+
         times: dict[str, list[float]] = {name: [] for name in pulls}
+        cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in pulls}
         warm = hashes[: max(1, min(len(hashes), 32))]
         for pull in pulls.values():
             _empty(service)
@@ -386,9 +417,11 @@ def measure(spec: Spec) -> list[Figure]:
         for _ in range(spec.rounds):
             for name, pull in pulls.items():
                 _empty(service)
+                peer0, self0 = peer_cpu(), time.process_time()
                 t0 = time.perf_counter()
                 moved = pull(list(hashes))
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append((time.process_time() - self0, peer_cpu() - peer0))
                 if moved != spec.pages:
                     raise TransportError(f"{name} moved {moved} of {spec.pages} pages")
         _empty(service)
@@ -410,7 +443,15 @@ def measure(spec: Spec) -> list[Figure]:
         if peer.is_alive():
             peer.kill()
             peer.join(5)
-    return _figures(spec, times, details, (load_before, os.getloadavg()[0]))
+    return _figures(spec, times, details, (load_before, os.getloadavg()[0]), cpu)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 def _figures(
@@ -418,15 +459,19 @@ def _figures(
     times: dict[str, list[float]],
     details: dict[str, str],
     load: tuple[float, float] = (0.0, 0.0),
+    cpu: dict[str, list[tuple[float, float]]] | None = None,
 ) -> list[Figure]:
+    """The figures of every transport from its rounds' `times` (and `cpu`: per round, the
+    puller's and the peer's CPU seconds); round i of each transport ran in the same turn."""
     nbytes = spec.pages * spec.page_bytes
+    gib = nbytes / 2**30
     best = {name: min(ts) for name, ts in times.items()}
     tcp_rate = nbytes / best["tcp"]
     out = []
     for name, ts in times.items():
-        ordered = sorted(ts)
-        median = ordered[len(ordered) // 2]
+        median = _median(ts)
         rate = nbytes / best[name]
+        rounds_cpu = (cpu or {}).get(name, [])
         out.append(
             Figure(
                 transport=name,
@@ -442,6 +487,11 @@ def _figures(
                 detail=details[name],
                 load_before=load[0],
                 load_after=load[1],
+                median_ratio_vs_tcp=_median(
+                    [a / b for a, b in zip(times["tcp"], ts, strict=False)]
+                ),
+                puller_cpu_s_per_gib=_mean([c[0] for c in rounds_cpu]) / gib,
+                peer_cpu_s_per_gib=_mean([c[1] for c in rounds_cpu]) / gib,
             )
         )
     return out
@@ -486,15 +536,22 @@ def render(spec: Spec, figures: list[Figure]) -> str:
     )
     lines = [
         f"kvmesh bench transfer: {spec.pages} pages x {spec.page_bytes / 2**20:.2f} MiB = "
-        f"{total / 2**30:.2f} GiB over loopback, best of {spec.rounds} rounds "
+        f"{total / 2**30:.2f} GiB over loopback, {spec.rounds} rounds, transports in turn "
         f"(this process pulls from a spawned peer{load})",
-        f"{'transport':<10}{'GB/s':>8}{'pages/s':>10}{'vs tcp':>8}{'median GB/s':>13}  detail",
+        f"{'transport':<10}{'GB/s':>8}{'pages/s':>10}{'vs tcp':>8}{'median GB/s':>13}"
+        f"{'median vs tcp':>15}{'CPU s/GiB puller+peer':>23}  detail",
     ]
     for fig in figures:
+        cpu = f"{fig.puller_cpu_s_per_gib:.2f}+{fig.peer_cpu_s_per_gib:.2f}"
         lines.append(
             f"{fig.transport:<10}{fig.gb_per_s:>8.2f}{fig.pages_per_s:>10.0f}"
-            f"{fig.ratio_vs_tcp:>8.0%}{fig.median_gb_per_s:>13.2f}  {fig.detail}"
+            f"{fig.ratio_vs_tcp:>8.0%}{fig.median_gb_per_s:>13.2f}"
+            f"{fig.median_ratio_vs_tcp:>15.0%}{cpu:>23}  {fig.detail}"
         )
+    lines.append(
+        "vs tcp: best round / tcp's best round; median vs tcp: per round, tcp's time / this "
+        "one's; CPU: all threads, per GiB moved, mean of rounds"
+    )
     return "\n".join(lines)
 
 

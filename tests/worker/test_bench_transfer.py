@@ -41,7 +41,11 @@ def test_json_gives_one_object_per_transport_with_a_ratio_to_tcp(
         assert obj["ratio_vs_tcp"] > 0
         assert (obj["pages"], obj["page_bytes"], obj["bytes"]) == (6, 1 << 20, 6 << 20)
         assert obj["rounds"] == 2
+        assert obj["median_ratio_vs_tcp"] > 0
+        # Both processes did work for every transport; measured, not filled in.
+        assert obj["puller_cpu_s_per_gib"] > 0 and obj["peer_cpu_s_per_gib"] > 0
     assert lines[0]["ratio_vs_tcp"] == 1.0
+    assert lines[0]["median_ratio_vs_tcp"] == 1.0
     tcp = lines[0]["gb_per_s"]
     for obj in lines[1:]:
         assert obj["ratio_vs_tcp"] == pytest.approx(obj["gb_per_s"] / tcp, rel=0.05)
@@ -57,7 +61,8 @@ def test_table_shows_every_transport_next_to_tcp() -> None:
     ]
     rows = bench_transfer.render(spec, figures).splitlines()
     assert "vs tcp" in rows[1]
-    assert [row.split()[:4] for row in rows[2:]] == [
+    assert rows[-1].startswith("vs tcp: best round / tcp's best round")  # the legend
+    assert [row.split()[:4] for row in rows[2:-1]] == [
         ["tcp", "2.00", "2000", "100%"],
         ["grpc", "0.50", "500", "25%"],
         ["dist", "1.50", "1500", "75%"],
@@ -104,3 +109,20 @@ def test_the_table_header_names_the_machine_load() -> None:
     assert (
         "1-min load 1.25 before, 1.50 after" in bench_transfer.render(spec, [fig]).splitlines()[0]
     )
+
+
+def test_the_median_ratio_pairs_each_round_with_tcp_in_the_same_round() -> None:
+    """Load that comes and goes moves both sides of a round's ratio: tcp's one lucky round
+    sets the best-vs-best ratio, not the median of the rounds."""
+    spec = bench_transfer.spec_from_args(parse(TINY))
+    times = {"tcp": [1.0, 4.0, 4.0], "grpc": [2.0, 4.0, 5.0]}
+    cpu = {"tcp": [(0.1, 0.2)] * 3, "grpc": [(0.2, 0.3), (0.4, 0.6), (0.3, 0.3)]}
+    tcp, grpc = bench_transfer._figures(spec, times, {"tcp": "", "grpc": ""}, cpu=cpu)
+    assert grpc.ratio_vs_tcp == pytest.approx(0.5)  # best 2.0 vs tcp's best 1.0
+    assert grpc.median_ratio_vs_tcp == pytest.approx(0.8)  # of 0.5, 1.0, 0.8
+    assert tcp.median_ratio_vs_tcp == 1.0
+    gib = spec.pages * spec.page_bytes / 2**30
+    assert grpc.puller_cpu_s_per_gib == pytest.approx(0.3 / gib)
+    assert grpc.peer_cpu_s_per_gib == pytest.approx(0.4 / gib)
+    row = bench_transfer.render(spec, [tcp, grpc]).splitlines()[3].split()
+    assert row[5] == "80%" and row[6] == f"{0.3 / gib:.2f}+{0.4 / gib:.2f}"
