@@ -37,6 +37,9 @@ DEFAULT_SEED = "kvmesh-default-seed"
 MAX_SEED = 2**63 - 1
 """Largest model / router seed (torch and `random` take it; it travels as int64)."""
 
+DEVICE_MEDIA: tuple[str, ...] = ("gpu", "cuda", "device")
+"""Media a device pool's events may name: the coordinator index's device tier."""
+
 _ACCEPTS: dict[str, tuple[tuple[type, ...], str]] = {
     "int": ((int,), "an integer"),
     "float": ((int, float), "a number"),
@@ -108,7 +111,9 @@ class PoolConfig:
 
     num_pages: int = 512  # pages in each worker's pool (page 0 is the null page)
     enable_caching: bool = True  # keep computed full pages for reuse (off: compute every time)
-    medium: str = "cpu"  # the medium the pool's events report for its pages
+    # the tier the device pool's events name: the index's device tier whatever the torch
+    # device (gpu, cuda or device); "cpu" is the host tier, whose hits cost a copy
+    medium: str = "gpu"
     event_token_ids: bool = True  # PagesStored carries the pages' token ids
     use_eagle: bool = False  # drop the last matched page (EAGLE recomputes its hidden states)
     # tiers below the device pool (kvmesh.worker.tiered_cache; docs/tiers.md); with any tier
@@ -124,6 +129,13 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         _check_section(self, not_empty=("medium",), non_negative=("host_pages", "disk_bytes"))
+        if self.medium.lower() not in DEVICE_MEDIA:
+            raise _refuse(
+                self,
+                "medium",
+                f"must name the device tier ({', '.join(DEVICE_MEDIA)}): the index reads "
+                "another medium as a lower tier and charges every local hit a promotion",
+            )
         if self.num_pages < 2:
             raise _refuse(self, "num_pages", "must be at least 2 (page 0 is the null page)")
         if self.disk_dir and not self.disk_bytes:

@@ -149,7 +149,7 @@ class WorkerActor:
         import torch
 
         from kvmesh.worker.cache_manager import KVCacheManager
-        from kvmesh.worker.devices import medium_of, resolve_device
+        from kvmesh.worker.devices import resolve_device
         from kvmesh.worker.events_reporter import CoordinatorRpc, EventReporter
         from kvmesh.worker.kv_store import KVStore
         from kvmesh.worker.links import DistLinks
@@ -168,7 +168,8 @@ class WorkerActor:
         # The device is this node's to decide ("auto"); model, store and links follow it.
         device = resolve_device(cfg.model.device)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=str(device)))
-        medium = medium_of(device) if device.type == "cuda" else cfg.pool.medium
+        medium = cfg.pool.medium  # the index's device tier whatever the torch device: a CPU
+        # worker's own pages are device hits, never host-tier ones charged a promotion
         torch.set_num_threads(spec.torch_threads)
         page_size = cfg.hash.page_size
         self.spec = spec
@@ -378,6 +379,7 @@ class WorkerActor:
             (t1 - t0) * 1e3,
             (time.perf_counter() - t1) * 1e3,
             push_error,
+            result.reported,
         )
 
     def compute_from_scratch(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:

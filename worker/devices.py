@@ -11,8 +11,8 @@
   sees no GPU (or fewer than N + 1), never silently run on the CPU.
 
 The device then decides the rest, with the same code on both: the KV store
-and the model are allocated there, the pool's events name its medium
-(`medium_of`: ``gpu`` or ``cpu``) and torch.distributed links pick the
+and the model are allocated there (the pool's events name the index's
+device tier, ``gpu``, on either: `PoolConfig.medium`) and torch.distributed links pick the
 backend that moves its tensors (`kvmesh.worker.dist_group.BACKENDS`: NCCL
 for cuda, gloo for cpu).
 """

@@ -108,7 +108,7 @@ class PagePool:
         num_pages: int,
         *,
         enable_caching: bool = True,
-        medium: str = "cpu",
+        medium: str = "gpu",
         page_size: int = 16,
         event_token_ids: bool = True,
     ) -> None:

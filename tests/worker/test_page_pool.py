@@ -146,7 +146,7 @@ def test_freed_pages_are_evicted_tail_first() -> None:
     assert [p.page_id for p in reused] == [4, 5, 3]
     # The prefix's head ("a", "b") outlived its tail ("c").
     assert pool.cached_hashes() == {h("a"), h("b")}
-    assert pool.take_events() == [PagesRemoved((h("c"),), "cpu")]
+    assert pool.take_events() == [PagesRemoved((h("c"),), "gpu")]
     pool.check_invariants()
 
 
@@ -160,9 +160,9 @@ def test_a_reused_page_loses_its_old_hash_before_it_is_handed_out() -> None:
     assert pool.get_cached_page(h("a")) is None
     pool.cache_page(page, h("b"), None)
     assert pool.take_events() == [
-        PagesStored((h("a"),), None, (1, 2, 3, 4), PS, None, "cpu"),
-        PagesRemoved((h("a"),), "cpu"),
-        PagesStored((h("b"),), None, (), PS, None, "cpu"),
+        PagesStored((h("a"),), None, (1, 2, 3, 4), PS, None, "gpu"),
+        PagesRemoved((h("a"),), "gpu"),
+        PagesStored((h("b"),), None, (), PS, None, "gpu"),
     ]
     pool.check_invariants()
 
@@ -200,7 +200,7 @@ def test_duplicate_pages_with_one_hash_are_both_cached_and_announced_once() -> N
     assert pool.get_cached_page(h("a")) is first
     assert pool.take_events() == []
     pool.get_new_pages(1)  # `first`: the last copy goes
-    assert pool.take_events() == [PagesRemoved((h("a"),), "cpu")]
+    assert pool.take_events() == [PagesRemoved((h("a"),), "gpu")]
     pool.check_invariants()
 
 
@@ -213,8 +213,8 @@ def test_caching_a_run_around_an_existing_copy_splits_the_stored_event() -> None
     hashes = [h("a"), h("b"), h("c")]
     pool.cache_full_pages(pages, hashes, 0, 3, [1, 2, 3])
     assert pool.take_events() == [
-        PagesStored((h("a"),), None, (1,), 1, None, "cpu"),
-        PagesStored((h("c"),), h("b"), (3,), 1, None, "cpu"),
+        PagesStored((h("a"),), None, (1,), 1, None, "gpu"),
+        PagesStored((h("c"),), h("b"), (3,), 1, None, "gpu"),
     ]
     assert len(pool.get_cached_pages(h("b"))) == 2
     pool.check_invariants()
@@ -270,7 +270,7 @@ def test_evicting_by_hash_forgets_every_copy_and_counts_the_cached_ones() -> Non
     pool.take_events()
     assert pool.evict_pages([h("a"), h("c"), h("zz")]) == 2
     assert pool.cached_hashes() == {h("b")}
-    assert pool.take_events() == [PagesRemoved((h("a"), h("c")), "cpu")]
+    assert pool.take_events() == [PagesRemoved((h("a"), h("c")), "gpu")]
     # A held page stays held; it just can no longer be hit.
     assert extra[0].ref_cnt == 1 and extra[0].page_hash is None
     assert pool.evict_pages([h("zz")]) == 0 and pool.take_events() == []

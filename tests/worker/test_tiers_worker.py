@@ -13,6 +13,7 @@ from worker_kit import BASE, HASHER, Prompts
 
 from kvmesh.config import PoolConfig
 from kvmesh.coordinator.service import Coordinator
+from kvmesh.errors import InvalidSetting
 from kvmesh.requests import WorkerSpec
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.actor import WorkerActor
@@ -122,3 +123,31 @@ def test_a_restarted_worker_announces_the_disk_pages_it_adopted(
         assert list(result.tokens) == model.generate(list(first), 3)
     finally:
         again.shutdown()
+
+
+def test_a_tierless_cpu_workers_pages_are_indexed_on_the_device_tier(
+    coordinator: Coordinator,
+) -> None:
+    # A CPU worker's pool is its device pool: were its pages indexed in the host tier
+    # ("cpu"), kv_aware would charge every local hit a promotion it never makes.
+    config = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, device="cpu"))
+    worker = WorkerActor(WorkerSpec(WorkerId("w-cpu"), config), coordinator)
+    try:
+        assert worker.tiers is None and worker.store.device.type == "cpu"
+        tokens = prompt(4)
+        worker.generate(request(tokens, 2))
+        worker.flush()
+        assert index_tiers(coordinator, worker, tokens) == ["gpu"] * 4
+        hashes = [PageHash(h) for h in HASHER.hash_prompt(tokens)]
+        matched = coordinator.index.match(hashes)
+        assert matched.pages[worker.worker_id] == 4
+        assert coordinator.index.tier_pages(hashes, matched) == {}  # nothing to promote
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("medium", ["cpu", "host", "disk"])
+def test_a_device_pool_naming_a_lower_tier_is_refused(medium: str) -> None:
+    with pytest.raises(InvalidSetting, match="must name the device tier") as err:
+        PoolConfig(medium=medium)
+    assert "PoolConfig.medium" in str(err.value)
