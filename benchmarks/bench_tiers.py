@@ -13,7 +13,9 @@ measures, for a prompt of ``--pages`` full pages:
   the device, not from memory;
 - tenants: a quiet tenant's page hit ratio alone, and beside a neighbour
   flooding unique prompts with ``fair`` and with ``lru`` eviction (real pool
-  and cache manager), each beside the alone figure.
+  and cache manager), each beside the alone figure;
+- eviction cost: one allocation by a tenant above its share in a full pool
+  whose oldest pages another tenant holds, ``fair`` against ``lru``.
 
 Each figure is the median of ``--repeats`` runs, in ms per page, and the
 ratios recompute / promotion are printed beside them (both sides from the
@@ -38,10 +40,12 @@ import torch
 from kvmesh.arguments import positive_int
 from kvmesh.config import ModelConfig
 from kvmesh.hashing import ExtraKeys, PageHasher, RequestHashes
+from kvmesh.types import PageHash
 from kvmesh.worker.cache_manager import KVCacheManager, Request
 from kvmesh.worker.kv_store import KVStore
 from kvmesh.worker.model import TinyTransformer
 from kvmesh.worker.page_pool import PagePool
+from kvmesh.worker.tenant_share import make_eviction
 from kvmesh.worker.tiered_cache import TieredCache
 
 
@@ -162,6 +166,34 @@ def _quiet_hit_ratio(eviction: str, flood: bool, rounds: int) -> float:
     return hits / asked
 
 
+ALLOC_POOL_PAGES, ALLOC_PROTECTED_PAGES, ALLOC_PAGES, ALLOC_ROUNDS = 16_384, 4_000, 8, 2_000
+
+
+def _allocation_us(eviction: str) -> float:
+    """Microseconds per 8-page allocation (with its caching and freeing) by a tenant above its
+    share, in a full 16,384-page pool whose oldest 4,000 free pages are a quiet tenant's:
+    under `fair` they are protected, under `lru` they go first (the baseline)."""
+    pool = PagePool(ALLOC_POOL_PAGES + 1, page_size=16, event_token_ids=False)
+    if eviction != "lru":
+        pool.eviction = make_eviction(eviction)
+
+    def cache(tenant: str, n: int, tag: int) -> None:
+        pages = pool.get_new_pages(n, tenant)
+        keys = [PageHash(f"{tenant}-{tag}-{i}".encode()) for i in range(n)]
+        pool.cache_full_pages(pages, keys, 0, n, (), None, tenant)
+        pool.free_pages(reversed(pages))
+
+    cache("quiet", ALLOC_PROTECTED_PAGES, 0)
+    cache("flood", ALLOC_POOL_PAGES - ALLOC_PROTECTED_PAGES, 0)
+    pool.take_events()
+    t0 = time.perf_counter()
+    for r in range(1, ALLOC_ROUNDS + 1):
+        cache("flood", ALLOC_PAGES, r)
+        if not r % 256:
+            pool.take_events()
+    return (time.perf_counter() - t0) / ALLOC_ROUNDS * 1e6
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return its figures (the `--json` object)."""
     model = TinyTransformer(ModelConfig())
@@ -203,6 +235,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ratio = _quiet_hit_ratio(eviction, True, rounds)
         out[f"quiet_hit_ratio_flooded_{eviction}"] = ratio
         out[f"quiet_flooded_vs_alone_{eviction}"] = ratio / alone if alone else 0.0
+    for eviction in ("lru", "fair"):
+        out[f"allocation_us_{eviction}"] = statistics.median(
+            _allocation_us(eviction) for _ in range(args.repeats)
+        )
+    out["allocation_fair_vs_lru"] = out["allocation_us_fair"] / out["allocation_us_lru"]
     return out
 
 
@@ -237,4 +274,12 @@ def run(args: argparse.Namespace) -> int:
             f"{result[f'quiet_hit_ratio_flooded_{eviction}']:.3f}  "
             f"({result[f'quiet_flooded_vs_alone_{eviction}']:.2f}x alone)"
         )
+    print(
+        f"an allocation of {ALLOC_PAGES} pages by a tenant above its share, in a full "
+        f"{ALLOC_POOL_PAGES}-page pool whose oldest {ALLOC_PROTECTED_PAGES} pages are another's"
+    )
+    print(
+        f"  lru {result['allocation_us_lru']:.1f} us, fair {result['allocation_us_fair']:.1f} us "
+        f"({result['allocation_fair_vs_lru']:.2f}x lru)"
+    )
     return 0

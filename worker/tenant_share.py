@@ -31,6 +31,7 @@ the number of pages.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from itertools import islice
@@ -213,13 +214,24 @@ class FairShareEviction:
                 below, tenant = heap[0]
                 if above_only and below >= 0:
                     return
-                key = next_of(tenant)
-                if key is None:  # every page it has left is held
+                # as many as it gives before another tenant is further above (or it reaches
+                # its share): one slice of its queue, not a heap step per page
+                budget = n - len(out)
+                if above_only:
+                    budget = min(budget, math.ceil(-below))
+                if len(heap) > 1:
+                    second = min(entry[0] for entry in heap[1:3])
+                    budget = min(budget, max(1, math.floor(second - below) + 1))
+                queue = queues.get(tenant)
+                if queue is None:
+                    queue = queues[tenant] = candidates.oldest_of(tenant)
+                got = list(islice(queue, budget))
+                out.extend(got)
+                left[tenant] -= len(got)
+                if len(got) < budget:  # every page it has left is held
                     heapq.heappop(heap)
-                    continue
-                out.append(key)
-                left[tenant] -= 1
-                heapq.heapreplace(heap, (below + 1, tenant))
+                else:
+                    heapq.heapreplace(heap, (below + len(got), tenant))
 
         take(above_only=True)
         if requester is not None and requester in left:

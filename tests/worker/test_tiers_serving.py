@@ -87,3 +87,7 @@ def test_the_tiers_benchmark_prints_both_sides(capsys: pytest.CaptureFixture[str
     )
     assert figures["quiet_hit_ratio_alone"] == 1.0  # its 128 pages fit the 512-page pool
     assert figures["quiet_flooded_vs_alone_fair"] >= 0.9 > figures["quiet_flooded_vs_alone_lru"]
+    assert figures["allocation_us_lru"] > 0 and figures["allocation_us_fair"] > 0
+    assert figures["allocation_fair_vs_lru"] == (
+        figures["allocation_us_fair"] / figures["allocation_us_lru"]
+    )
