@@ -17,6 +17,12 @@ again, and tells the coordinator what it really hit and pulled with its
 report of the request's events (one call it does not wait for), so that
 predicted vs realized is counted.
 
+Read your writes: the answer names that report (`GenerationResult.reported`)
+and this client's next route and stats carry it (`RouteQuery.after`), so the
+coordinator applies it before deciding: a follow-up request finds the pages
+its predecessor stored even when the report is still on its way. The wait is
+bounded by a heartbeat interval (a lost report is resent with the next one).
+
 The client holds only handles: `KVMesh.attach` joins a running cluster and
 creates nothing; starting one (an embedded Ray, the coordinator, workers) is
 the app's (`kvmesh.app.connect`, which returns a `KVMesh`), so nothing here
@@ -30,7 +36,7 @@ all. Errors raised by a worker (`KVMeshError`) reach the caller as the same
 class, not wrapped.
 
 Disaggregation (`prefill_workers`, `decode_workers`): the coordinator picks a
-prefill worker and a decode worker; the prefill worker computes the prompt's
+prefill worker and a decode worker in one route (`RouteQuery.split`); the prefill worker computes the prompt's
 pages and pushes them to the decode worker over gRPC; the decode worker then
 serves the request from them. The tokens are those of a normal run.
 
@@ -72,6 +78,7 @@ from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, r
 from kvmesh.requests import (
     GenerateRequest,
     GenerationResult,
+    PrefillResult,
     ReportMark,
     Role,
     RouteDecision,
@@ -87,6 +94,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 T = TypeVar("T")
+R = TypeVar("R", GenerationResult, PrefillResult)
 
 Prompt = str | Sequence[int]
 
@@ -468,7 +476,9 @@ class KVMesh:
             )
 
     async def astats(self) -> ClusterStats:
-        coord = await self._call(self._coordinator.stats.remote(), None)
+        with self._lock:  # the counters once the reports of the answers read are in
+            after = tuple(self._reported.values())
+        coord = await self._call(self._coordinator.stats.remote(after), None)
         workers = list(self._workers.values())
         results = await asyncio.gather(
             *(self._call(w.actor.stats.remote(), w.worker_id) for w in workers),
@@ -568,7 +578,7 @@ class KVMesh:
             after,
         )
 
-    def _follow(self, result: GenerationResult) -> GenerationResult:
+    def _follow(self, result: R) -> R:
         """Keep the report `result` followed (`GenerationResult.reported`): this client's
         next route waits for it, so a follow-up request finds what this one stored."""
         mark = result.reported
@@ -653,11 +663,12 @@ class KVMesh:
     async def _disaggregated(
         self, base: GenerateRequest, hashes: Sequence[PageHash]
     ) -> GenerationResult:
-        n, salt = len(base.token_ids), base.cache_salt
-        pre_d, dec_d = await asyncio.gather(  # one round trip for both halves
-            self._route(self._query(base.token_ids, hashes, "prefill", base.request_id, salt)),
-            self._route(self._query(base.token_ids, hashes, "decode", base.request_id, salt)),
-        )
+        n = len(base.token_ids)
+        query = self._query(base.token_ids, hashes, None, base.request_id, base.cache_salt)
+        pre_d = await self._route(dataclasses.replace(query, split=True))  # both halves
+        dec_d = pre_d.decode
+        if dec_d is None:  # pragma: no cover - a split query is always answered with both
+            raise NoWorkers("the coordinator named no decode worker for a split route")
         pre_w = await self._handle(pre_d.worker_id)
         dec_w = await self._handle(dec_d.worker_id)
         local, pull, peer = self._promise(pre_d, n)
@@ -669,6 +680,7 @@ class KVMesh:
         pre = await self._call(
             pre_w.actor.prefill.remote(pre_req, dec_w.address, ticket), pre_w.worker_id
         )
+        self._follow(pre)
         limit = reusable_pages(n, self.config.hash.page_size)
         promised = min(limit, max(dec_d.local_pages, pre.pages_pushed))
         dec_req = dataclasses.replace(base, promised_local=promised)

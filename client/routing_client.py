@@ -49,6 +49,26 @@ class RoutedTo:
     promote_pages: int = 0  # of matched_pages, in the worker's host or disk tier
     cost: float = 0.0  # the policy's cost of the chosen worker
     request_id: str = ""  # the query's, echoed
+    decode: RoutedTo | None = None  # a split query's decode worker
+
+
+def _routed_to(r: pb.RouteResponse, router: str) -> RoutedTo:
+    return RoutedTo(
+        r.worker_id,
+        r.worker_address,
+        r.matched_pages,
+        r.peer_worker_id or None,
+        r.peer_address or None,
+        r.peer_pages,
+        r.total_pages,
+        r.policy,
+        r.degraded,
+        router,
+        r.promote_pages,
+        r.cost,
+        r.request_id,
+        _routed_to(r.decode, router) if r.HasField("decode") else None,
+    )
 
 
 class RoutingClient:
@@ -129,27 +149,14 @@ class RoutingClient:
             policy=query.policy or "",
             request_id=query.request_id,
             tenant=query.tenant or "",
+            split=query.split,
             after=[
                 pb.ReportMark(worker_id=m.worker_id, incarnation=m.incarnation, seq=m.seq)
                 for m in query.after
             ],
         )
         r, router = self._call("Route", req, pb.RouteResponse)
-        return RoutedTo(
-            r.worker_id,
-            r.worker_address,
-            r.matched_pages,
-            r.peer_worker_id or None,
-            r.peer_address or None,
-            r.peer_pages,
-            r.total_pages,
-            r.policy,
-            r.degraded,
-            router,
-            r.promote_pages,
-            r.cost,
-            r.request_id,
-        )
+        return _routed_to(r, router)
 
     def register(self, reg: WorkerRegistration) -> bool:
         """Register a worker or engine; True when the coordinator wants a snapshot batch first.

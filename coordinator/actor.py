@@ -346,7 +346,10 @@ class CoordinatorActor:
         counts = COORDINATOR_CALLS.values_by("method", coordinator=self.core.name)
         return {method: int(n) for method, n in counts.items()}
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, after: Sequence[ReportMark] = ()) -> dict[str, Any]:
+        """The counters, once the reports `after` names are applied (a client reading its
+        own requests' outcomes; at most a heartbeat interval, as a route)."""
+        await self._wait_reported(after)
         return self.core.stats().as_dict()
 
     async def workers(self) -> list[WorkerInfo]:

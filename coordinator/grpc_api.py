@@ -141,6 +141,7 @@ def route_query(req: pb.RouteRequest) -> RouteQuery:
         req.request_id,
         req.tenant or None,
         tuple(ReportMark(WorkerId(m.worker_id), m.incarnation, m.seq) for m in req.after),
+        req.split,
     )
 
 
@@ -263,9 +264,16 @@ class CoordinatorAPIServer:
         query = route_query(req)
         with request_scope(query.request_id):  # its id on our logs and on the error we raise
             decision = await self.backend.route(query)
-            address = await self.backend.address_of(decision.worker_id)
-            peer = await self.backend.address_of(decision.peer_id) if decision.peer_id else ""
-        return route_response(decision, address, peer, query.request_id)
+            reply = await self._response(decision, query.request_id)
+            if decision.decode is not None:
+                reply.decode.CopyFrom(await self._response(decision.decode, query.request_id))
+        return reply
+
+    async def _response(self, decision: RouteDecision, request_id: str) -> pb.RouteResponse:
+        """`decision` with its worker's and peer's addresses."""
+        address = await self.backend.address_of(decision.worker_id)
+        peer = await self.backend.address_of(decision.peer_id) if decision.peer_id else ""
+        return route_response(decision, address, peer, request_id)
 
     async def _register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
         reg = await self.backend.register_worker(

@@ -78,7 +78,7 @@ from kvmesh.errors import InvalidInput, KVMeshError, TransportError
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
-from kvmesh.requests import RouteOutcome
+from kvmesh.requests import ReportMark, RouteOutcome
 from kvmesh.router_replicas import router_actor_name, shard_actor_name
 from kvmesh.types import PageHash, WorkerId
 
@@ -444,10 +444,16 @@ class RouterActor:
         """`query` with only the report marks of `shard`'s workers (the others are not its)."""
         if not query.after or self.num_shards == 1:
             return query
-        mine = tuple(m for m in query.after if shard_of(m.worker_id, self.num_shards) == shard)
+        mine = tuple(m for m in query.after if self._shard_of(m) == shard)
         return dataclasses.replace(query, after=mine)
 
+    def _shard_of(self, mark: ReportMark) -> int:
+        return shard_of(mark.worker_id, self.num_shards)
+
     async def route(self, query: RouteQuery) -> RouteDecision:
+        if query.check().split:  # both halves at once, each its own fan-out
+            prefill, decode = await asyncio.gather(*(self.route(q) for q in query.halves()))
+            return dataclasses.replace(prefill, decode=decode)
         with request_scope(query.request_id):  # its id on our logs and on the error we raise
             view = await self.view(query.check())
             decision = self.router.decide(query, view)
@@ -486,9 +492,13 @@ class RouterActor:
         )
         return mismatch
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, after: Sequence[ReportMark] = ()) -> dict[str, Any]:
+        marks = tuple(after)
         shard_stats = await asyncio.gather(
-            *(self._hedged(s, "stats") for s in range(self.num_shards))
+            *(
+                self._hedged(s, "stats", tuple(m for m in marks if self._shard_of(m) == s))
+                for s in range(self.num_shards)
+            )
         )
         out = merge_stats(shard_stats, self.router.stats())
         out["shards"] = self.num_shards

@@ -492,6 +492,9 @@ class Coordinator:
         `kv_aware` weighs the pages it would take from other tenants on each worker
         (`over_share_pages`). `query.after` is the async shells' (`CoordinatorActor`):
         here every report is applied before it returns."""
+        if query.split:
+            prefill, decode = query.halves()
+            return replace(self.route(prefill), decode=self.route(decode))
         if query.policy is not None and query.policy not in REGISTRY:
             make_policy(query.policy)  # raises ConfigError naming the known policies
         with self._lock:

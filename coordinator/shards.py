@@ -41,6 +41,7 @@ import random
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import xxhash
@@ -348,6 +349,9 @@ class ShardedCoordinator:
 
     def route(self, query: RouteQuery) -> RouteDecision:
         """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""
+        if query.split:
+            prefill, decode = query.halves()
+            return replace(self.route(prefill), decode=self.route(decode))
         decision = self.router.decide(query, self.view(query))
         if query.request_id:  # a request on its way, counted in its load (`Coordinator.route`)
             self.shard(decision.worker_id).count_routed(decision, policy_request(query))

@@ -21,7 +21,7 @@ so a follow-up request sees the pages its predecessor stored.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvmesh.errors import InvalidInput
 from kvmesh.requests import ROLES, ReportMark, Role
@@ -90,7 +90,9 @@ class RouteQuery:
     (`kvmesh.tenants.tenant_of` the request's salt): when that tenant holds
     more than its fair share of the cluster's pages, `kv_aware` weighs the
     pages it would take from other tenants. `after`: reports to apply first
-    (see the module docstring).
+    (see the module docstring). `split`: both halves of a disaggregated request in
+    one call, the prefill worker's decision with the decode worker's in its `decode`
+    (`role` must then be None).
     """
 
     hashes: Sequence[PageHash]  # kept as a tuple
@@ -102,6 +104,12 @@ class RouteQuery:
     request_id: str = ""
     tenant: str | None = None
     after: tuple[ReportMark, ...] = ()
+    split: bool = False
+
+    def halves(self) -> tuple[RouteQuery, RouteQuery]:
+        """A split query's two routes: among prefill workers, among decode workers."""
+        whole = replace(self, split=False)
+        return replace(whole, role="prefill"), replace(whole, role="decode")
 
     def __post_init__(self) -> None:
         if not isinstance(self.hashes, tuple):  # callers hand lists; one copy, kept
@@ -132,6 +140,7 @@ class RouteQuery:
                 or (type(self.tenant) is str and 0 < len(self.tenant) <= MAX_ID_CHARS)
             )
             and (not self.after or all(type(m) is ReportMark for m in self.after))
+            and (not self.split or self.role is None)
         ):
             return self
         return self._refuse()
@@ -152,6 +161,10 @@ class RouteQuery:
         for mark in self.after:
             if not isinstance(mark, ReportMark):
                 raise InvalidInput(f"after must hold ReportMarks, got {type(mark).__name__}")
+        if self.split and self.role is not None:
+            raise InvalidInput(
+                f"a split query asks for both roles; give role None, not {self.role!r:.40}"
+            )
         return self
 
 

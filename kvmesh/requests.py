@@ -160,6 +160,9 @@ class RouteDecision:
     degraded: bool = False
     promote_pages: int = 0
     """Pages of `local_pages` in the worker's host or disk tier, to promote (`kv_aware`)."""
+    decode: RouteDecision | None = None
+    """For a query asking both halves of a disaggregated request (`RouteQuery.split`): this
+    decision is the prefill worker's, and this the decode worker's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +214,8 @@ class PrefillResult:
     prefill_ms: float
     push_ms: float
     push_error: str | None = None
+    reported: ReportMark | None = None
+    """As `GenerationResult.reported`: the prefill worker's last report before answering."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"$\n\rLookupRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"4\n\x0eLookupResponse\x12\x0c\n\x04held\x18\x01 \x03(\x08\x12\x14\n\x0cprefix_pages\x18\x02 \x01(\r\"<\n\x0c\x46\x65tchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"\xb7\x01\n\nPageHeader\x12\x11\n\tpage_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x14\n\x07lora_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x06\x12\x0c\n\x04tier\x18\t \x01(\tB\n\n\x08_lora_id\"u\n\tPageChunk\x12\x12\n\npage_index\x18\x01 \x01(\r\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.PageHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0f\n\x07missing\x18\x04 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\" \n\x0cPushResponse\x12\x10\n\x08inserted\x18\x01 \x03(\x08\"\xc6\x01\n\x0cRouteRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nallow_pull\x18\x04 \x01(\x08\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12$\n\x05\x61\x66ter\x18\t \x03(\x0b\x32\x15.kvmesh.v1.ReportMark\"A\n\nReportMark\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\x83\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x15\n\rmatched_pages\x18\x03 \x01(\r\x12\x16\n\x0epeer_worker_id\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12\x12\n\npeer_pages\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x0c\n\x04\x63ost\x18\n \x01(\x01\x12\x15\n\rpromote_pages\x18\x0b \x01(\r\x12\x12\n\nrequest_id\x18\x0c \x01(\t\"j\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\"e\n\x10RegisterResponse\x12\x16\n\x0eneeds_snapshot\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"\x90\x01\n\x10WorkerLoadReport\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13\x61\x63tive_decode_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x04\"m\n\rReportRequest\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x03 \x03(\x0c\x12)\n\x04load\x18\x04 \x01(\x0b\x32\x1b.kvmesh.v1.WorkerLoadReport\"1\n\x0eReportResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\x12\x0f\n\x07results\x18\x02 \x03(\t\"\x0e\n\x0cStatsRequest\"t\n\rStatsResponse\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.kvmesh.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0f\n\rHealthRequest\"T\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x0e\n\x06shards\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r2\xc6\x01\n\x08KVWorker\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12=\n\nFetchPages\x12\x17.kvmesh.v1.FetchRequest\x1a\x14.kvmesh.v1.PageChunk0\x01\x12<\n\tPushPages\x12\x14.kvmesh.v1.PageChunk\x1a\x17.kvmesh.v1.PushResponse(\x01\x32\xc8\x02\n\x0b\x43oordinator\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12\x43\n\x08Register\x12\x1a.kvmesh.v1.RegisterRequest\x1a\x1b.kvmesh.v1.RegisterResponse\x12=\n\x06Report\x12\x18.kvmesh.v1.ReportRequest\x1a\x19.kvmesh.v1.ReportResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"$\n\rLookupRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"4\n\x0eLookupResponse\x12\x0c\n\x04held\x18\x01 \x03(\x08\x12\x14\n\x0cprefix_pages\x18\x02 \x01(\r\"<\n\x0c\x46\x65tchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\x12\x17\n\x0fmax_chunk_bytes\x18\x02 \x01(\r\"\xb7\x01\n\nPageHeader\x12\x11\n\tpage_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x14\n\x07lora_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\x06\x12\x0c\n\x04tier\x18\t \x01(\tB\n\n\x08_lora_id\"u\n\tPageChunk\x12\x12\n\npage_index\x18\x01 \x01(\r\x12%\n\x06header\x18\x02 \x01(\x0b\x32\x15.kvmesh.v1.PageHeader\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0f\n\x07missing\x18\x04 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\" \n\x0cPushResponse\x12\x10\n\x08inserted\x18\x01 \x03(\x08\"\xd5\x01\n\x0cRouteRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x12\n\nallow_pull\x18\x04 \x01(\x08\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12$\n\x05\x61\x66ter\x18\t \x03(\x0b\x32\x15.kvmesh.v1.ReportMark\x12\r\n\x05split\x18\n \x01(\x08\"A\n\nReportMark\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\"\xad\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eworker_address\x18\x02 \x01(\t\x12\x15\n\rmatched_pages\x18\x03 \x01(\r\x12\x16\n\x0epeer_worker_id\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12\x12\n\npeer_pages\x18\x06 \x01(\r\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x13\n\x0btotal_pages\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x0c\n\x04\x63ost\x18\n \x01(\x01\x12\x15\n\rpromote_pages\x18\x0b \x01(\r\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12(\n\x06\x64\x65\x63ode\x18\r \x01(\x0b\x32\x18.kvmesh.v1.RouteResponse\"j\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\"e\n\x10RegisterResponse\x12\x16\n\x0eneeds_snapshot\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\"\x90\x01\n\x10WorkerLoadReport\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13\x61\x63tive_decode_pages\x18\x02 \x01(\x04\x12\x12\n\nfree_pages\x18\x03 \x01(\x04\x12\x13\n\x0btotal_pages\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x04\"m\n\rReportRequest\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61tches\x18\x03 \x03(\x0c\x12)\n\x04load\x18\x04 \x01(\x0b\x32\x1b.kvmesh.v1.WorkerLoadReport\"1\n\x0eReportResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\x12\x0f\n\x07results\x18\x02 \x03(\t\"\x0e\n\x0cStatsRequest\"t\n\rStatsResponse\x12\x34\n\x06values\x18\x01 \x03(\x0b\x32$.kvmesh.v1.StatsResponse.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0f\n\rHealthRequest\"T\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x0e\n\x06shards\x18\x03 \x01(\r\x12\x10\n\x08replicas\x18\x04 \x01(\r2\xc6\x01\n\x08KVWorker\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12=\n\nFetchPages\x12\x17.kvmesh.v1.FetchRequest\x1a\x14.kvmesh.v1.PageChunk0\x01\x12<\n\tPushPages\x12\x14.kvmesh.v1.PageChunk\x1a\x17.kvmesh.v1.PushResponse(\x01\x32\xc8\x02\n\x0b\x43oordinator\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12\x43\n\x08Register\x12\x1a.kvmesh.v1.RegisterRequest\x1a\x1b.kvmesh.v1.RegisterResponse\x12=\n\x06Report\x12\x18.kvmesh.v1.ReportRequest\x1a\x19.kvmesh.v1.ReportResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12=\n\x06Health\x12\x18.kvmesh.v1.HealthRequest\x1a\x19.kvmesh.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHRESPONSE']._serialized_start=499
   _globals['_PUSHRESPONSE']._serialized_end=531
   _globals['_ROUTEREQUEST']._serialized_start=534
-  _globals['_ROUTEREQUEST']._serialized_end=732
-  _globals['_REPORTMARK']._serialized_start=734
-  _globals['_REPORTMARK']._serialized_end=799
-  _globals['_ROUTERESPONSE']._serialized_start=802
-  _globals['_ROUTERESPONSE']._serialized_end=1061
-  _globals['_REGISTERREQUEST']._serialized_start=1063
-  _globals['_REGISTERREQUEST']._serialized_end=1169
-  _globals['_REGISTERRESPONSE']._serialized_start=1171
-  _globals['_REGISTERRESPONSE']._serialized_end=1272
-  _globals['_WORKERLOADREPORT']._serialized_start=1275
-  _globals['_WORKERLOADREPORT']._serialized_end=1419
-  _globals['_REPORTREQUEST']._serialized_start=1421
-  _globals['_REPORTREQUEST']._serialized_end=1530
-  _globals['_REPORTRESPONSE']._serialized_start=1532
-  _globals['_REPORTRESPONSE']._serialized_end=1581
-  _globals['_STATSREQUEST']._serialized_start=1583
-  _globals['_STATSREQUEST']._serialized_end=1597
-  _globals['_STATSRESPONSE']._serialized_start=1599
-  _globals['_STATSRESPONSE']._serialized_end=1715
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=1670
-  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=1715
-  _globals['_HEALTHREQUEST']._serialized_start=1717
-  _globals['_HEALTHREQUEST']._serialized_end=1732
-  _globals['_HEALTHRESPONSE']._serialized_start=1734
-  _globals['_HEALTHRESPONSE']._serialized_end=1818
-  _globals['_KVWORKER']._serialized_start=1821
-  _globals['_KVWORKER']._serialized_end=2019
-  _globals['_COORDINATOR']._serialized_start=2022
-  _globals['_COORDINATOR']._serialized_end=2350
+  _globals['_ROUTEREQUEST']._serialized_end=747
+  _globals['_REPORTMARK']._serialized_start=749
+  _globals['_REPORTMARK']._serialized_end=814
+  _globals['_ROUTERESPONSE']._serialized_start=817
+  _globals['_ROUTERESPONSE']._serialized_end=1118
+  _globals['_REGISTERREQUEST']._serialized_start=1120
+  _globals['_REGISTERREQUEST']._serialized_end=1226
+  _globals['_REGISTERRESPONSE']._serialized_start=1228
+  _globals['_REGISTERRESPONSE']._serialized_end=1329
+  _globals['_WORKERLOADREPORT']._serialized_start=1332
+  _globals['_WORKERLOADREPORT']._serialized_end=1476
+  _globals['_REPORTREQUEST']._serialized_start=1478
+  _globals['_REPORTREQUEST']._serialized_end=1587
+  _globals['_REPORTRESPONSE']._serialized_start=1589
+  _globals['_REPORTRESPONSE']._serialized_end=1638
+  _globals['_STATSREQUEST']._serialized_start=1640
+  _globals['_STATSREQUEST']._serialized_end=1654
+  _globals['_STATSRESPONSE']._serialized_start=1656
+  _globals['_STATSRESPONSE']._serialized_end=1772
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_start=1727
+  _globals['_STATSRESPONSE_VALUESENTRY']._serialized_end=1772
+  _globals['_HEALTHREQUEST']._serialized_start=1774
+  _globals['_HEALTHREQUEST']._serialized_end=1789
+  _globals['_HEALTHRESPONSE']._serialized_start=1791
+  _globals['_HEALTHRESPONSE']._serialized_end=1875
+  _globals['_KVWORKER']._serialized_start=1878
+  _globals['_KVWORKER']._serialized_end=2076
+  _globals['_COORDINATOR']._serialized_start=2079
+  _globals['_COORDINATOR']._serialized_end=2407
 # @@protoc_insertion_point(module_scope)

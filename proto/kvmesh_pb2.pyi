@@ -71,7 +71,7 @@ class PushResponse(_message.Message):
     def __init__(self, inserted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("page_hashes", "num_tokens", "page_size", "allow_pull", "role", "policy", "request_id", "tenant", "after")
+    __slots__ = ("page_hashes", "num_tokens", "page_size", "allow_pull", "role", "policy", "request_id", "tenant", "after", "split")
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RouteRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     page_size: int
@@ -90,7 +91,8 @@ class RouteRequest(_message.Message):
     request_id: str
     tenant: str
     after: _containers.RepeatedCompositeFieldContainer[ReportMark]
-    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., allow_pull: _Optional[bool] = ..., role: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., after: _Optional[_Iterable[_Union[ReportMark, _Mapping]]] = ...) -> None: ...
+    split: bool
+    def __init__(self, page_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., allow_pull: _Optional[bool] = ..., role: _Optional[str] = ..., policy: _Optional[str] = ..., request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., after: _Optional[_Iterable[_Union[ReportMark, _Mapping]]] = ..., split: _Optional[bool] = ...) -> None: ...
 
 class ReportMark(_message.Message):
     __slots__ = ("worker_id", "incarnation", "seq")
@@ -103,7 +105,7 @@ class ReportMark(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy", "total_pages", "degraded", "cost", "promote_pages", "request_id")
+    __slots__ = ("worker_id", "worker_address", "matched_pages", "peer_worker_id", "peer_address", "peer_pages", "policy", "total_pages", "degraded", "cost", "promote_pages", "request_id", "decode")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,7 @@ class RouteResponse(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     PROMOTE_PAGES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
     matched_pages: int
@@ -128,7 +131,8 @@ class RouteResponse(_message.Message):
     cost: float
     promote_pages: int
     request_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ..., total_pages: _Optional[int] = ..., degraded: _Optional[bool] = ..., cost: _Optional[float] = ..., promote_pages: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    decode: RouteResponse
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., matched_pages: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., peer_pages: _Optional[int] = ..., policy: _Optional[str] = ..., total_pages: _Optional[int] = ..., degraded: _Optional[bool] = ..., cost: _Optional[float] = ..., promote_pages: _Optional[int] = ..., request_id: _Optional[str] = ..., decode: _Optional[_Union[RouteResponse, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "address", "capacity", "incarnation", "role")

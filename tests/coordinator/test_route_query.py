@@ -211,3 +211,48 @@ def test_a_query_keeps_its_hashes_as_a_tuple() -> None:
     query = RouteQuery(hashes, 2 * PAGE)
     hashes.append(PageHash(b"later"))
     assert query.hashes == pages("t", 2)
+
+
+def halves_cluster(core: Any) -> Any:
+    """A prefill worker holding prefix "a", a decode worker, and a busy worker of both roles."""
+    for wid, role, tag in (("pre", "prefill", "a"), ("dec", "decode", "b"), ("any", "both", "c")):
+        core.register_worker(
+            WorkerRegistration(WorkerId(wid), f"10.1.0.{len(tag)}:1", 100, "i", role)
+        )
+        stored = PagesStored(pages(tag, 4), None, (), PAGE)
+        core.report(WorkerId(wid), [encode_batch(make_batch([stored], WorkerId(wid), "i", 0))])
+    core.report(WorkerId("any"), [], WorkerLoad(WorkerId("any"), 8 * PAGE, 0, 100, 100))
+    return core
+
+
+def test_a_split_query_answers_both_halves_of_a_disaggregated_request_in_one_call(
+    loop: Loop,
+) -> None:
+    query = RouteQuery(pages("a", 4), 4 * PAGE + 1, page_size=PAGE, split=True)
+    single = halves_cluster(Coordinator(CoordinatorConfig(), rng=random.Random(0)))
+    d = single.route(query)
+    assert d.decode is not None
+    assert (d.worker_id, d.local_pages, d.decode.worker_id, d.decode.local_pages) == (
+        "pre",
+        4,
+        "dec",
+        0,
+    )
+    prefill, decode = query.halves()
+    assert (prefill.role, decode.role, prefill.split) == ("prefill", "decode", False)
+    assert single.route(prefill).worker_id == d.worker_id
+    sharded = halves_cluster(
+        ShardedCoordinator(CoordinatorConfig(index_shards=2), rng=random.Random(0))
+    )
+    assert sharded.route(query) == d
+    served = Served(loop, single, TransferConfig())
+    try:
+        with RoutingClient(served.address) as client:
+            got = client.route(query)
+    finally:
+        served.stop()
+    assert got.decode is not None
+    assert (got.worker_id, got.matched_pages, got.decode.worker_id) == ("pre", 4, "dec")
+    assert got.decode.worker_address == "10.1.0.1:1"
+    with pytest.raises(InvalidInput, match="split query asks for both roles"):
+        replace(query, role="decode")
