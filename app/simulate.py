@@ -21,6 +21,8 @@ from typing import Any
 
 from kvmesh.app.report import SHARED_ROWS, Row, plot_comparison, print_comparison
 from kvmesh.app.sim_engine import (
+    FLOOD_TENANT,
+    QUIET_TENANT,
     PreparedTrace,
     SimResult,
     SimSettings,
@@ -219,7 +221,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="lru",
         help="who loses pages in a full pool or tier: lru, or fair (tenants above their share)",
     )
-    t.add_argument("--tenant-weights", default="", help="fair shares: 'tenant=weight,...'")
+    t.add_argument(
+        "--tenant-weights",
+        default="",
+        help=f"fair shares: 'tenant=weight,...'; with --flood the trace's tenant is "
+        f"{QUIET_TENANT}, the neighbour {FLOOD_TENANT}",
+    )
     t.add_argument(
         "--flood",
         type=non_negative_float,
