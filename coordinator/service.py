@@ -168,6 +168,20 @@ def policy_request(
     )
 
 
+def count_decision(
+    name: str, policy: str, decision: RouteDecision, query: RouteQuery, elapsed_s: float
+) -> None:
+    """A decision in the metrics of coordinator `name` (a `Coordinator` or the router in
+    front of shards): its time, its worker, whether degraded, the pages it promised."""
+    ROUTE_SECONDS.labels(name, policy).observe(elapsed_s)
+    ROUTES.labels(name, policy, decision.worker_id).inc()
+    if decision.degraded:
+        DEGRADED_ROUTES.labels(name).inc()
+    PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
+    if query.allow_pull:
+        PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
+
+
 def over_share_pages(
     weights: TenantWeights,
     tenant_totals: Mapping[str, int],
@@ -512,14 +526,7 @@ class Coordinator:
             elapsed_s = (time.perf_counter_ns() - t0) / 1e9
             if query.request_id:  # a request on its way (not a look), counted in its load
                 self._count_routed(decision, request)
-        name, policy_name = self.name, query.policy or self.config.policy
-        ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
-        ROUTES.labels(name, policy_name, decision.worker_id).inc()
-        if decision.degraded:
-            DEGRADED_ROUTES.labels(name).inc()
-        PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
-        if query.allow_pull:
-            PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
+        count_decision(self.name, query.policy or self.config.policy, decision, query, elapsed_s)
         return decision
 
     def count_routed(self, decision: RouteDecision, request: RouteRequest) -> None:

@@ -64,6 +64,7 @@ from kvmesh.coordinator.service import (
     Registration,
     ReportResult,
     RouteView,
+    count_decision,
     over_share_pages,
     policy_request,
 )
@@ -248,14 +249,7 @@ class ShardRouter:
             self._rng.seed(request_seed(self.config.seed, request))
         decision = chosen.choose(request, view.overlaps, view.loads, view.tiers)
         elapsed_s = (time.perf_counter_ns() - t0) / 1e9
-        name, policy_name = self.name, policy or self.config.policy
-        ROUTE_SECONDS.labels(name, policy_name).observe(elapsed_s)
-        ROUTES.labels(name, policy_name, decision.worker_id).inc()
-        if decision.degraded:
-            DEGRADED_ROUTES.labels(name).inc()
-        PREDICTED_PAGES.labels(name, "local").inc(decision.local_pages)
-        if request.allow_pull:
-            PREDICTED_PAGES.labels(name, "pull").inc(decision.peer_pages)
+        count_decision(self.name, policy or self.config.policy, decision, query, elapsed_s)
         return decision
 
     def stats(self) -> dict[str, Any]:
