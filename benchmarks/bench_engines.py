@@ -41,13 +41,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import httpx
 
 from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.benchmarks import engine_decisions
+from kvmesh.config import CoordinatorConfig
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
@@ -89,7 +90,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=positive_int, default=4096, help="the engines' context"
     )
     parser.add_argument(
-        "--policies", default=",".join(POLICIES), help="comma-separated, run in this order"
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated, run in this order; NAME[field=value] runs NAME with a "
+        "CoordinatorConfig field changed (kv_aware[queue_weight=0.5]), to compare settings "
+        "in one run",
     )
     parser.add_argument(
         "--rounds",
@@ -269,9 +274,34 @@ async def reset_cache(client: httpx.AsyncClient, engine: VLLMEngine) -> None:
 # ----------------------------------------------------------------------------- gateway
 
 
+def policy_setting(label: str) -> tuple[str, dict[str, str]]:
+    """``NAME[field=value;...]`` -> the policy's name and the gateway's environment for it
+    (``KVMESH_<FIELD>``, as `CoordinatorConfig` reads it); a plain name has none."""
+    name, bracket, rest = label.partition("[")
+    if not bracket:
+        return label, {}
+    if not rest.endswith("]"):
+        raise ConfigError(
+            f"--policies {label!r}: write NAME[field=value] (e.g. kv_aware[queue_weight=0.5])"
+        )
+    env: dict[str, str] = {}
+    for item in rest[:-1].split(";"):
+        field_, eq, value = item.partition("=")
+        if not eq or not field_.strip():
+            raise ConfigError(f"--policies {label!r}: {item!r} is not field=value")
+        if field_.strip() not in {f.name for f in fields(CoordinatorConfig)}:
+            raise ConfigError(
+                f"--policies {label!r}: {field_.strip()!r} is no CoordinatorConfig field "
+                "(queue_weight, overlap_weight, max_load_ratio, ...)"
+            )
+        env[f"KVMESH_{field_.strip().upper()}"] = value.strip()
+    return name, env
+
+
 def start_gateway(
-    engines: list[VLLMEngine], policy: str, block_tokens: int, engine_blocks: int, port: int
+    engines: list[VLLMEngine], label: str, block_tokens: int, engine_blocks: int, port: int
 ) -> subprocess.Popen[bytes]:
+    policy, env = policy_setting(label)
     cmd = [
         sys.executable, "-m", "kvmesh.app.cli", "gateway",
         "--tokenizer", str(engine_model()),
@@ -286,7 +316,7 @@ def start_gateway(
         cmd += ["--engine", e.url, "--name", e.name]
         if e.events_endpoint and e.replay_endpoint:
             cmd += ["--events", e.events_endpoint, "--replay", e.replay_endpoint]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT)
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
 
 
 async def wait_healthy(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -458,7 +488,8 @@ async def measure(
         proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port)
         try:
             await wait_healthy(client, url, proc)
-            if policy != HISTORY_POLICY and all(e.events_endpoint for e in engines):
+            reads_events = policy_setting(policy)[0] != HISTORY_POLICY
+            if reads_events and all(e.events_endpoint for e in engines):
                 await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
             this = Replay()
@@ -568,6 +599,8 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise ConfigError("--policies names no policy")
+    for label in policies:
+        policy_setting(label)  # a malformed setting is refused before the engines start
     for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

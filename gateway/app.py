@@ -310,9 +310,11 @@ class Gateway:
         model = self._model_for(prepared)
         body = prepared.body_for_engine(model)
         tried: set[WorkerId] = set()
+        started = time.perf_counter()
         hashes = self.prompt_hashes(prepared)
         while True:
             engine, decision, rid = self.route(prepared, tried, hashes)
+            self.decisions.routed(rid, time.perf_counter() - started)
             reused = decision.local_pages
             if decision.policy == MESH_POLICY:
                 reused += decision.peer_pages  # pulled, not computed
@@ -365,7 +367,7 @@ class Gateway:
     ) -> Response:
         t0 = time.perf_counter()
         resp = await self.client.post(engine.spec.base_url + "/v1/completions", json=body)
-        GATEWAY_FIRST_BYTE.labels(engine.spec.name).observe(time.perf_counter() - t0)
+        self.first_byte(engine, rid, t0)
         ticket.close()
         if resp.status_code == 200:
             try:
@@ -385,6 +387,12 @@ class Gateway:
         except ValueError:
             raise TransportError(f"engine {engine.spec.name} answered with no JSON") from None
         return JSONResponse(chat_from_completion(answer), headers=headers)
+
+    def first_byte(self, engine: EngineState, rid: int, sent_at: float) -> None:
+        """The engine's first bytes for decision `rid` came back (`sent_at`: perf_counter)."""
+        waited = time.perf_counter() - sent_at
+        GATEWAY_FIRST_BYTE.labels(engine.spec.name).observe(waited)
+        self.decisions.first_byte(rid, waited)
 
     def realize(self, engine: EngineState, rid: int, cached: int | None) -> None:
         """The realized side of decision `rid`: the prompt tokens the engine did not compute,
@@ -421,7 +429,9 @@ class Gateway:
                 headers=headers,
                 media_type=resp.headers.get("content-type", "application/json"),
             )
-        relay = _relay(resp, ticket, chat, engine.spec.name, t0)
+        relay = _relay(
+            resp, ticket, chat, engine.spec.name, lambda: self.first_byte(engine, rid, t0)
+        )
         if not chat:
             relay = self._watch_usage(relay, engine, rid)
         return _UpstreamStream(relay, resp, ticket, headers)
@@ -468,9 +478,14 @@ class _UpstreamStream(StreamingResponse):
 
 
 async def _relay(
-    resp: httpx.Response, ticket: Ticket, chat: bool, name: str, t0: float
+    resp: httpx.Response,
+    ticket: Ticket,
+    chat: bool,
+    name: str,
+    first_byte: Callable[[], None],
 ) -> AsyncIterator[bytes]:
-    """The engine's SSE stream, passed through (completions) or reshaped (chat)."""
+    """The engine's SSE stream, passed through (completions) or reshaped (chat);
+    `first_byte` is called when its first bytes arrive."""
     first = True
     try:
         if chat:
@@ -479,7 +494,7 @@ async def _relay(
                 if first:
                     first = False
                     ticket.prefill_done()
-                    GATEWAY_FIRST_BYTE.labels(name).observe(time.perf_counter() - t0)
+                    first_byte()
                 event = translator.event(line)
                 if event is not None:
                     yield event
@@ -488,7 +503,7 @@ async def _relay(
                 if first:
                     first = False
                     ticket.prefill_done()
-                    GATEWAY_FIRST_BYTE.labels(name).observe(time.perf_counter() - t0)
+                    first_byte()
                 yield chunk
     except httpx.HTTPError as exc:
         message = f"engine {name} broke off the stream: {type(exc).__name__}: {exc}"

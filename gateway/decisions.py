@@ -55,6 +55,11 @@ class DecisionRecord:
     attempt: int = 0
     """0 for the first engine tried; a retry on another engine is a record of its own."""
     realized_blocks: int | None = None
+    route_ms: float | None = None
+    """From the gateway's start on the request (after reading the body) to this decision:
+    hashing and routing, and earlier attempts' time on a retry."""
+    first_byte_ms: float | None = None
+    """From sending the request to the engine to its first bytes (streams: the first token)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +116,16 @@ class DecisionLog:
         record = self._records.get(rid)
         if record is not None:
             record.realized_blocks = cached_blocks
+
+    def routed(self, rid: int, seconds: float) -> None:
+        record = self._records.get(rid)
+        if record is not None:
+            record.route_ms = round(seconds * 1000, 3)
+
+    def first_byte(self, rid: int, seconds: float) -> None:
+        record = self._records.get(rid)
+        if record is not None:
+            record.first_byte_ms = round(seconds * 1000, 3)
 
     def get(self, rid: int) -> DecisionRecord | None:
         return self._records.get(rid)

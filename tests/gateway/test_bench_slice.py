@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.benchmarks.bench_engines import conversations, metric_sum, to_turns, trace_slice
+from kvmesh.benchmarks.bench_engines import (
+    conversations,
+    metric_sum,
+    policy_setting,
+    to_turns,
+    trace_slice,
+)
 from kvmesh.errors import ConfigError
 from kvmesh.trace import TraceRequest
 
@@ -69,3 +75,17 @@ def test_engine_counters_can_be_picked_by_label() -> None:
     )
     assert metric_sum(text, "kvmesh_engine_event_gaps_total", outcome="healed") == 5.0
     assert metric_sum(text, "kvmesh_engine_event_gaps_total", engine="engine-1") == 4.0
+
+
+def test_a_policy_can_run_with_a_coordinator_setting_changed_for_its_gateway() -> None:
+    assert policy_setting("kv_aware") == ("kv_aware", {})
+    assert policy_setting("approx_prefix[queue_weight=0.5; max_load_ratio=2]") == (
+        "approx_prefix",
+        {"KVMESH_QUEUE_WEIGHT": "0.5", "KVMESH_MAX_LOAD_RATIO": "2"},
+    )
+    with pytest.raises(ConfigError, match="NAME\\[field=value\\]"):
+        policy_setting("kv_aware[queue_weight=0.5")
+    with pytest.raises(ConfigError, match="'qw' is no CoordinatorConfig field"):
+        policy_setting("kv_aware[qw=1]")
+    with pytest.raises(ConfigError, match="is not field=value"):
+        policy_setting("kv_aware[queue_weight]")

@@ -150,6 +150,8 @@ async def test_each_request_names_its_record_which_holds_the_view_and_the_engine
     assert first["overlaps"] == {"engine-0": 0, "engine-1": 2}
     assert first["prompt_blocks"] == 3 and first["predicted_blocks"] == 2
     assert first["realized_blocks"] == 2 and first["attempt"] == 0
+    assert first["route_ms"] >= 0 and first["first_byte_ms"] > 0
+    assert second["first_byte_ms"] > 0  # the stream's first chunk
     assert second["realized_blocks"] == 2  # from the stream's usage chunk
     assert third["realized_blocks"] is None  # the stream carried no usage
 
