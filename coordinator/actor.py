@@ -205,6 +205,7 @@ class CoordinatorActor:
             else:
                 snaps[wid] = res
         rebuilt = self.core.rebuild_from_snapshots(snaps)
+        self._reports_applied()  # a snapshot takes a seq: routes may wait for it
         rebuilt.failed.update(failed)
         if rebuilt.failed:
             log.warning("snapshots failed for %s", sorted(rebuilt.failed))
