@@ -544,6 +544,19 @@ class GlobalIndex:
 
     def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no one holds."""
+        return self._walk(self._store.holder_ids(hashes), len(hashes))
+
+    def match_many(self, prompts: Sequence[Sequence[PageHash]]) -> list[MatchResult]:
+        """`match` of each prompt, their pages looked up together (`PageStore.holder_ids_many`):
+        a batch of routes pays the lookup's fixed cost once."""
+        return [
+            self._walk(ids, len(p))
+            for ids, p in zip(self._store.holder_ids_many(prompts), prompts, strict=True)
+        ]
+
+    def _walk(self, holder_ids: Sequence[int], num_hashes: int) -> MatchResult:
+        """The match of a prompt whose pages' holder-mask ids (up to its first page not
+        indexed) are `holder_ids`."""
         masks = self._store.masks
         alive = self._ones
         tiers = 0
@@ -551,7 +564,7 @@ class GlobalIndex:
         n = 0
         last = -1
         still = alive
-        for mid in self._store.holder_ids(hashes):
+        for mid in holder_ids:
             if not mid:
                 break
             if mid == last:  # same holders as the page before: nobody drops out
@@ -584,7 +597,7 @@ class GlobalIndex:
             for wid in wids:
                 pos = self._workers[wid].shift
                 tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
-        return MatchResult(pages, tier_names, len(hashes))
+        return MatchResult(pages, tier_names, num_hashes)
 
     def _workers_of(self, bits: int) -> tuple[WorkerId, ...]:
         """The workers whose nibble's low bit `bits` sets, in slot order (cached)."""
@@ -612,6 +625,9 @@ class GlobalIndex:
         lower tiers pays nothing beyond `match`; otherwise one pass over the longest such
         prefix, a Python step per run of pages with the same holders per tiered worker.
         """
+        names = matched.tiers
+        if list(names.values()).count(_GPU_ONLY) == len(names):  # one C pass: the common case
+            return {}
         tiered = [
             (wid, n)
             for wid, n in matched.pages.items()

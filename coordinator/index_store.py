@@ -42,6 +42,7 @@ for SHA-256): one 64-byte digest would widen every row.
 from __future__ import annotations
 
 import array
+import itertools
 import mmap
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -630,6 +631,63 @@ class PageStore:
             done += 1
         held: list[int] = self._holders.take(rows[:done], mode="clip").tolist()
         return held
+
+    def holder_ids_many(self, prompts: Sequence[Sequence[PageHash]]) -> list[list[int]]:
+        """`holder_ids` of each prompt, in one round of numpy calls over all their pages.
+
+        A route costs each shard a fixed handful of numpy calls whatever the
+        prompt's length, and with N shards a route pays it N times: a router
+        asking for its concurrent routes in one call pays it once per batch.
+        """
+        width = self._words * 8
+        flat = list(itertools.chain.from_iterable(prompts))
+        joined = b"".join(flat)
+        if (
+            len(prompts) < 2
+            or not self._top
+            or not flat
+            or self._narrow
+            or set(map(len, flat)) != {width}
+            or bytes(width) in joined
+        ):
+            return [self.holder_ids(p) for p in prompts]
+        keys = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
+        rows_home = self._home(np.ascontiguousarray(keys[:, 0]))
+        rows = self._table.take(rows_home)
+        stored = self._digest.take(rows, axis=0, mode="clip")
+        ends = list(itertools.accumulate(map(len, prompts)))
+        cuts = list(ends)  # where each prompt's run of indexed pages ends
+        if stored.tobytes() != joined:
+            eq = stored == keys
+            same = eq[:, 0]
+            for word in range(1, self._words):  # a reduction over axis 1 costs 3x these
+                same = same & eq[:, word]
+            # A page whose home slot is empty is nowhere (linear probing): the first
+            # such page ends its prompt's walk, as a page found nowhere does in
+            # `holder_ids`. Pages before it whose home slot holds another page
+            # probe on, one by one (a few per prompt at a third full).
+            gone = np.flatnonzero(~same & (rows == _EMPTY))
+            if len(gone):
+                owner = np.searchsorted(ends, gone, side="right")
+                first = np.flatnonzero(np.diff(owner, prepend=-1))  # `gone` is sorted
+                for k, i in zip(owner[first].tolist(), gone[first].tolist(), strict=True):
+                    cuts[k] = i
+            far = np.flatnonzero(~same & (rows != _EMPTY))
+            if len(far):
+                far = far[far < np.asarray(cuts)[np.searchsorted(ends, far, side="right")]]
+            k = 0
+            for i in far.tolist():
+                while i >= ends[k]:
+                    k += 1
+                if i < cuts[k]:
+                    at = i * width
+                    row = self._probe_one(int(rows_home[i]), joined[at : at + width])
+                    if row < 0:
+                        cuts[k] = i
+                    else:
+                        rows[i] = row
+        held: list[int] = self._holders.take(rows, mode="clip").tolist()
+        return [held[start:cut] for start, cut in zip([0, *ends[:-1]], cuts, strict=True)]
 
     def _probe_one(self, pos: int, digest: bytes) -> int:
         """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""

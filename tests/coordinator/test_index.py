@@ -409,3 +409,25 @@ def test_apply_many_runs_in_order_batches_of_one_worker_as_one() -> None:
     assert ix.apply_many(report) == [ApplyResult.APPLIED, ApplyResult.APPLIED, ApplyResult.STALE]
     assert runs == [2]  # the third is past a gap: one by one, held back
     assert ix.match(P).pages == {A: 6}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_match_many_gives_what_matching_one_prompt_at_a_time_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    ix = GlobalIndex()
+    pages = chain(40)
+    prompts = [
+        [],
+        pages,
+        chain(5, "nobody"),
+        pages[:3] + chain(4, "tail"),
+        [pages[rng.randrange(40)]],
+        pages[rng.randrange(40) :],
+    ]
+    tiered = WorkerId("worker-d")  # holds pages off the device, so tiers are named
+    for seq, report in enumerate(_random_reports(rng, 60)):
+        ix.apply_many(report)
+        start = rng.randrange(40)
+        medium = rng.choice(("gpu", "cpu", "disk"))
+        ix.apply(batch(tiered, seq, stored(pages[start : start + 6], medium=medium)))
+        assert ix.match_many(prompts) == [ix.match(p) for p in prompts]

@@ -1,8 +1,13 @@
-"""The columnar page store's growth: columns grow in place, the lookup table stays half empty."""
+"""The columnar page store's growth (columns grow in place, the lookup table stays half
+empty) and its batched lookups."""
 
 from __future__ import annotations
 
 import hashlib
+import random
+
+import numpy as np
+import pytest
 
 from kvmesh.coordinator.index_store import PageStore
 from kvmesh.types import PageHash
@@ -76,3 +81,33 @@ def test_extra_bytes_counts_the_mapped_columns_tracemalloc_cannot_see() -> None:
     mapped = sum(c.nbytes for c in columns) + store._table.nbytes
     assert store.extra_bytes() >= mapped
     assert store.extra_bytes() < mapped + 20_000  # and the bitmaps: small beside them
+
+
+def _displaced(store: PageStore, hashes: list[PageHash]) -> int:
+    """How many of `hashes` sit past their home slot (a lookup must probe on for them)."""
+    keys = np.frombuffer(b"".join(hashes), np.uint64)[:: store._words]
+    homes = store._table[store._home(np.ascontiguousarray(keys))]
+    return int((homes != store.find(hashes)).sum())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_holder_ids_many_gives_each_prompts_holder_ids(seed: int) -> None:
+    rng = random.Random(seed)
+    store = PageStore(min_slots=16)
+    for slot in range(3):
+        store.ensure_slot(slot)
+    chains = [_chain(k * 100, 40) for k in range(60)]
+    for c in chains:
+        store.store([(c, None)], rng.randrange(3), 1 << rng.randrange(4))
+    for c in rng.sample(chains, 20):  # holes, ghosts and tombstones in the table
+        start = rng.randrange(40)
+        store.remove(c[start : start + rng.randint(1, 5)], 0, 0b1111)
+    prompts = [
+        c[: rng.randint(0, 40)] + _chain(10**6 + 100 * i, rng.randint(0, 4))
+        for i, c in enumerate(rng.sample(chains, 24))
+    ]
+    prompts += [[], _chain(10**7, 3), chains[0][5:9]]
+    assert _displaced(store, [h for p in prompts for h in p]) > 0  # probing is exercised
+    assert store.holder_ids_many(prompts) == [store.holder_ids(p) for p in prompts]
+    narrow = [[PageHash(b"short")], chains[1][:4]]  # another width: the general path
+    assert store.holder_ids_many(narrow) == [store.holder_ids(p) for p in narrow]
