@@ -231,6 +231,14 @@ class PagePool:
             return None
         return self.page_tenants[page.page_id] or DEFAULT_TENANT
 
+    def _with_tenants(self, pages: list[KVPage]) -> list[tuple[KVPage, str | None]]:
+        """Free pages with `_tenant_of_free` each, in one pass."""
+        tenants = self.page_tenants
+        return [
+            (p, None if p.page_hash is None else tenants[p.page_id] or DEFAULT_TENANT)
+            for p in pages
+        ]
+
     def _uses_policy(self, tenant: str | None) -> bool:
         """Whether `get_new_pages` asks the policy: when pages of a tenant other than the
         requester's are cached (one tenant alone evicts its oldest, as plain LRU)."""
@@ -288,8 +296,7 @@ class PagePool:
             pages = self.free_queue.popleft_n(n)
         queues = self._free_queues
         if queues is not None:
-            for page in pages:
-                queues.remove(page, self._tenant_of_free(page))
+            queues.remove_n(self._with_tenants(pages))
         if len(self.tenant_pages) > 1:
             self._reuse(pages)
             return pages
@@ -432,8 +439,7 @@ class PagePool:
         self.free_queue.append_n(released)
         queues = self._free_queues
         if queues is not None:
-            for page in released:
-                queues.push(page, self._tenant_of_free(page))
+            queues.push_n(self._with_tenants(released))
 
     # ------------------------------------------------------------------ caching
 

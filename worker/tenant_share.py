@@ -69,19 +69,33 @@ class TenantQueues(Generic[K]):
         self._queues: dict[str | None, OrderedDict[K, None]] = {}
 
     def push(self, key: K, tenant: str | None) -> None:
-        queue = self._queues.get(tenant)
-        if queue is None:
-            queue = self._queues[tenant] = OrderedDict()
-        queue[key] = None
-        queue.move_to_end(key)
+        self.push_n(((key, tenant),))
+
+    def push_n(self, items: Iterable[tuple[K, str | None]]) -> None:
+        """`push` each ``(key, tenant)`` in order (one call for a request's pages)."""
+        queues = self._queues
+        for key, tenant in items:
+            queue = queues.get(tenant)
+            if queue is None:
+                queue = queues[tenant] = OrderedDict()
+            elif key in queue:
+                queue.move_to_end(key)
+                continue
+            queue[key] = None
+
+    def remove_n(self, items: Iterable[tuple[K, str | None]]) -> None:
+        """`remove` each ``(key, tenant)``."""
+        queues = self._queues
+        for key, tenant in items:
+            queue = queues.get(tenant)
+            if queue is None or queue.pop(key, _MISSING) is _MISSING:
+                raise InvariantViolation(f"{key!r} is not among tenant {tenant!r}'s eviction queue")
+            if not queue:
+                del queues[tenant]
 
     def remove(self, key: K, tenant: str | None) -> None:
         """Take `key` out of `tenant`'s queue; `InvariantViolation` if it is not there."""
-        queue = self._queues.get(tenant)
-        if queue is None or queue.pop(key, _MISSING) is _MISSING:
-            raise InvariantViolation(f"{key!r} is not among tenant {tenant!r}'s eviction queue")
-        if not queue:
-            del self._queues[tenant]
+        self.remove_n(((key, tenant),))
 
     def oldest_of(self, tenant: str | None) -> Iterator[K]:
         return iter(self._queues.get(tenant, ()))
