@@ -68,7 +68,7 @@ from typing import Any
 
 from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
@@ -251,11 +251,11 @@ def _ingest(wl: _Workload, coord: Coordinator, naive: _NaiveIndex) -> dict[str, 
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for wid, data in wl.stored_batches:
-        coord.report(wid, [data])
+        coord.report(WorkerReport(wid, [data]))
     ingest_s, ingest_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     for wid, data in wl.removed_batches:
-        coord.report(wid, [data])
+        coord.report(WorkerReport(wid, [data]))
     remove_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), time.process_time()
     for _, data in wl.stored_batches:
@@ -373,7 +373,7 @@ def _build_sharded(wl: _Workload, shards: int) -> Any:
     for w in wl.worker_ids:
         coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
     for wid, data in wl.stored_batches:
-        coord.report(wid, [data])
+        coord.report(WorkerReport(wid, [data]))
     return coord
 
 
@@ -533,7 +533,7 @@ def _sharded_in_process(
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for wid, data in wl.stored_batches:
-        coord.report(wid, [data])
+        coord.report(WorkerReport(wid, [data]))
     ingest_s, ingest_cpu = time.perf_counter() - t0, time.process_time() - c0
     rng = random.Random(seed)
     for w in wl.worker_ids:
@@ -639,7 +639,7 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
     r0 = routers[0]
     ray.get([r0.register_worker.remote(WorkerRegistration(w, "127.0.0.1:1", 100_000, "inc-0")) for w in wl.worker_ids])
     for k in range(0, len(wl.stored_batches), 64):
-        ray.get([r0.report.remote(w, [d]) for w, d in wl.stored_batches[k : k + 64]])
+        ray.get([r0.report.remote(WorkerReport(w, [d])) for w, d in wl.stored_batches[k : k + 64]])
     _ray_routes(r0, prompts[:100])  # warm the handles
     times = _ray_routes(r0, prompts)
     out: dict[str, Any] = {

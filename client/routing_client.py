@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 import grpc
 
 from kvmesh.config import TransferConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
 from kvmesh.grpc_security import channel_credentials, error_from_rpc
-from kvmesh.load import WorkerLoad
 from kvmesh.proto import kvmesh_pb2 as pb
 
 T = TypeVar("T")
@@ -171,11 +170,23 @@ class RoutingClient:
         reply, _ = self._call("Register", req, pb.RegisterResponse)
         return bool(reply.needs_snapshot)
 
-    def report(
-        self, worker_id: str, batches: Sequence[bytes], load: WorkerLoad | None = None
-    ) -> tuple[bool, list[str]]:
-        """Send encoded event batches (and the load); returns (resync wanted, result per batch)."""
-        req = pb.ReportRequest(worker_id=worker_id, batches=list(batches))
+    def report(self, report: WorkerReport) -> tuple[bool, list[str]]:
+        """Send encoded event batches (the load, the requests' outcomes); returns (resync
+        wanted, result per batch)."""
+        req = pb.ReportRequest(
+            worker_id=report.worker_id,
+            batches=list(report.batches),
+            outcomes=[
+                pb.RouteOutcomeReport(
+                    promised_local=o.promised_local,
+                    promised_pull=o.promised_pull,
+                    realized_local=o.realized_local,
+                    realized_pull=o.realized_pull,
+                )
+                for o in report.outcomes
+            ],
+        )
+        load = report.load
         if load is not None:
             req.load.CopyFrom(
                 pb.WorkerLoadReport(

@@ -48,7 +48,7 @@ import msgpack
 import ray
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration
+from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
@@ -64,7 +64,6 @@ from kvmesh.errors import KVMeshError, TransportError
 from kvmesh.logs import configure_logging, request_scope
 from kvmesh.metrics import COORDINATOR_CALLS, REPORT_WAITS, in_ray_actor
 from kvmesh.rendezvous import DistRendezvous, LinkBook
-from kvmesh.requests import RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -246,18 +245,12 @@ class CoordinatorActor:
         await self._blocking(self.store.put, reg)
         return out
 
-    async def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-        outcomes: Sequence[RouteOutcome] = (),
-    ) -> ReportResult:
+    async def report(self, report: WorkerReport) -> ReportResult:
         """A worker's events, load and request outcomes (`Coordinator.report`): the one
         call a request costs a worker, sent without waiting for the reply."""
         self._calls["report"].inc()
         try:
-            return self.core.report(worker_id, encoded_batches, load, outcomes)
+            return self.core.report(report)
         finally:
             self._reports_applied()
 

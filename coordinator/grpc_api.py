@@ -29,14 +29,20 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import MAX_ID_CHARS, ReportMark, RouteQuery, WorkerRegistration
+from kvmesh.coordination import (
+    MAX_ID_CHARS,
+    ReportMark,
+    RouteQuery,
+    WorkerRegistration,
+    WorkerReport,
+)
 from kvmesh.coordinator.policies import REGISTRY, RouteDecision, WorkerLoad
 from kvmesh.coordinator.service import Registration, ReportResult
 from kvmesh.errors import DeadlineExceeded, InvalidInput, KVMeshError
 from kvmesh.grpc_security import ERROR_METADATA_KEY, TokenAuthInterceptor, server_credentials
 from kvmesh.logs import request_scope
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.requests import ROLES, Role
+from kvmesh.requests import ROLES, Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 log = logging.getLogger(__name__)
@@ -55,12 +61,7 @@ class RoutingBackend(Protocol):
 
     async def register_worker(self, reg: WorkerRegistration) -> Registration: ...
 
-    async def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-    ) -> ReportResult: ...
+    async def report(self, report: WorkerReport) -> ReportResult: ...
 
     async def stats(self) -> dict[str, Any]: ...
 
@@ -83,13 +84,8 @@ class LocalBackend:
         out: Registration = self.core.register_worker(reg)
         return out
 
-    async def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-    ) -> ReportResult:
-        result: ReportResult = self.core.report(worker_id, encoded_batches, load)
+    async def report(self, report: WorkerReport) -> ReportResult:
+        result: ReportResult = self.core.report(report)
         return result
 
     async def stats(self) -> dict[str, Any]:
@@ -298,9 +294,10 @@ class CoordinatorAPIServer:
             )
         wid = WorkerId(req.worker_id)
         batches = ([req.batch] if req.batch else []) + list(req.batches)
-        if len(batches) > MAX_BATCHES_PER_REPORT:
+        if len(batches) > MAX_BATCHES_PER_REPORT or len(req.outcomes) > MAX_BATCHES_PER_REPORT:
             raise InvalidInput(
-                f"{len(batches)} batches in one report; at most {MAX_BATCHES_PER_REPORT}"
+                f"{len(batches)} batches and {len(req.outcomes)} outcomes in one report; "
+                f"at most {MAX_BATCHES_PER_REPORT} of each"
             )
         load = None
         if req.HasField("load"):
@@ -313,7 +310,11 @@ class CoordinatorAPIServer:
                 total_pages=m.total_pages,
                 active_requests=m.active_requests,
             )
-        result = await self.backend.report(wid, batches, load)
+        outcomes = tuple(
+            RouteOutcome(o.promised_local, o.promised_pull, o.realized_local, o.realized_pull)
+            for o in req.outcomes
+        )
+        result = await self.backend.report(WorkerReport(wid, tuple(batches), load, outcomes))
         return pb.ReportResponse(
             resync=result.needs_snapshot, results=[r.value for r in result.results]
         )

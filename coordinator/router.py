@@ -53,7 +53,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
 from kvmesh.coordinator.index import MatchResult
@@ -78,7 +78,7 @@ from kvmesh.errors import InvalidInput, KVMeshError, TransportError
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
-from kvmesh.requests import ReportMark, RouteOutcome
+from kvmesh.requests import ReportMark
 from kvmesh.router_replicas import router_actor_name, shard_actor_name
 from kvmesh.types import PageHash, WorkerId
 
@@ -373,7 +373,7 @@ class RouterActor:
             loop = asyncio.get_running_loop()
             handle = await loop.run_in_executor(None, lambda: ray.get_actor(name, namespace=ns))
             data: bytes = await asyncio.wait_for(handle.snapshot.remote(), SHARD_CALL_TIMEOUT_S)
-            await self._everywhere(shard, "report", info.worker_id, [data], None)
+            await self._everywhere(shard, "report", WorkerReport(info.worker_id, (data,)))
         except Exception as exc:  # one worker's failure must not stop the others
             log.warning("no snapshot from %s for catch-up: %s", info.worker_id, exc)
 
@@ -397,27 +397,20 @@ class RouterActor:
         self._addresses[reg.worker_id] = reg.address
         return dataclasses.replace(regs[0], needs_snapshot=any(r.needs_snapshot for r in regs))
 
-    async def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-        outcomes: Sequence[RouteOutcome] = (),
-    ) -> ReportResult:
+    async def report(self, report: WorkerReport) -> ReportResult:
         """The worker's shard applies its batches on every replica; its request outcomes
         are counted once, where `record_result` counts them."""
-        shard = shard_of(worker_id, self.num_shards) if isinstance(worker_id, str) else 0
-        replies: list[ReportResult] = await self._everywhere(
-            shard, "report", worker_id, list(encoded_batches), load
-        )
-        for o in outcomes:
+        shard = shard_of(report.check().worker_id, self.num_shards)
+        events_only = dataclasses.replace(report, outcomes=())
+        replies: list[ReportResult] = await self._everywhere(shard, "report", events_only)
+        for o in report.outcomes:
             await self.record_result(
                 o.promised_local, o.promised_pull, o.realized_local, o.realized_pull
             )
         return ReportResult(replies[0].results, any(r.needs_snapshot for r in replies))
 
     async def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
-        return await self.report(worker_id, (), load)
+        return await self.report(WorkerReport(worker_id, (), load))
 
     async def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
         await self._everywhere(

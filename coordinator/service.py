@@ -8,9 +8,10 @@ What the coordinator needs from a worker
 ----------------------------------------
 Only two things, both in `kvmesh` types:
 
-- it calls `register_worker(WorkerRegistration(...))` once per incarnation, then `report(worker_id,
-  batches, load)` every heartbeat interval with its encoded event batches
-  (`kvmesh.events.encode_batch`, sequence numbers from 0 per incarnation);
+- it calls `register_worker(WorkerRegistration(...))` once per incarnation,
+  then `report(WorkerReport(worker_id, batches, load))` every heartbeat
+  interval with its encoded event batches (`kvmesh.events.encode_batch`,
+  sequence numbers from 0 per incarnation);
   `UnknownWorker` from `report` means "register again" (the coordinator
   expired it or restarted); a reply with `needs_snapshot` means "send a
   snapshot batch next";
@@ -33,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration
+from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import ApplyResult, GlobalIndex, MatchResult
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -66,7 +67,7 @@ from kvmesh.metrics import (
     WORKERS_EXPIRED,
 )
 from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
-from kvmesh.requests import Role, RouteOutcome
+from kvmesh.requests import Role
 from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, WorkerId
 
@@ -258,23 +259,18 @@ class Coordinator:
                 self.config.heartbeat_timeout_s,
             )
 
-    def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-        outcomes: Sequence[RouteOutcome] = (),
-    ) -> ReportResult:
+    def report(self, report: WorkerReport) -> ReportResult:
         """Heartbeat plus event batches, applied in order, plus the outcomes of the
         worker's requests since its last report (`record_result` for each).
 
-        Every batch is decoded and checked (it must come from `worker_id`), and
+        Every batch is decoded and checked (it must come from the reporting worker), and
         every outcome, before any is applied, so a bad one rejects the whole
         report (`EventDecodeError`, `InvalidInput`) and changes nothing. Batches
         of another incarnation than the registered one are ignored. Raises
         `UnknownWorker` when the worker must register again.
         """
-        checked = [o.check() for o in outcomes]
+        worker_id, encoded_batches = report.check().worker_id, report.batches
+        checked = [o.check() for o in report.outcomes]
         decoded: list[EventBatch] = []
         try:
             for data in encoded_batches:
@@ -292,7 +288,7 @@ class Coordinator:
             COORDINATOR_ERRORS.labels(self.name, type(exc).__name__).inc()
             raise
         with self._lock:
-            info = self.registry.heartbeat(worker_id, load)
+            info = self.registry.heartbeat(worker_id, report.load)
             results: list[ApplyResult] = []
             now = time.time()
             # batches of another incarnation are ignored; the others go in as one call
@@ -329,7 +325,7 @@ class Coordinator:
 
     def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
         """A report without events."""
-        return self.report(worker_id, (), load)
+        return self.report(WorkerReport(worker_id, (), load))
 
     def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
         with self._lock:

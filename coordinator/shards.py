@@ -47,7 +47,7 @@ from typing import Any
 import xxhash
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -77,7 +77,7 @@ from kvmesh.metrics import (
     ROUTE_SECONDS,
     ROUTES,
 )
-from kvmesh.requests import Role, RouteOutcome
+from kvmesh.requests import Role
 from kvmesh.tenants import TenantWeights
 from kvmesh.types import PageHash, WorkerId
 
@@ -298,15 +298,9 @@ class ShardedCoordinator:
     def register_worker(self, reg: WorkerRegistration) -> Registration:
         return self.shard(reg.check().worker_id).register_worker(reg)
 
-    def report(
-        self,
-        worker_id: WorkerId,
-        encoded_batches: Sequence[bytes] = (),
-        load: WorkerLoad | None = None,
-        outcomes: Sequence[RouteOutcome] = (),
-    ) -> ReportResult:
+    def report(self, report: WorkerReport) -> ReportResult:
         """The worker's shard applies its batches and counts its requests' outcomes."""
-        return self.shard(worker_id).report(worker_id, encoded_batches, load, outcomes)
+        return self.shard(report.check().worker_id).report(report)
 
     def heartbeat(self, worker_id: WorkerId, load: WorkerLoad | None = None) -> ReportResult:
         return self.shard(worker_id).heartbeat(worker_id, load)

@@ -1,12 +1,13 @@
 """What callers send the coordinator: one parameter object per call.
 
-A worker registers with a `WorkerRegistration`; a client, the gateway or an
-engine asks where to send a request with a `RouteQuery`. Each object crosses
+A worker registers with a `WorkerRegistration` and reports with a
+`WorkerReport`; a client, the gateway or an engine asks where to send a
+request with a `RouteQuery`. Each object crosses
 every layer unchanged (client -> Ray actor or gRPC API -> router replica ->
 index shard -> `Coordinator`), so a field is added in one place: here, plus
 the proto message that carries it outside Ray.
 
-Both check themselves when built. An object that crossed a Ray boundary was
+Each checks itself when built. An object that crossed a Ray boundary was
 unpickled without running its constructor, so the coordinator calls `check()`
 again before it trusts one (cheap: a few comparisons, never per page).
 
@@ -24,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvmesh.errors import InvalidInput
-from kvmesh.requests import ROLES, ReportMark, Role
+from kvmesh.load import WorkerLoad
+from kvmesh.requests import ROLES, ReportMark, Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
 
 MAX_ID_CHARS = 256
@@ -76,6 +78,43 @@ class WorkerRegistration:
             value = getattr(self, name)
             if value is not None:
                 check_text(value, name)
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What a worker tells the coordinator after a request and every heartbeat interval.
+
+    `batches`: its encoded event batches (`kvmesh.events.encode_batch`), in seq
+    order; `load`: its load now (None: keep the last); `outcomes`: what its
+    requests reused against what their routes promised. The coordinator checks
+    every batch and outcome before it applies any (`Coordinator.report`).
+    """
+
+    worker_id: WorkerId
+    batches: Sequence[bytes] = ()  # kept as a tuple
+    load: WorkerLoad | None = None
+    outcomes: Sequence[RouteOutcome] = ()  # kept as a tuple
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batches, tuple):  # callers hand lists; one copy, kept
+            object.__setattr__(self, "batches", tuple(self.batches))
+        if not isinstance(self.outcomes, tuple):
+            object.__setattr__(self, "outcomes", tuple(self.outcomes))
+        self.check()
+
+    def check(self) -> WorkerReport:
+        """Itself, or `InvalidInput` naming the bad field (the batches' contents are the
+        coordinator's to check)."""
+        check_text(self.worker_id, "worker_id")
+        for data in self.batches:
+            if not isinstance(data, bytes):
+                raise InvalidInput(f"an event batch must be bytes, got {type(data).__name__}")
+        if self.load is not None and not isinstance(self.load, WorkerLoad):
+            raise InvalidInput(f"load must be a WorkerLoad, got {type(self.load).__name__}")
+        for outcome in self.outcomes:
+            if not isinstance(outcome, RouteOutcome):
+                raise InvalidInput(f"outcomes must be RouteOutcomes, got {type(outcome).__name__}")
         return self
 
 
@@ -168,4 +207,11 @@ class RouteQuery:
         return self
 
 
-__all__ = ["MAX_ID_CHARS", "ReportMark", "RouteQuery", "WorkerRegistration", "check_text"]
+__all__ = [
+    "MAX_ID_CHARS",
+    "ReportMark",
+    "RouteQuery",
+    "WorkerRegistration",
+    "WorkerReport",
+    "check_text",
+]

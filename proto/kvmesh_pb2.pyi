@@ -173,16 +173,30 @@ class WorkerLoadReport(_message.Message):
     def __init__(self, active_prefill_tokens: _Optional[int] = ..., active_decode_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
-    __slots__ = ("batch", "worker_id", "batches", "load")
+    __slots__ = ("batch", "worker_id", "batches", "load", "outcomes")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     worker_id: str
     batches: _containers.RepeatedScalarFieldContainer[bytes]
     load: WorkerLoadReport
-    def __init__(self, batch: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., batches: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[WorkerLoadReport, _Mapping]] = ...) -> None: ...
+    outcomes: _containers.RepeatedCompositeFieldContainer[RouteOutcomeReport]
+    def __init__(self, batch: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., batches: _Optional[_Iterable[bytes]] = ..., load: _Optional[_Union[WorkerLoadReport, _Mapping]] = ..., outcomes: _Optional[_Iterable[_Union[RouteOutcomeReport, _Mapping]]] = ...) -> None: ...
+
+class RouteOutcomeReport(_message.Message):
+    __slots__ = ("promised_local", "promised_pull", "realized_local", "realized_pull")
+    PROMISED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_PULL_FIELD_NUMBER: _ClassVar[int]
+    REALIZED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    REALIZED_PULL_FIELD_NUMBER: _ClassVar[int]
+    promised_local: int
+    promised_pull: int
+    realized_local: int
+    realized_pull: int
+    def __init__(self, promised_local: _Optional[int] = ..., promised_pull: _Optional[int] = ..., realized_local: _Optional[int] = ..., realized_pull: _Optional[int] = ...) -> None: ...
 
 class ReportResponse(_message.Message):
     __slots__ = ("resync", "results")

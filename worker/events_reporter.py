@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.coordination import WorkerReport
 from kvmesh.errors import InvariantViolation, UnknownWorker
 from kvmesh.events import encode_batch, make_batch
 from kvmesh.load import WorkerLoad
@@ -229,7 +230,8 @@ class EventReporter:
             batches, outcomes = list(self._unacked), self._outcomes
             self._outcomes = []
             try:
-                future = self._rpc.submit("report", self.worker_id, batches, self._load(), outcomes)
+                report = WorkerReport(self.worker_id, tuple(batches), self._load(), tuple(outcomes))
+                future = self._rpc.submit("report", report)
             except Exception as exc:
                 self._outcomes[:0] = outcomes
                 log.warning("report to the coordinator failed (will resend): %s", exc)

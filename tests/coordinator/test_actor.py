@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvmesh.config import CoordinatorConfig  # noqa: E402
-from kvmesh.coordination import RouteQuery, WorkerRegistration  # noqa: E402
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
 from kvmesh.coordinator.index import GlobalIndex  # noqa: E402
 from kvmesh.errors import UnknownWorker  # noqa: E402
@@ -84,11 +84,15 @@ class PoolWorker:
             pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
             self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
             self.pool.free_pages(list(reversed(pages)))
-        reply = ray.get(self.coordinator.report.remote(self.worker_id, [self._batch()]))
+        reply = ray.get(
+            self.coordinator.report.remote(WorkerReport(self.worker_id, [self._batch()]))
+        )
         return bool(reply.needs_snapshot)
 
     def send_snapshot(self) -> bool:
-        reply = ray.get(self.coordinator.report.remote(self.worker_id, [self._batch(True)]))
+        reply = ray.get(
+            self.coordinator.report.remote(WorkerReport(self.worker_id, [self._batch(True)]))
+        )
         return bool(reply.needs_snapshot)
 
     def snapshot(self) -> bytes:

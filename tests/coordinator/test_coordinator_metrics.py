@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh import metrics
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery
+from kvmesh.coordination import RouteQuery, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import EventDecodeError
 from tests.coordinator.test_service import PoolWorker, prompt
@@ -16,14 +16,14 @@ from tests.coordinator.test_service import PoolWorker, prompt
 
 def served(coord: Coordinator, worker: PoolWorker, tag: int, pages: int = 3) -> None:
     worker.serve(prompt(pages, tag))
-    coord.report(worker.worker_id, [worker.batch()])
+    coord.report(WorkerReport(worker.worker_id, [worker.batch()]))
 
 
 def new_coordinator(**cfg: object) -> tuple[Coordinator, PoolWorker]:
     coord = Coordinator(CoordinatorConfig(**cfg), rng=random.Random(0))  # type: ignore[arg-type]
     w = PoolWorker("w0")
     w.register(coord)
-    coord.report(w.worker_id, [w.snapshot()])
+    coord.report(WorkerReport(w.worker_id, [w.snapshot()]))
     return coord, w
 
 
@@ -70,12 +70,12 @@ def test_event_batches_gaps_and_lag_are_counted_per_worker() -> None:
 def test_a_rejected_report_counts_under_the_error_kind_and_changes_nothing() -> None:
     coord, w = new_coordinator()
     with pytest.raises(EventDecodeError):
-        coord.report(w.worker_id, [b"\x00not msgpack"])
+        coord.report(WorkerReport(w.worker_id, [b"\x00not msgpack"]))
     me = coord.name
     assert metrics.COORDINATOR_ERRORS.value(coordinator=me, kind="EventDecodeError") == 1
     assert metrics.EVENT_BATCHES.value(coordinator=me, outcome="rejected") == 1
     with pytest.raises(EventDecodeError):
-        coord.report("someone", [b"\x00"])  # type: ignore[arg-type]
+        coord.report(WorkerReport("someone", [b"\x00"]))  # type: ignore[arg-type]
     assert metrics.EVENT_BATCHES.value(coordinator=me, worker="unregistered") == 1
     assert coord.stats().batches_rejected == 2
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvmesh.client.routing_client import RoutingClient
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.grpc_api import SERVICE_NAME, CoordinatorAPIServer, LocalBackend
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
@@ -61,7 +61,7 @@ def populated(core: Any) -> Any:
         wid = WorkerId(f"w{i}")
         core.register_worker(WorkerRegistration(wid, f"10.0.0.{i}:5000", 100, "inc"))
         events = [PagesStored(tuple(prompt(4 + i, 7)), None, (), 4)]
-        core.report(wid, [encode_batch(make_batch(events, wid, "inc", 0))])
+        core.report(WorkerReport(wid, [encode_batch(make_batch(events, wid, "inc", 0))]))
     return core
 
 
@@ -109,7 +109,9 @@ def test_register_report_and_stats_reach_the_index(served: Served) -> None:
         stored = [PagesStored(tuple(prompt(9, 3)), None, (), 4)]
         batch = make_batch(stored, WorkerId("engine-a"), "boot-1", 0)
         resync, results = client.report(
-            "engine-a", [encode_batch(batch)], WorkerLoad(WorkerId("engine-a"), 64, 0, 400, 500)
+            WorkerReport(
+                "engine-a", [encode_batch(batch)], WorkerLoad(WorkerId("engine-a"), 64, 0, 400, 500)
+            )
         )
         assert (resync, results) == (False, ["applied"])
         assert served.core.match(prompt(9, 3)).pages["engine-a"] == 9
@@ -150,9 +152,9 @@ def test_bad_requests_get_the_kvmesh_error_and_change_nothing(served: Served) ->
         with pytest.raises(InvalidInput, match="unknown policy"):
             client.route(RouteQuery(prompt(2, 7), 8, policy="fastest"))
         with pytest.raises(UnknownWorker):
-            client.report("nobody", [])
+            client.report(WorkerReport("nobody", []))
         with pytest.raises(EventDecodeError):
-            client.report("w0", [b"\x93garbage"])
+            client.report(WorkerReport("w0", [b"\x93garbage"]))
         with pytest.raises(InvalidInput, match="worker_id"):
             client.register(WorkerRegistration("", "a:1", 1, "i"))
     assert state(served.core) == before

@@ -19,13 +19,13 @@ from api_kit import Loop, Served
 
 from kvmesh.client.routing_client import RoutedTo, RoutingClient
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.coordinator.shards import ShardedCoordinator, shard_of
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.events import PagesStored, encode_batch, make_batch
 from kvmesh.load import WorkerLoad
-from kvmesh.requests import ReportMark
+from kvmesh.requests import ReportMark, RouteOutcome
 from kvmesh.tenants import tenant_of
 from kvmesh.types import PageHash, WorkerId
 
@@ -59,8 +59,10 @@ def crowded(core: Any, quiet_on: WorkerId, noisy_on: WorkerId) -> Any:
         core.register_worker(WorkerRegistration(wid, f"10.0.0.{len(wid)}:1", 100, "i"))
     for wid, tag, n, tenant in ((noisy_on, "n", 9, NOISY), (quiet_on, "q", 1, QUIET)):
         stored = PagesStored(pages(tag, n), None, (), PAGE, None, "gpu", tenant)
-        core.report(wid, [encode_batch(make_batch([stored], wid, "i", 0))])
-    core.report(noisy_on, [], WorkerLoad(noisy_on, 2 * PAGE, free_pages=100, total_pages=100))
+        core.report(WorkerReport(wid, [encode_batch(make_batch([stored], wid, "i", 0))]))
+    core.report(
+        WorkerReport(noisy_on, [], WorkerLoad(noisy_on, 2 * PAGE, free_pages=100, total_pages=100))
+    )
     return core
 
 
@@ -111,7 +113,7 @@ def test_the_grpc_route_names_the_pages_to_promote_and_echoes_the_request_id(loo
     core.register_worker(WorkerRegistration(wid, "10.0.0.9:1", 100, "i"))
     prompt = pages("p", 5)
     stored = PagesStored(prompt, None, (), PAGE, None, "cpu", None)
-    core.report(wid, [encode_batch(make_batch([stored], wid, "i", 0))])
+    core.report(WorkerReport(wid, [encode_batch(make_batch([stored], wid, "i", 0))]))
     query = RouteQuery(prompt, 5 * PAGE + 1, page_size=PAGE, request_id="req-7")
     want = core.route(replace(query, request_id=""))
     assert want.promote_pages == 5
@@ -132,7 +134,11 @@ def test_a_report_mark_travels_the_grpc_api_and_an_applied_one_does_not_hold_the
     wid = WorkerId("w0")
     core.register_worker(WorkerRegistration(wid, "10.0.0.1:1", 100, "i"))
     prompt = pages("m", 3)
-    core.report(wid, [encode_batch(make_batch([PagesStored(prompt, None, (), PAGE)], wid, "i", 0))])
+    core.report(
+        WorkerReport(
+            wid, [encode_batch(make_batch([PagesStored(prompt, None, (), PAGE)], wid, "i", 0))]
+        )
+    )
     assert core.reported([ReportMark(wid, "i", 0)])
     assert not core.reported([ReportMark(wid, "i", 1)])  # not sent yet
     assert core.reported([ReportMark(wid, "old", 9)])  # another start's: nothing to wait for
@@ -220,8 +226,12 @@ def halves_cluster(core: Any) -> Any:
             WorkerRegistration(WorkerId(wid), f"10.1.0.{len(tag)}:1", 100, "i", role)
         )
         stored = PagesStored(pages(tag, 4), None, (), PAGE)
-        core.report(WorkerId(wid), [encode_batch(make_batch([stored], WorkerId(wid), "i", 0))])
-    core.report(WorkerId("any"), [], WorkerLoad(WorkerId("any"), 8 * PAGE, 0, 100, 100))
+        core.report(
+            WorkerReport(WorkerId(wid), [encode_batch(make_batch([stored], WorkerId(wid), "i", 0))])
+        )
+    core.report(
+        WorkerReport(WorkerId("any"), [], WorkerLoad(WorkerId("any"), 8 * PAGE, 0, 100, 100))
+    )
     return core
 
 
@@ -256,3 +266,36 @@ def test_a_split_query_answers_both_halves_of_a_disaggregated_request_in_one_cal
     assert got.decode.worker_address == "10.1.0.1:1"
     with pytest.raises(InvalidInput, match="split query asks for both roles"):
         replace(query, role="decode")
+
+
+def test_a_report_over_grpc_carries_the_requests_outcomes(loop: Loop) -> None:
+    core = Coordinator(CoordinatorConfig(), rng=random.Random(0))
+    wid = WorkerId("engine-a")
+    served = Served(loop, core, TransferConfig())
+    try:
+        with RoutingClient(served.address) as client:
+            client.register(WorkerRegistration(wid, "http://engine-a:8000", 100, "boot"))
+            batch = encode_batch(
+                make_batch([PagesStored(pages("o", 2), None, (), PAGE)], wid, "boot", 0)
+            )
+            kept, missed = RouteOutcome(2, 0, 2, 0), RouteOutcome(2, 0, 1, 0)
+            resync, results = client.report(WorkerReport(wid, [batch], None, [kept, missed]))
+    finally:
+        served.stop()
+    assert (resync, results) == (False, ["applied"])
+    stats = core.stats()
+    assert (stats.results_recorded, stats.mismatches) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"worker_id": ""}, "worker_id must be 1-256"),
+        ({"batches": ["not bytes"]}, "an event batch must be bytes"),
+        ({"load": {"free_pages": 3}}, "load must be a WorkerLoad"),
+        ({"outcomes": [(1, 0, 1, 0)]}, "outcomes must be RouteOutcomes"),
+    ],
+)
+def test_a_bad_report_is_refused_naming_its_field(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        WorkerReport(**{"worker_id": "w0", **fields})

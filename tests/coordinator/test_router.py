@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from kvmesh.config import CoordinatorConfig  # noqa: E402
-from kvmesh.coordination import RouteQuery, WorkerRegistration  # noqa: E402
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport  # noqa: E402
 from kvmesh.coordinator.actor import get_or_create_coordinator  # noqa: E402
 from kvmesh.coordinator.router import HedgeDelay, create_layout  # noqa: E402
 from kvmesh.coordinator.shards import shard_of  # noqa: E402
@@ -77,7 +77,7 @@ class PoolWorker:
                 ),
             )
         )
-        ray.get(self.coordinator.report.remote(self.worker_id, [self._batch(True)]))
+        ray.get(self.coordinator.report.remote(WorkerReport(self.worker_id, [self._batch(True)])))
 
     def serve(self, prompts: list[list[PageHash]], load: int = 0) -> None:
         for hashes in prompts:
@@ -87,7 +87,7 @@ class PoolWorker:
             self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
             self.pool.free_pages(list(reversed(pages)))
         wl = WorkerLoad(self.worker_id, active_prefill_tokens=load, total_pages=255, free_pages=255)
-        ray.get(self.coordinator.report.remote(self.worker_id, [self._batch()], wl))
+        ray.get(self.coordinator.report.remote(WorkerReport(self.worker_id, [self._batch()], wl)))
 
     def snapshot(self) -> bytes:
         return self._batch(snapshot=True)
@@ -377,7 +377,7 @@ def test_the_routers_serve_the_grpc_api_and_a_client_fails_over(ray_cluster: Non
             )
             events = [PagesStored(tuple(PROMPTS[0][: 3 + 3 * i]), None, (), PAGE)]
             batch = encode_batch(make_batch(events, WorkerId(f"engine-{i}"), "boot", 0))
-            assert client.report(f"engine-{i}", [batch]) == (False, ["applied"])
+            assert client.report(WorkerReport(f"engine-{i}", [batch])) == (False, ["applied"])
         got = client.route(RouteQuery(PROMPTS[0], 48, page_size=PAGE))
         assert (got.worker_id, got.matched_pages, got.worker_address) == (
             "engine-2",

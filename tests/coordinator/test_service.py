@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import ApplyResult
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
@@ -95,7 +95,7 @@ def cluster(n: int = 3, **cfg: object) -> tuple[Coordinator, list[PoolWorker], C
     workers = [PoolWorker(f"w{i}") for i in range(n)]
     for w in workers:
         assert w.register(coord)
-        coord.report(w.worker_id, [w.snapshot()])
+        coord.report(WorkerReport(w.worker_id, [w.snapshot()]))
     return coord, workers, clock
 
 
@@ -109,7 +109,7 @@ def test_a_request_goes_to_the_worker_whose_pool_holds_its_prefix() -> None:
     coord, (_w0, w1, _), _ = cluster()
     p = prompt(6, tag=1)
     w1.serve(p)
-    coord.report(w1.worker_id, [w1.batch()])
+    coord.report(WorkerReport(w1.worker_id, [w1.batch()]))
     d = coord.route(RouteQuery(p, 6 * PAGE + 1, page_size=PAGE))
     assert (d.worker_id, d.local_pages) == (w1.worker_id, 6)
     assert w1.serve(p) == d.local_pages  # the promise holds on the real pool
@@ -119,7 +119,7 @@ def test_the_decision_names_the_peer_when_the_chosen_worker_holds_less() -> None
     coord, (w0, _w1, _), _ = cluster()
     p = prompt(8, tag=2)
     w0.serve(p)
-    coord.report(w0.worker_id, [w0.batch()], WorkerLoad(w0.worker_id, 100 * PAGE))
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()], WorkerLoad(w0.worker_id, 100 * PAGE)))
     d = coord.route(RouteQuery(p, 8 * PAGE, page_size=PAGE, allow_pull=True))
     assert d.worker_id != w0.worker_id  # w0's prefill queue is far longer
     assert (d.peer_id, d.peer_pages) == (w0.worker_id, 8)
@@ -129,7 +129,7 @@ def test_a_report_from_an_unregistered_worker_says_register_again() -> None:
     coord, _, _ = cluster(1)
     stranger = PoolWorker("stranger")
     with pytest.raises(UnknownWorker):
-        coord.report(stranger.worker_id, [stranger.batch()])
+        coord.report(WorkerReport(stranger.worker_id, [stranger.batch()]))
 
 
 def test_one_bad_batch_rejects_the_whole_report_and_changes_nothing() -> None:
@@ -138,12 +138,12 @@ def test_one_bad_batch_rejects_the_whole_report_and_changes_nothing() -> None:
     good = w0.batch()
     before = coord.snapshot_index()
     with pytest.raises(EventDecodeError):
-        coord.report(w0.worker_id, [good, b"\x93garbage"])
+        coord.report(WorkerReport(w0.worker_id, [good, b"\x93garbage"]))
     with pytest.raises(EventDecodeError, match="reported a batch of"):
-        coord.report(WorkerId("w1"), [good])
+        coord.report(WorkerReport(WorkerId("w1"), [good]))
     assert coord.snapshot_index() == before
     assert coord.stats().batches_rejected == 3
-    assert coord.report(w0.worker_id, [good]).results == (ApplyResult.APPLIED,)
+    assert coord.report(WorkerReport(w0.worker_id, [good])).results == (ApplyResult.APPLIED,)
 
 
 def test_a_gap_asks_for_a_snapshot_which_brings_the_index_back_in_line() -> None:
@@ -151,10 +151,10 @@ def test_a_gap_asks_for_a_snapshot_which_brings_the_index_back_in_line() -> None
     w0.serve(prompt(3, tag=4))
     w0.batch()  # lost on the way
     w0.serve(prompt(2, tag=5))
-    reply = coord.report(w0.worker_id, [w0.batch()])
+    reply = coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
     assert reply.needs_snapshot and reply.results == (ApplyResult.STALE,)
     assert coord.route(RouteQuery(prompt(3, tag=4), 12, page_size=PAGE)).local_pages == 0
-    reply = coord.report(w0.worker_id, [w0.snapshot()])
+    reply = coord.report(WorkerReport(w0.worker_id, [w0.snapshot()]))
     assert not reply.needs_snapshot
     assert index_equals_pools(coord, [w0])
 
@@ -165,14 +165,14 @@ def test_batches_of_an_old_incarnation_are_ignored_after_re_registration() -> No
     old_batch = w0.batch()
     reborn = PoolWorker("w0", incarnation="inc-2")
     reborn.register(coord)
-    assert coord.report(w0.worker_id, [old_batch]).results == (ApplyResult.IGNORED,)
+    assert coord.report(WorkerReport(w0.worker_id, [old_batch])).results == (ApplyResult.IGNORED,)
     assert coord.index.worker_pages(w0.worker_id) == frozenset()
 
 
 def test_a_silent_worker_expires_with_its_pages() -> None:
     coord, (w0, w1, w2), clock = cluster(heartbeat_timeout_s=5.0)
     w2.serve(prompt(4, tag=7))
-    coord.report(w2.worker_id, [w2.batch()])
+    coord.report(WorkerReport(w2.worker_id, [w2.batch()]))
     clock.t = 4.0
     coord.heartbeat(w0.worker_id)
     coord.heartbeat(w1.worker_id)
@@ -188,7 +188,7 @@ def test_a_draining_worker_gets_requests_only_when_nothing_else_is_left() -> Non
     coord, (w0, w1), _ = cluster(2)
     p = prompt(4, tag=8)
     w0.serve(p)
-    coord.report(w0.worker_id, [w0.batch()])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
     coord.drain_worker(w0.worker_id)
     assert coord.route(RouteQuery(p, 16, page_size=PAGE)).worker_id == w1.worker_id
     coord.remove_worker(w1.worker_id)
@@ -256,7 +256,7 @@ def test_outcomes_ride_with_a_report_and_are_counted_like_record_result() -> Non
     coord, (w0, *_), _ = cluster(1)
     w0.serve(prompt(2, tag=30))
     kept, missed = RouteOutcome(2, 0, 2, 0), RouteOutcome(3, 1, 0, 0)
-    coord.report(w0.worker_id, [w0.batch()], None, [kept, missed])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()], None, [kept, missed]))
     s = coord.stats()
     assert (s.results_recorded, s.mismatches, s.realized_local_pages) == (2, 1, 2)
     assert coord.index.worker_pages(w0.worker_id) == frozenset(w0.pool.cached_hashes())
@@ -266,7 +266,7 @@ def test_a_sharded_coordinator_counts_the_outcomes_a_report_carries() -> None:
     coord = ShardedCoordinator(CoordinatorConfig(index_shards=2), clock=lambda: 0.0)
     w0 = PoolWorker("w0")
     w0.register(coord)  # type: ignore[arg-type]
-    coord.report(w0.worker_id, [w0.snapshot()], None, [RouteOutcome(2, 0, 0, 0)])
+    coord.report(WorkerReport(w0.worker_id, [w0.snapshot()], None, [RouteOutcome(2, 0, 0, 0)]))
     stats = coord.stats()
     assert (stats["results_recorded"], stats["mismatches"]) == (1, 1)
 
@@ -275,7 +275,7 @@ def test_a_bad_outcome_refuses_the_whole_report_and_changes_nothing() -> None:
     coord, (w0, *_), _ = cluster(1)
     w0.serve(prompt(2, tag=31))
     with pytest.raises(InvalidInput, match="realized_pull"):
-        coord.report(w0.worker_id, [w0.batch()], None, [RouteOutcome(1, 0, 1, -2)])
+        coord.report(WorkerReport(w0.worker_id, [w0.batch()], None, [RouteOutcome(1, 0, 1, -2)]))
     assert coord.stats().results_recorded == 0
     assert coord.index.worker_pages(w0.worker_id) == frozenset()
 
@@ -292,7 +292,9 @@ def test_a_routed_request_weighs_on_its_worker_until_the_worker_reports() -> Non
     routed = loads[decision.worker_id]
     assert (routed.active_prefill_tokens, routed.active_requests) == (3 * PAGE + 2, 1)
     assert sum(load.active_requests for load in loads.values()) == 1
-    coord.report(decision.worker_id, [], WorkerLoad(decision.worker_id))  # measured: idle
+    coord.report(
+        WorkerReport(decision.worker_id, [], WorkerLoad(decision.worker_id))
+    )  # measured: idle
     assert all(
         load.active_prefill_tokens == 0 for load in coord.view(RouteQuery(p, 3 * PAGE + 2)).loads
     )
@@ -301,7 +303,7 @@ def test_a_routed_request_weighs_on_its_worker_until_the_worker_reports() -> Non
 def test_stats_count_routes_batches_and_pages() -> None:
     coord, (w0, _w1, _w2), _ = cluster()
     w0.serve(prompt(5, tag=11))
-    coord.report(w0.worker_id, [w0.batch()])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
     coord.route(RouteQuery(prompt(5, tag=11), 20, page_size=PAGE))
     s = coord.stats()
     assert (s.workers, s.indexed_pages, s.index_entries, s.routes) == (3, 5, 5, 1)
@@ -314,7 +316,7 @@ def test_stats_count_routes_batches_and_pages() -> None:
 def test_restore_index_keeps_only_registered_workers() -> None:
     coord, (_w0, w1, _w2), _ = cluster()
     w1.serve(prompt(3, tag=12))
-    coord.report(w1.worker_id, [w1.batch()])
+    coord.report(WorkerReport(w1.worker_id, [w1.batch()]))
     data = coord.snapshot_index()
     other = Coordinator()
     w1.register(other)
@@ -335,7 +337,7 @@ def test_concurrent_reports_and_routes_keep_the_index_consistent() -> None:
                 w = rng.choice(workers)
                 with locks[w.worker_id]:  # one worker's batches go out in seq order
                     w.serve(prompt(rng.randint(1, 5), tag=rng.randint(0, 6)))
-                    coord.report(w.worker_id, [w.batch()])
+                    coord.report(WorkerReport(w.worker_id, [w.batch()]))
                 coord.route(RouteQuery(prompt(4, tag=rng.randint(0, 6)), 16, page_size=PAGE))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
@@ -355,10 +357,10 @@ def test_a_stale_worker_is_not_routed_to_for_its_prefix_until_it_resyncs() -> No
     coord, (w0, w1), _ = cluster(2)
     p = prompt(6, tag=13)
     w0.serve(p)
-    coord.report(w0.worker_id, [w0.batch()])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
     w0.batch()  # lost: the next report reveals the gap
-    coord.report(w0.worker_id, [w0.batch()])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
     d = coord.route(RouteQuery(p, 24, page_size=PAGE))
     assert (d.worker_id, d.local_pages, d.peer_id) == (w1.worker_id, 0, None)
-    coord.report(w0.worker_id, [w0.snapshot()])
+    coord.report(WorkerReport(w0.worker_id, [w0.snapshot()]))
     assert coord.route(RouteQuery(p, 24, page_size=PAGE)).worker_id == w0.worker_id

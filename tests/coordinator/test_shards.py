@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvmesh.app.sim_engine import PreparedTrace, prepare_trace
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
 from kvmesh.coordinator.service import Coordinator, RouteView
 from kvmesh.coordinator.shards import (
@@ -105,7 +105,7 @@ def replay(
             )
 
     def report(w: TraceWorker, data: bytes, load: WorkerLoad | None = None) -> None:
-        replies = [c.report(w.worker_id, [data], load) for c in coordinators]
+        replies = [c.report(WorkerReport(w.worker_id, [data], load)) for c in coordinators]
         assert all(r == replies[0] for r in replies)
 
     for w in pool:
@@ -243,7 +243,7 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
             data = w.batch()
             load = WorkerLoad(w.worker_id, active_prefill_tokens=rng.randrange(0, 3000))
             for c in (a, b):
-                c.report(w.worker_id, [data], load)
+                c.report(WorkerReport(w.worker_id, [data], load))
         req = reqs[rng.randrange(len(reqs))]
         hashes = req.page_hashes[: rng.randint(1, MAX_PAGES)]
         only_a = rng.random() < 0.3  # a's own history: looks b never sees

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
@@ -141,7 +141,7 @@ def test_the_coordinator_tracks_tenant_shares_from_the_reports_with_configured_w
     coord = Coordinator(CoordinatorConfig(tenant_weights=f"{QUIET}=2"))
     coord.register_worker(WorkerRegistration(W0, "127.0.0.1:1", 100, "i"))
     batch = make_batch([stored("q", 3, QUIET), stored("n", 6, NOISY, "cpu")], W0, "i", 0)
-    coord.report(W0, [encode_batch(batch)])
+    coord.report(WorkerReport(W0, [encode_batch(batch)]))
     view = coord.tenant_share_view()
     assert (view[QUIET].pages, view[QUIET].share) == (3, pytest.approx(6.0))
     assert view[NOISY].over_share and view[NOISY].pages_by_tier == {"cpu": 6}
@@ -170,9 +170,9 @@ def test_the_coordinator_weighs_shares_only_for_a_tenant_above_its_share() -> No
     coord = Coordinator(CoordinatorConfig(tenant_share_weight=2.0), rng=random.Random(0))
     for wid in (W0, W1):
         coord.register_worker(WorkerRegistration(wid, "127.0.0.1:1", 100, "i"))
-    coord.report(W1, [encode_batch(make_batch([stored("n", 9, NOISY)], W1, "i", 0))])
-    coord.report(W0, [encode_batch(make_batch([stored("q", 1, QUIET)], W0, "i", 0))])
-    coord.report(W1, [], WorkerLoad(W1, 2 * 16, free_pages=100, total_pages=100))
+    coord.report(WorkerReport(W1, [encode_batch(make_batch([stored("n", 9, NOISY)], W1, "i", 0))]))
+    coord.report(WorkerReport(W0, [encode_batch(make_batch([stored("q", 1, QUIET)], W0, "i", 0))]))
+    coord.report(WorkerReport(W1, [], WorkerLoad(W1, 2 * 16, free_pages=100, total_pages=100)))
     new = list(pages("fresh", 3))
     # W1 has 2 queued pages; the noisy tenant holds 9 of 10 pages, all on W1: it goes there
     assert coord.route(RouteQuery(new, 3 * 16, tenant=NOISY)).worker_id == W1

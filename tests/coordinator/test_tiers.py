@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import (
     Candidates,
@@ -261,7 +261,9 @@ def test_the_coordinator_prefers_a_device_holder_and_promises_a_host_holder_prom
         pool.cache_full_pages(pages, prompt, 0, len(prompt))
         pool.free_pages(reversed(pages))
         coord.report(
-            wid, [encode_batch(make_batch(pool.take_events(), wid, "inc", 0, snapshot=True))]
+            WorkerReport(
+                wid, [encode_batch(make_batch(pool.take_events(), wid, "inc", 0, snapshot=True))]
+            )
         )
     d = coord.route(RouteQuery(prompt, len(prompt) * PAGE + 1, page_size=PAGE))
     assert (d.worker_id, d.local_pages, d.promote_pages) == (W0, len(prompt), 0)

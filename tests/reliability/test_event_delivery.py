@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import WorkerRegistration
+from kvmesh.coordination import WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.events import encode_batch, make_batch
@@ -94,7 +94,7 @@ def cluster(reorder_window: int = 64) -> tuple[Coordinator, list[PoolWorker]]:
         coord.register_worker(
             WorkerRegistration(w.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w.incarnation)
         )
-        coord.report(w.worker_id, [w.batch(snapshot=True)])
+        coord.report(WorkerReport(w.worker_id, [w.batch(snapshot=True)]))
     return coord, workers
 
 
@@ -141,18 +141,18 @@ def test_a_dropped_batch_resyncs_only_the_worker_it_belonged_to(
         for i, (w, data) in enumerate(zip(workers, batches, strict=True)):
             if i == victim and n == dropped:
                 continue  # lost on the way
-            reply = coord.report(w.worker_id, [data])
+            reply = coord.report(WorkerReport(w.worker_id, [data]))
             needs[w.worker_id] |= reply.needs_snapshot
             if needs[w.worker_id]:  # the worker answers a stale reply with a snapshot
                 assert i == victim and n > dropped
                 assert coord.index.stale_workers() == {w.worker_id}
-                coord.report(w.worker_id, [w.batch(snapshot=True)])
+                coord.report(WorkerReport(w.worker_id, [w.batch(snapshot=True)]))
                 needs[w.worker_id] = False
     last = workers[victim]
     if dropped == len(rounds) - 1:  # the loss was the last batch: the next report finds the gap
-        reply = coord.report(last.worker_id, [last.batch()])
+        reply = coord.report(WorkerReport(last.worker_id, [last.batch()]))
         assert reply.needs_snapshot
-        coord.report(last.worker_id, [last.batch(snapshot=True)])
+        coord.report(WorkerReport(last.worker_id, [last.batch(snapshot=True)]))
     assert [w.snapshots for w in workers] == [2 if i == victim else 1 for i in range(3)]
     assert_index_equals_pools(coord, workers)
 
@@ -169,7 +169,7 @@ def test_batches_delivered_twice_or_shuffled_end_equal_to_the_pools_without_a_re
     stream += [item for item in stream if rng.random() < doubled]
     rng.shuffle(stream)
     for w, data in stream:
-        coord.report(w.worker_id, [data])
+        coord.report(WorkerReport(w.worker_id, [data]))
     assert [w.snapshots for w in workers] == [1, 1, 1]  # only the registration snapshot
     assert_index_equals_pools(coord, workers)
     stats = coord.stats()
@@ -182,7 +182,7 @@ def test_a_late_batch_from_before_a_restart_changes_nothing() -> None:
     old = play(rng, workers, 3)
     for batches in old:
         for w, data in zip(workers, batches, strict=True):
-            coord.report(w.worker_id, [data])
+            coord.report(WorkerReport(w.worker_id, [data]))
     w0 = workers[0]
     late = w0.batch()  # events of the old life, delivered after the restart
     w0.pool = PagePool(POOL_PAGES, page_size=PAGE)
@@ -190,10 +190,10 @@ def test_a_late_batch_from_before_a_restart_changes_nothing() -> None:
     coord.register_worker(
         WorkerRegistration(w0.worker_id, "127.0.0.1:0", POOL_PAGES - 1, w0.incarnation)
     )
-    coord.report(w0.worker_id, [w0.batch(snapshot=True)])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch(snapshot=True)]))
     w0.serve(PROMPTS[0])
-    coord.report(w0.worker_id, [w0.batch()])
-    coord.report(w0.worker_id, [late])
+    coord.report(WorkerReport(w0.worker_id, [w0.batch()]))
+    coord.report(WorkerReport(w0.worker_id, [late]))
     assert_index_equals_pools(coord, workers)
 
 
@@ -202,7 +202,7 @@ def test_snapshot_then_restore_gives_identical_matches_on_10000_random_prefixes(
     rng = random.Random(20261124)
     for batches in play(rng, workers, 40):
         for w, data in zip(workers, batches, strict=True):
-            coord.report(w.worker_id, [data])
+            coord.report(WorkerReport(w.worker_id, [data]))
     assert_index_equals_pools(coord, workers)
     data = coord.snapshot_index()
     copy = GlobalIndex()

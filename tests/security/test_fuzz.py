@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
-from kvmesh.coordination import WorkerRegistration
+from kvmesh.coordination import WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ChecksumMismatch, EventDecodeError, KVMeshError
@@ -581,10 +581,10 @@ def test_the_coordinator_rejects_a_bad_report_whole_and_changes_nothing(data: by
     coordinator = Coordinator(CoordinatorConfig())
     coordinator.register_worker(WorkerRegistration(WORKER, "127.0.0.1:1", 16, "inc-1"))
     good = encode_batch(make_batch([], WORKER, "inc-1", 0, snapshot=True))
-    coordinator.report(WORKER, [good])
+    coordinator.report(WorkerReport(WORKER, [good]))
     before = (coordinator.snapshot_index(), coordinator.stats().batches_applied)
     try:
-        coordinator.report(WORKER, [data])
+        coordinator.report(WorkerReport(WORKER, [data]))
     except EventDecodeError:
         assert (coordinator.snapshot_index(), coordinator.stats().batches_applied) == before
         assert coordinator.stats().batches_rejected == 1

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.config import CoordinatorConfig, ModelConfig, SecurityConfig, TransferConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, Unauthenticated
 from kvmesh.events import PagesRemoved, PagesStored, encode_batch, make_batch
@@ -114,7 +114,7 @@ class Cluster:
         )
         node.seq += 1
         node.sent.append(batch)
-        result = self.coordinator.report(node.worker_id, [batch])
+        result = self.coordinator.report(WorkerReport(node.worker_id, [batch]))
         assert not result.needs_snapshot
 
     def flush(self, node: Node) -> list[object]:

@@ -105,9 +105,9 @@ def test_a_requests_report_is_sent_at_once_and_not_waited_for() -> None:
     reporter.report_request(RouteOutcome(0, 0, 0, 0))  # returns with the reply pending
     ((name, args, future),) = held.sent
     assert name == "report" and not future.done()
-    worker_id, batches, _load, outcomes = args
-    assert worker_id == WID and outcomes == [RouteOutcome(0, 0, 0, 0)]
-    assert decode_batch(batches[0]).snapshot  # the first report carries the whole cached set
+    (report,) = args
+    assert report.worker_id == WID and report.outcomes == (RouteOutcome(0, 0, 0, 0),)
+    assert decode_batch(report.batches[0]).snapshot  # the first report carries the whole cached set
     held.answer()
     assert held.core.match(hashes).pages == {WID: 2}
     assert reporter.batches_sent == 1
@@ -118,7 +118,7 @@ def test_reports_go_out_in_seq_order_and_an_unacknowledged_batch_goes_again() ->
     reporter.report_request()
     cache(pool, 1, tag=2)
     reporter.report_request(RouteOutcome(1, 0, 1, 0))
-    first, second = (args[1] for _, args, _ in held.sent)
+    first, second = (args[0].batches for _, args, _ in held.sent)
     assert [decode_batch(b).seq for b in first] == [0]
     assert [decode_batch(b).seq for b in second] == [0, 1]  # batch 0 not acknowledged yet
     held.answer()  # the coordinator ignores batch 0 the second time
@@ -134,7 +134,7 @@ def test_a_failed_reports_outcomes_go_with_the_next_report() -> None:
     future.set_exception(ConnectionError("the coordinator is restarting"))
     reporter.report_request()
     ((_, args, _),) = held.sent
-    assert args[3] == [RouteOutcome(2, 0, 1, 0)]
+    assert args[0].outcomes == (RouteOutcome(2, 0, 1, 0),)
     held.answer()
     assert held.core.stats().mismatches == 1
 
@@ -153,7 +153,7 @@ def test_an_unknown_worker_seen_in_the_background_registers_and_resyncs_on_the_n
     while not held.sent:
         heartbeat.join(0.01)
     ((_, args, _),) = held.sent
-    assert [decode_batch(b).snapshot for b in args[1]] == [True]
+    assert [decode_batch(b).snapshot for b in args[0].batches] == [True]
     held.answer()
     heartbeat.join(5)
     assert flushed == [True] and WID in held.core.registry

@@ -9,7 +9,7 @@ without Ray. Heartbeats are made rare so that only explicit flushes report.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from worker_kit import (
 )
 
 from kvmesh.config import TransferConfig
-from kvmesh.coordination import WorkerRegistration
+from kvmesh.coordination import WorkerRegistration, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import ConfigError, InvalidInput, RequestExpired, TransportError
 from kvmesh.events import decode_batch
@@ -52,19 +52,13 @@ class Link:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.target, name)
 
-    def report(
-        self,
-        worker_id: WorkerId,
-        batches: list[bytes],
-        load: Any = None,
-        outcomes: Sequence[RouteOutcome] = (),
-    ) -> Any:
+    def report(self, report: WorkerReport) -> Any:
         if self.fail_next:
             self.fail_next -= 1
             raise TransportError("injected: the coordinator is unreachable")
-        self.batches.extend(batches)
-        self.outcomes.extend(outcomes)
-        return self.target.report(worker_id, batches, load, outcomes)
+        self.batches.extend(report.batches)
+        self.outcomes.extend(report.outcomes)
+        return self.target.report(report)
 
 
 @pytest.fixture()
