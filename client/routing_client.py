@@ -24,6 +24,7 @@ from kvmesh.config import TransferConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
 from kvmesh.grpc_security import channel_credentials, error_from_rpc
+from kvmesh.logs import request_scope
 from kvmesh.proto import kvmesh_pb2 as pb
 
 T = TypeVar("T")
@@ -154,7 +155,8 @@ class RoutingClient:
                 for m in query.after
             ],
         )
-        r, router = self._call("Route", req, pb.RouteResponse)
+        with request_scope(query.request_id):  # the request's id on the error we raise
+            r, router = self._call("Route", req, pb.RouteResponse)
         return _routed_to(r, router)
 
     def register(self, reg: WorkerRegistration) -> bool:

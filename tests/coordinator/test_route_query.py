@@ -22,7 +22,7 @@ from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.coordinator.shards import ShardedCoordinator, shard_of
-from kvmesh.errors import ConfigError, InvalidInput
+from kvmesh.errors import ConfigError, InvalidInput, NoWorkers
 from kvmesh.events import PagesStored, encode_batch, make_batch
 from kvmesh.load import WorkerLoad
 from kvmesh.requests import ReportMark, RouteOutcome
@@ -299,3 +299,14 @@ def test_a_report_over_grpc_carries_the_requests_outcomes(loop: Loop) -> None:
 def test_a_bad_report_is_refused_naming_its_field(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         WorkerReport(**{"worker_id": "w0", **fields})
+
+
+def test_a_route_refused_over_grpc_is_raised_with_its_request_id(loop: Loop) -> None:
+    served = Served(loop, Coordinator(CoordinatorConfig()), TransferConfig())
+    try:
+        with RoutingClient(served.address) as client, pytest.raises(NoWorkers) as refused:
+            client.route(RouteQuery(pages("r", 2), 2 * PAGE, request_id="req-grpc-9"))
+    finally:
+        served.stop()
+    assert refused.value.request_id == "req-grpc-9"
+    assert "no worker" in str(refused.value).lower()
