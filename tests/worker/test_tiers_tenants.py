@@ -12,7 +12,9 @@ from kvmesh.errors import ConfigError
 from kvmesh.metrics import TIER_EVICTIONS, TIER_PAGES
 from kvmesh.tenants import DEFAULT_TENANT, TenantWeights, tenant_of
 from kvmesh.types import PageHash
+from kvmesh.worker.disk_tier import DiskTier
 from kvmesh.worker.host_tier import HostTier
+from kvmesh.worker.kv_store import PageBlob
 from kvmesh.worker.page_pool import PageMeta, PagePool
 from kvmesh.worker.tenant_share import (
     FairShareEviction,
@@ -207,3 +209,37 @@ def test_a_newcomer_is_entitled_to_its_share_before_it_holds_a_page() -> None:
     # above, and the oldest page, m's only one, would go
     chosen = FairShareEviction().choose(candidates, {"m": 1, "n": 3}, 4, 1, requester="q")
     assert chosen == ["n1"]
+
+
+def test_the_disk_tier_evicts_a_tenants_oldest_after_fair_evictions_of_others(
+    tmp_path: Path,
+) -> None:
+    tenants = {"q": "t-" + "q" * 12, "n": "t-" + "n" * 12}
+
+    def meta(name: str) -> PageMeta:
+        # as wide as the tier's size estimate, so that its capacity in pages is what fits
+        key = PageHash(name.encode().ljust(64, b"."))
+        return PageMeta(key, PageHash(b"p" * 64), 2**63 - 1, tenants[name[0]])
+
+    def disk_with(budget: int) -> DiskTier:
+        return DiskTier(
+            tmp_path / str(budget),
+            budget,
+            dtype="float32",
+            page_shape=(1,),
+            fsync=False,
+            policy=make_eviction("fair"),
+        )
+
+    disk = disk_with(6 * disk_with(1 << 20).page_file_bytes)  # six files: shares of 3 each
+    blob = PageBlob.from_bytes(bytes(4), "float32", (1,))
+
+    def put(name: str) -> list[str]:
+        return [m.page_hash.rstrip(b".").decode() for m in disk.put(meta(name), blob)]
+
+    for name in ("q-old", "n0", "n1", "n2", "n3", "q-new"):
+        assert put(name) == []
+    assert put("n4") == ["n0"]  # n above its share of 3 loses its oldest
+    assert put("q-3rd") == ["n1"]
+    assert put("q-4th") == ["q-old"]  # q at its share: its own oldest, not q-new
+    disk.check_invariants()
