@@ -221,8 +221,7 @@ class PagePool:
     def _requeue(self) -> None:
         """Queue the free pages per tenant anew, in the free queue's order; O(free pages)."""
         queues: TenantQueues[KVPage] = TenantQueues()
-        for page in self.free_queue.get_all_free_pages():
-            queues.push(page, self._tenant_of_free(page))
+        queues.push_n(self._with_tenants(self.free_queue.get_all_free_pages()))
         self._free_queues = queues
 
     def _tenant_of_free(self, page: KVPage) -> str | None:
