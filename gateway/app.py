@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -437,13 +437,17 @@ class Gateway:
         return _UpstreamStream(relay, resp, ticket, headers)
 
     async def _watch_usage(
-        self, relay: AsyncIterator[bytes], engine: EngineState, rid: int
-    ) -> AsyncIterator[bytes]:
-        """`relay` unchanged; at its end, the usage chunk's cached tokens realize `rid`."""
+        self, relay: AsyncGenerator[bytes, None], engine: EngineState, rid: int
+    ) -> AsyncGenerator[bytes, None]:
+        """`relay` unchanged; at its end, the usage chunk's cached tokens realize `rid`.
+        Closing this closes `relay` (its engine response and ticket) at once."""
         tail = b""
-        async for chunk in relay:
-            tail = (tail + chunk)[-_USAGE_TAIL:]
-            yield chunk
+        try:
+            async for chunk in relay:
+                tail = (tail + chunk)[-_USAGE_TAIL:]
+                yield chunk
+        finally:
+            await relay.aclose()
         self.realize(engine, rid, usage_in_sse(tail))
 
 
@@ -483,7 +487,7 @@ async def _relay(
     chat: bool,
     name: str,
     first_byte: Callable[[], None],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The engine's SSE stream, passed through (completions) or reshaped (chat);
     `first_byte` is called when its first bytes arrive."""
     first = True
