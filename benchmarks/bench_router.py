@@ -57,6 +57,7 @@ import gc
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -81,6 +82,20 @@ SYSTEM_PAGES = 4
 GROUP = 32
 BATCH_CONVS = 16
 PAGE_SIZE = 16
+ROUTE_CPU_PASSES = 3
+"""With --shards: passes over the routes whose least CPU time counts (a shared machine's
+noise only ever adds)."""
+
+
+LABELS = {
+    "route_p50_ms": "route p50 ms (in process)",
+    "route_p99_ms": "route p99 ms (in process)",
+    "ray_route_p50_ms": "route p50 ms (through Ray actors)",
+    "ray_route_p99_ms": "route p99 ms (through Ray actors)",
+    "ray_fan_out_floor_p50_ms": "Ray fan-out alone p50 ms (empty actors)",
+    "ray_fan_out_floor_p99_ms": "Ray fan-out alone p99 ms (empty actors)",
+}
+"""How the table names the figures whose JSON keys do not say where they were measured."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +119,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="index shard counts (1,2,4): measure the sharded coordinator for each instead",
     )
     parser.add_argument(
-        "--replicas", type=positive_int, default=1, help="router replicas with --shards (2+: failover gap)"
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="router replicas with --shards (2+: failover gap)",
     )
     parser.add_argument(
         "--ray-pages",
@@ -114,6 +132,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-ray", action="store_true", help="with --shards: only the in-process figures"
+    )
+    parser.add_argument(
+        "--route-batch",
+        type=positive_int,
+        default=16,
+        help="with --shards: routes per call for the batched CPU figures (concurrent routes)",
     )
 
 
@@ -493,7 +517,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(label, justify="right")
     for k in results[0]:
         cells = [r.get(k) for r in results]
-        table.add_row(k, *(f"{v:,}" if isinstance(v, int) else str(v) for v in cells))
+        label = LABELS.get(k, k)
+        table.add_row(label, *(f"{v:,}" if isinstance(v, int) else str(v) for v in cells))
     Console().print(table)
     return 0
 
@@ -515,13 +540,15 @@ def _shard_counts(text: str) -> list[int]:
 
 
 def _sharded_in_process(
-    wl: _Workload, prompts: list[list[PageHash]], shards: int, seed: int
+    wl: _Workload, prompts: list[list[PageHash]], shards: int, seed: int, route_batch: int
 ) -> dict[str, Any]:
     """`ShardedCoordinator` in one process: its ingest and route cost, CPU per op.
 
     The shards run one after another here, so this is the CPU the sharded
     design costs per operation (the fan-out and merge included), not the
-    wall-clock gain of shards on separate cores.
+    wall-clock gain of shards on separate cores. Routes are measured one call
+    each (``cpu_s_per_million_ops``) and ``route_batch`` to a call
+    (``batched_...``: `route_many`, what a router does with concurrent routes).
     """
     from kvmesh.coordinator.shards import ShardedCoordinator
 
@@ -550,6 +577,22 @@ def _sharded_in_process(
         times.append((time.perf_counter_ns() - t) / 1e6)
         cpu_times.append((time.thread_time_ns() - c) / 1e6)
     route_cpu = time.process_time() - c0
+    # CPU per route: the least of a few passes, one call per route and `route_batch` routes
+    # per call (`route_many`: one call per shard per batch, as a router asks for the routes
+    # that arrive together) in turn, so both meet the same moments of a shared machine.
+    # Looks (no request id) change nothing, so every pass routes the same.
+    queries = [RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE) for p in prompts]
+    batches = [queries[k : k + route_batch] for k in range(0, len(queries), route_batch)]
+    batched_cpu = math.inf
+    for _ in range(ROUTE_CPU_PASSES):
+        c0 = time.process_time()
+        for batch in batches:
+            coord.route_many(batch)
+        batched_cpu = min(batched_cpu, time.process_time() - c0)
+        c0 = time.process_time()
+        for query in queries:
+            coord.route(query)
+        route_cpu = min(route_cpu, time.process_time() - c0)
     ops = wl.stored_events + len(prompts)
     return {
         # the same percentile of the calls' thread CPU time: what the code costs,
@@ -564,18 +607,53 @@ def _sharded_in_process(
         "cpu_s_per_million_ops": round((ingest_cpu + route_cpu) / ops * 1e6, 3),
         "route_cpu_us_per_call": round(route_cpu / len(prompts) * 1e6, 1),
         "ingest_cpu_s_per_million_events": round(ingest_cpu / wl.stored_events * 1e6, 3),
+        "route_batch": route_batch,
+        "batched_cpu_s_per_million_ops": round((ingest_cpu + batched_cpu) / ops * 1e6, 3),
+        "batched_route_cpu_us_per_call": round(batched_cpu / len(prompts) * 1e6, 1),
     }
 
 
-def _ray_routes(router: Any, prompts: list[list[PageHash]]) -> list[float]:
+def _ray_routes(routers: Sequence[Any], prompts: list[list[PageHash]]) -> list[list[float]]:
+    """Each prompt routed through each router in turn: one list of times (ms) per router,
+    taken side by side, so that they saw the same moments of a shared machine."""
     import ray
 
-    times = []
+    times: list[list[float]] = [[] for _ in routers]
     for p in prompts:
-        t = time.perf_counter_ns()
-        ray.get(router.route.remote(RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)))
-        times.append((time.perf_counter_ns() - t) / 1e6)
+        query = RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)
+        for router, out in zip(routers, times, strict=True):
+            t = time.perf_counter_ns()
+            ray.get(router.route.remote(query))
+            out.append((time.perf_counter_ns() - t) / 1e6)
     return times
+
+
+class _EmptyShard:
+    """A shard actor that answers at once: with `_FanOut`, what Ray alone costs a route."""
+
+    async def view(self, query: RouteQuery) -> None:
+        return None
+
+
+class _FanOut:
+    """A router actor asking every `_EmptyShard` and waiting for all, as `RouterActor.route`
+    asks its shards: the floor under ``ray_route_*`` on this machine (no index, no policy)."""
+
+    def __init__(self, shards: Sequence[Any]) -> None:
+        self.shards = list(shards)
+
+    async def route(self, query: RouteQuery) -> None:
+        import asyncio
+
+        await asyncio.gather(*(s.view.remote(query) for s in self.shards))
+
+
+def _fan_out_floor(shards: int) -> tuple[Any, list[Any]]:
+    """A `_FanOut` router over `shards` `_EmptyShard`s (no CPU reserved, as kvmesh's actors)."""
+    import ray
+
+    empty = [ray.remote(_EmptyShard).options(num_cpus=0).remote() for _ in range(shards)]
+    return ray.remote(_FanOut).options(num_cpus=0).remote(empty), empty
 
 
 def _failover_gap_ms(routers: list[Any], prompts: list[list[PageHash]], kill: Any) -> float:
@@ -598,7 +676,10 @@ def _failover_gap_ms(routers: list[Any], prompts: list[list[PageHash]], kill: An
             p = prompts[i % len(prompts)]
             i += 1
             try:
-                ray.get(order[0].route.remote(RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)), timeout=30)
+                ray.get(
+                    order[0].route.remote(RouteQuery(p, CONV_PAGES * PAGE_SIZE, PAGE_SIZE)),
+                    timeout=30,
+                )
                 stamps.append(time.perf_counter())
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 order = order[1:] + order[:1]
@@ -637,14 +718,25 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
     routers = create_layout(cfg)
     ray.get([r.wait_ready.remote(60) for r in routers], timeout=120)
     r0 = routers[0]
-    ray.get([r0.register_worker.remote(WorkerRegistration(w, "127.0.0.1:1", 100_000, "inc-0")) for w in wl.worker_ids])
+    ray.get(
+        [
+            r0.register_worker.remote(WorkerRegistration(w, "127.0.0.1:1", 100_000, "inc-0"))
+            for w in wl.worker_ids
+        ]
+    )
     for k in range(0, len(wl.stored_batches), 64):
         ray.get([r0.report.remote(WorkerReport(w, [d])) for w, d in wl.stored_batches[k : k + 64]])
-    _ray_routes(r0, prompts[:100])  # warm the handles
-    times = _ray_routes(r0, prompts)
+    floor, empty = _fan_out_floor(shards)
+    _ray_routes([r0, floor], prompts[:100])  # warm the handles
+    times, floor_times = _ray_routes([r0, floor], prompts)
+    for actor in (floor, *empty):
+        ray.kill(actor)
     out: dict[str, Any] = {
         "ray_route_p50_ms": round(percentile(times, 50), 3),
         "ray_route_p99_ms": round(percentile(times, 99), 3),
+        # the same fan-out with empty actors, measured route by route beside the real one
+        "ray_fan_out_floor_p50_ms": round(percentile(floor_times, 50), 3),
+        "ray_fan_out_floor_p99_ms": round(percentile(floor_times, 99), 3),
         "ray_indexed_pages": wl.distinct_pages,
     }
     if replicas > 1:
@@ -681,7 +773,7 @@ def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
             "workers": workers,
             "indexed_pages": wl.distinct_pages,
         }
-        result.update(_sharded_in_process(wl, prompts, shards, args.seed))
+        result.update(_sharded_in_process(wl, prompts, shards, args.seed, args.route_batch))
         gc.collect()
         if not args.no_memory:
             result["bytes_per_page"] = _rss_per_page(workers, args.pages, args.seed, shards)
@@ -704,9 +796,15 @@ def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """CPU per op against the first shard count's, and the machine's load."""
-    base = results[0]["cpu_s_per_million_ops"]
+    first = results[0]
     for result in results:
-        result["cpu_per_op_ratio_vs_first"] = round(result["cpu_s_per_million_ops"] / base, 2)
+        for key, ratio in (
+            ("cpu_s_per_million_ops", "cpu_per_op_ratio_vs_first"),
+            ("batched_cpu_s_per_million_ops", "batched_cpu_per_op_ratio_vs_first"),
+            ("route_cpu_us_per_call", "route_cpu_ratio_vs_first"),
+            ("batched_route_cpu_us_per_call", "batched_route_cpu_ratio_vs_first"),
+        ):
+            result[ratio] = round(result[key] / first[key], 2)
         result["load_avg_1m"] = round(os.getloadavg()[0], 2)
         result["cpus"] = os.cpu_count()
     return results

@@ -463,14 +463,27 @@ class Coordinator:
         """The index's overlaps (and their tiers) for the query's hashes, the loads of the
         workers serving its role and, with a tenant, the tenant counts a router needs to
         weigh its fair share (`over_share_pages`)."""
+        return self.view_many([query])[0]
+
+    def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
+        """`view` of each query, their pages looked up together (`GlobalIndex.match_many`):
+        a router's concurrent routes cost a shard one call and one lookup. The views of one
+        role share one loads tuple, so a router merges it once per batch."""
         with self._lock:
-            matched = self.index.match(query.hashes)
-            tiers = self.index.tier_pages(query.hashes, matched)
-            view = RouteView(matched.pages, tuple(self._current_loads(query.role)), tiers)
-            if query.tenant is None or self.config.tenant_share_weight <= 0:
-                return view
-            totals, pages = self._tenant_counts(query.tenant)
-            return replace(view, tenant_totals=totals, tenant_pages=pages)
+            matched = self.index.match_many([query.hashes for query in queries])
+            loads: dict[Role | None, tuple[WorkerLoad, ...]] = {}
+            views: list[RouteView] = []
+            for query, match in zip(queries, matched, strict=True):
+                role_loads = loads.get(query.role)
+                if role_loads is None:
+                    role_loads = loads[query.role] = tuple(self._current_loads(query.role))
+                tiers = self.index.tier_pages(query.hashes, match)
+                view = RouteView(match.pages, role_loads, tiers)
+                if query.tenant is not None and self.config.tenant_share_weight > 0:
+                    totals, pages = self._tenant_counts(query.tenant)
+                    view = replace(view, tenant_totals=totals, tenant_pages=pages)
+                views.append(view)
+            return views
 
     def _tenant_counts(self, tenant: str) -> tuple[dict[str, int], dict[WorkerId, int]]:
         """Every tenant's pages here, and `tenant`'s per worker (under the lock; O(workers))."""

@@ -108,6 +108,37 @@ def merge_views(views: Iterable[RouteView]) -> RouteView:
     views = list(views)
     if len(views) == 1:
         return views[0]
+    return _merged(views, _merged_loads(views))
+
+
+def merge_view_batches(per_shard: Sequence[Sequence[RouteView]]) -> list[RouteView]:
+    """`merge_views` of each route of a batch, from each shard's views of the batch in route
+    order (`Coordinator.view_many`).
+
+    A shard's views of one role share one loads tuple (object identity survives
+    a Ray reply too: pickle keeps shared references), so the loads are merged
+    once per batch, not once per route.
+    """
+    if len(per_shard) == 1:
+        return list(per_shard[0])
+    loads_of: dict[tuple[int, ...], tuple[WorkerLoad, ...]] = {}
+    merged: list[RouteView] = []
+    for views in zip(*per_shard, strict=True):
+        key = tuple(id(v.loads) for v in views)  # `per_shard` keeps them alive: ids stay theirs
+        loads = loads_of.get(key)
+        if loads is None:
+            loads = loads_of[key] = _merged_loads(views)
+        merged.append(_merged(views, loads))
+    return merged
+
+
+def _merged_loads(views: Sequence[RouteView]) -> tuple[WorkerLoad, ...]:
+    # Timsort finds the shards' sorted runs and merges them in C: a Python merge of
+    # 64 loads cost more than the shards' index walks.
+    return tuple(sorted(itertools.chain.from_iterable(v.loads for v in views), key=_WORKER_ID))
+
+
+def _merged(views: Sequence[RouteView], loads: tuple[WorkerLoad, ...]) -> RouteView:
     overlaps: dict[WorkerId, int] = {}
     tiers: dict[WorkerId, TierPages] = {}
     tenant_totals: dict[str, int] = {}
@@ -118,9 +149,6 @@ def merge_views(views: Iterable[RouteView]) -> RouteView:
         tenant_pages.update(v.tenant_pages)
         for tenant, n in v.tenant_totals.items():
             tenant_totals[tenant] = tenant_totals.get(tenant, 0) + n
-    # Timsort finds the shards' sorted runs and merges them in C: a Python merge of
-    # 64 loads cost more than the shards' index walks.
-    loads = tuple(sorted(itertools.chain.from_iterable(v.loads for v in views), key=_WORKER_ID))
     return RouteView(overlaps, loads, tiers, tenant_totals, tenant_pages)
 
 
@@ -335,12 +363,38 @@ class ShardedCoordinator:
     def view(self, query: RouteQuery) -> RouteView:
         return merge_views(s.view(query) for s in self.shards)
 
+    def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
+        """`view` of each query, with one call per shard for them all (`merge_view_batches`)."""
+        return merge_view_batches([s.view_many(queries) for s in self.shards])
+
     def route(self, query: RouteQuery) -> RouteDecision:
         """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""
         if query.split:
             prefill, decode = query.halves()
             return replace(self.route(prefill), decode=self.route(decode))
-        decision = self.router.decide(query, self.view(query))
+        return self._decide(query, self.view(query))
+
+    def route_many(self, queries: Sequence[RouteQuery]) -> list[RouteDecision]:
+        """`route` of each query, in order, asking each shard once for all of them: what a
+        router does with the routes that arrive together (each shard's per-call cost and its
+        lookup's fixed cost are paid once per batch, not once per route).
+
+        Every view is taken before the first decision, as for routes that arrive
+        at once: a request on its way counts in its worker's load for the routes
+        after the batch, not for those beside it (they did not see it on a
+        single coordinator either, had they raced it). A bad query raises
+        `InvalidInput` before any route is decided; `NoWorkers` is raised at its
+        route's turn, the routes before it decided.
+        """
+        if any(query.split for query in queries):  # two routes each: one at a time
+            return [self.route(query) for query in queries]
+        for query in queries:
+            query.check()
+        views = self.view_many(queries)
+        return [self._decide(q, v) for q, v in zip(queries, views, strict=True)]
+
+    def _decide(self, query: RouteQuery, view: RouteView) -> RouteDecision:
+        decision = self.router.decide(query, view)
         if query.request_id:  # a request on its way, counted in its load (`Coordinator.route`)
             self.shard(decision.worker_id).count_routed(decision, policy_request(query))
         return decision

@@ -37,11 +37,34 @@ def test_sharded_json_has_one_object_per_shard_count_with_the_promised_keys(
             "cpu_s_per_million_ops",
             "bytes_per_page",
             "cpu_per_op_ratio_vs_first",
+            "batched_cpu_s_per_million_ops",
+            "batched_route_cpu_us_per_call",
+            "batched_cpu_per_op_ratio_vs_first",
         ):
             assert r[key] > 0, key
+        assert r["route_batch"] == 16
         assert "failover_gap_ms" not in r  # measured on Ray only
         assert r["route_cpu_p50_ms"] <= r["route_cpu_p99_ms"]
     assert results[0]["cpu_per_op_ratio_vs_first"] == 1.0
+    assert results[0]["batched_cpu_per_op_ratio_vs_first"] == 1.0
+
+
+def test_the_table_says_where_each_route_latency_was_measured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _args(
+        "--workers", "4", "--pages", "1000", "--routes", "20", "--shards", "1", "--no-ray",
+        "--no-memory",
+    )  # fmt: skip
+    assert bench_router.run(args) == 0
+    table = capsys.readouterr().out
+    assert "route p99 ms (in process)" in table
+    assert "route_p99_ms" not in table
+
+
+def test_a_route_batch_below_one_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        _args("--shards", "1,2", "--route-batch", "0")
 
 
 def test_index_ops_count_every_page_event_and_match() -> None:

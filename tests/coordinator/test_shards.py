@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from kvmesh.coordinator.shards import (
     ShardedCoordinator,
     ShardRouter,
     SlowShards,
+    merge_view_batches,
     merge_views,
     request_seed,
     shard_of,
@@ -211,6 +213,83 @@ def test_merged_views_keep_worker_id_order_for_the_policies_tie_breaks() -> None
     merged = merge_views([a, b])
     assert [x.worker_id for x in merged.loads] == ["w0", "w1", "w2", "w3"]
     assert merged.overlaps == {"w3": 2, "w2": 5}
+
+
+def _looks(start: int, n: int, policies: Sequence[str], seed: int) -> list[RouteQuery]:
+    """Trace requests as looks (no request id: routing them changes no load); those of a
+    replay's requests hit what its workers served."""
+    rng = random.Random(seed)
+    return [
+        RouteQuery(
+            req.page_hashes[: rng.randint(1, MAX_PAGES)],
+            req.input_tokens,
+            allow_pull=rng.random() < 0.5,
+            policy=rng.choice(policies),
+        )
+        for req in trace().requests[start : start + n]
+    ]
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    shards=st.integers(1, 5),
+    workers=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    start=st.integers(0, 300),
+)
+def test_routes_asked_together_decide_as_the_single_index_routing_them_one_by_one(
+    shards: int, workers: int, seed: int, start: int
+) -> None:
+    single = Coordinator(CoordinatorConfig(seed=seed), clock=lambda: 0.0)
+    sharded = ShardedCoordinator(
+        CoordinatorConfig(seed=seed, index_shards=shards), clock=lambda: 0.0
+    )
+    replay(
+        [single, sharded], workers=workers, seed=seed, policy="kv_aware", start=start, requests=30
+    )
+    queries = _looks(start, 40, POLICIES, seed)
+    assert any(v.overlaps for v in single.view_many(queries))  # the looks hit
+    assert sharded.view_many(queries) == [single.view(q) for q in queries]
+    assert sharded.route_many(queries) == [single.route(q) for q in queries]
+
+
+def test_a_batch_merges_each_roles_loads_once_and_as_merge_views_does() -> None:
+    sharded = ShardedCoordinator(CoordinatorConfig(index_shards=3), clock=lambda: 0.0)
+    replay([sharded], workers=7, seed=2, policy="kv_aware", start=0, requests=20)
+    queries = _looks(0, 12, ["kv_aware"], 2)
+    batch = sharded.view_many(queries)
+    assert batch == [sharded.view(q) for q in queries]
+    assert len({id(v.loads) for v in batch}) == 1  # merged once, shared by the batch's views
+    per_shard = [s.view_many(queries) for s in sharded.shards]
+    assert merge_view_batches(per_shard) == [merge_views(vs) for vs in zip(*per_shard, strict=True)]
+
+
+def test_requests_routed_together_count_in_their_workers_loads_after_the_batch() -> None:
+    sharded = ShardedCoordinator(CoordinatorConfig(index_shards=2), clock=lambda: 0.0)
+    replay([sharded], workers=4, seed=4, policy="kv_aware", start=0, requests=10)
+    looks = _looks(0, 6, ["least_loaded"], 4)
+    before = {x.worker_id: x.active_prefill_tokens for x in sharded.view(looks[0]).loads}
+    routed = [replace(q, request_id=f"r{i}") for i, q in enumerate(looks)]
+    decisions = sharded.route_many(routed)
+    # every route of the batch saw the loads as they were when it was asked ...
+    assert len({d.worker_id for d in decisions}) == 1
+    after = {x.worker_id: x.active_prefill_tokens for x in sharded.view(looks[0]).loads}
+    # ... and each counts in its worker's load from then on
+    grown = {w: after[w] - before[w] for w in after if after[w] != before[w]}
+    assert set(grown) == {decisions[0].worker_id}
+    assert grown[decisions[0].worker_id] > 0
+
+
+def test_a_bad_query_in_a_batch_is_refused_before_any_route_is_decided() -> None:
+    sharded = ShardedCoordinator(CoordinatorConfig(index_shards=2), clock=lambda: 0.0)
+    replay([sharded], workers=3, seed=1, policy="kv_aware", start=0, requests=5)
+    routes_before = sharded.stats()["routes"]
+    good = _looks(0, 3, ["kv_aware"], 1)
+    bad = replace(good[0])
+    object.__setattr__(bad, "page_size", 0)  # as if unpickled past its constructor's check
+    with pytest.raises(InvalidInput, match="page_size"):
+        sharded.route_many([*good, bad])
+    assert sharded.stats()["routes"] == routes_before
 
 
 def test_a_sharded_coordinator_without_workers_refuses_to_route() -> None:
