@@ -91,6 +91,7 @@ ROUTER_COUNTERS = (
 
 
 _WORKER_ID = operator.attrgetter("worker_id")
+_LOADS = operator.attrgetter("loads")
 
 
 def shard_of(worker_id: str, num_shards: int) -> int:
@@ -124,7 +125,7 @@ def merge_view_batches(per_shard: Sequence[Sequence[RouteView]]) -> list[RouteVi
     loads_of: dict[tuple[int, ...], tuple[WorkerLoad, ...]] = {}
     merged: list[RouteView] = []
     for views in zip(*per_shard, strict=True):
-        key = tuple(id(v.loads) for v in views)  # `per_shard` keeps them alive: ids stay theirs
+        key = tuple(map(id, map(_LOADS, views)))  # `per_shard` keeps them alive: ids stay
         loads = loads_of.get(key)
         if loads is None:
             loads = loads_of[key] = _merged_loads(views)
@@ -145,8 +146,10 @@ def _merged(views: Sequence[RouteView], loads: tuple[WorkerLoad, ...]) -> RouteV
     tenant_pages: dict[WorkerId, int] = {}
     for v in views:
         overlaps.update(v.overlaps)
-        tiers.update(v.tiers)
-        tenant_pages.update(v.tenant_pages)
+        if v.tiers:  # the rest are empty on most routes: a test costs less than an update
+            tiers.update(v.tiers)
+        if v.tenant_pages:
+            tenant_pages.update(v.tenant_pages)
         for tenant, n in v.tenant_totals.items():
             tenant_totals[tenant] = tenant_totals.get(tenant, 0) + n
     return RouteView(overlaps, loads, tiers, tenant_totals, tenant_pages)
