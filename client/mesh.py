@@ -57,7 +57,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from kvmesh.client import tokenizer
 from kvmesh.config import ClusterConfig
@@ -72,6 +72,7 @@ from kvmesh.errors import (
     NoWorkers,
     WorkerDied,
 )
+from kvmesh.handles import CoordinatorHandle, RegisteredWorker, WorkerActorHandle
 from kvmesh.hashing import ExtraKeys, PageHasher, reusable_pages
 from kvmesh.logs import request_scope
 from kvmesh.ray_address import RAY_ADDRESS_VARIABLE, address_from_environment, reachable
@@ -91,6 +92,7 @@ from kvmesh.tenants import tenant_of
 from kvmesh.types import PageHash, WorkerId
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
 T = TypeVar("T")
@@ -154,7 +156,7 @@ class WorkerHandle:
     worker_id: WorkerId
     role: str
     address: str
-    actor: ActorHandle
+    actor: WorkerActorHandle
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -182,7 +184,7 @@ class KVMesh:
     def __init__(
         self,
         config: ClusterConfig,
-        coordinator: ActorHandle,
+        coordinator: CoordinatorHandle,
         workers: dict[WorkerId, WorkerHandle],
         *,
         owns_ray: bool,
@@ -211,7 +213,9 @@ class KVMesh:
         # The owner's handles of the workers this client created: Ray destroys a
         # non-detached actor once its owner drops every handle, so they are kept here
         # until `close`, whatever happens to the routing table in `_workers`.
-        self._owned: dict[WorkerId, Any] = {wid: workers[wid].actor for wid in created}
+        self._owned: dict[WorkerId, WorkerActorHandle] = {
+            wid: workers[wid].actor for wid in created
+        }
         self._lock = threading.Lock()
         self._reported: dict[WorkerId, ReportMark] = {}  # answers' reports not yet routed after
         self._closed = False
@@ -270,7 +274,7 @@ class KVMesh:
         try:
             ns, name = cfg.coordinator.namespace, cfg.coordinator.actor_name
             try:
-                coordinator = ray.get_actor(name, namespace=ns)
+                coordinator: CoordinatorHandle = ray.get_actor(name, namespace=ns)
             except ValueError:
                 where = ray.get_runtime_context().gcs_address
                 raise ClusterUnreachable(
@@ -348,7 +352,8 @@ class KVMesh:
                 with contextlib.suppress(Exception):
                     ray.get(self._coordinator.remove_worker.remote(wid), timeout=10)
                 with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
+                    # the protocol is a view of the real handle Ray gave us
+                    ray.kill(cast("ActorHandle[Any]", actor), no_restart=True)
         finally:
             if self._owns_ray:
                 ray.shutdown()
@@ -511,7 +516,7 @@ class KVMesh:
             for w in self._workers.values()
         ]
 
-    def worker(self, worker_id: str) -> ActorHandle:
+    def worker(self, worker_id: str) -> WorkerActorHandle:
         """The Ray actor handle of a worker (for tests and tools)."""
         try:
             return self._workers[WorkerId(worker_id)].actor
@@ -522,7 +527,7 @@ class KVMesh:
 
     # ---------------------------------------------------------------- internals
 
-    async def _call(self, ref: Any, worker_id: WorkerId | None) -> Any:
+    async def _call(self, ref: ObjectRef[T], worker_id: WorkerId | None) -> T:
         """Await `ref` within the request deadline; map Ray's failures to kvmesh errors.
 
         A worker's task this client stops waiting for (the deadline passed, or the
@@ -703,7 +708,7 @@ class _Died(Exception):
         self.error = error
 
 
-def _cancel_task(ref: Any) -> None:
+def _cancel_task(ref: ObjectRef[Any]) -> None:
     """Ask Ray to stop the actor task behind `ref` (its children, e.g. the worker's reports
     to the coordinator, finish); a task already done or gone has nothing to stop."""
     import ray
@@ -721,7 +726,7 @@ def _caller_job() -> str | None:
     return ray.get_runtime_context().get_job_id()
 
 
-def attach_workers(infos: Sequence[Any]) -> dict[WorkerId, WorkerHandle]:
+def attach_workers(infos: Sequence[RegisteredWorker]) -> dict[WorkerId, WorkerHandle]:
     """Handles of registered workers whose Ray actors can be found by name."""
     import ray
 

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvmesh.config import CoordinatorConfig
 from kvmesh.errors import NoWorkers
+
+if TYPE_CHECKING:
+    from kvmesh.handles import CoordinatorHandle
 
 
 def shard_actor_name(config: CoordinatorConfig, replica: int, shard: int) -> str:
@@ -32,7 +35,9 @@ def router_actor_name(config: CoordinatorConfig, replica: int) -> str:
     return config.actor_name if replica == 0 else f"{config.actor_name}-router-{replica}"
 
 
-def router_handles(config: CoordinatorConfig, replicas: Iterable[int] | None = None) -> list[Any]:
+def router_handles(
+    config: CoordinatorConfig, replicas: Iterable[int] | None = None
+) -> list[CoordinatorHandle]:
     """Handles of the running routers among `replicas` (default: all, replica 0 first).
 
     A replica whose actor Ray does not know (never started, or killed for good)
@@ -42,7 +47,7 @@ def router_handles(config: CoordinatorConfig, replicas: Iterable[int] | None = N
     import ray
 
     wanted = range(config.router_replicas) if replicas is None else replicas
-    out = []
+    out: list[CoordinatorHandle] = []
     for r in wanted:
         with contextlib.suppress(ValueError):
             out.append(ray.get_actor(router_actor_name(config, r), namespace=config.namespace))

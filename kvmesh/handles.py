@@ -1,0 +1,118 @@
+"""The Ray actor handles components hold of each other, typed by what they call on them.
+
+A client holds the coordinator's and the workers' handles, a worker the
+coordinator's, a router replica its shards' and peers'. Neither may import the
+other's actor class (tests/test_layering.py), and Ray's own `ActorHandle` types
+every method as `Never`, which makes mypy skip the code after the first call
+silently. So each handle is a `Protocol` here naming the remote methods called
+across the boundary, with their arguments and results in base types; a real
+`ActorHandle` fits any of them, and tests/test_handles.py checks that the actor
+classes really have these methods with these parameters.
+
+`RegisteredWorker` is what the coordinator's `workers()` answers, as far as a
+caller needs it to find each worker's actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from kvmesh.coordination import RouteQuery
+    from kvmesh.rendezvous import DistRendezvous
+    from kvmesh.requests import (
+        GenerateRequest,
+        GenerationResult,
+        PrefillResult,
+        ReportMark,
+        Role,
+        RouteDecision,
+        WorkerStats,
+    )
+    from kvmesh.types import WorkerId
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RemoteMethod(Protocol[P, R]):
+    """One actor method seen through a handle: `.remote(...)` starts it, the ref is awaited."""
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> ObjectRef[R]: ...
+
+
+class ActorRef(Protocol):
+    """Any actor handle: Ray's id tells whether two handles reach one actor."""
+
+    @property
+    def _actor_id(self) -> object: ...
+
+
+class RegisteredWorker(Protocol):
+    """A worker as the coordinator lists it: where it serves and which Ray actor it is."""
+
+    @property
+    def worker_id(self) -> WorkerId: ...
+    @property
+    def role(self) -> Role: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def actor_name(self) -> str | None: ...
+    @property
+    def actor_namespace(self) -> str | None: ...
+
+
+class WorkerActorHandle(ActorRef, Protocol):
+    """A worker actor (`kvmesh.worker.actor.WorkerActor`), as clients and the coordinator call it."""
+
+    @property
+    def generate(self) -> RemoteMethod[[GenerateRequest], GenerationResult]: ...
+    @property
+    def expect_push(self) -> RemoteMethod[[GenerateRequest], bytes]: ...
+    @property
+    def prefill(self) -> RemoteMethod[[GenerateRequest, str, bytes], PrefillResult]: ...
+    @property
+    def stats(self) -> RemoteMethod[[], WorkerStats]: ...
+    @property
+    def reset_cache(self) -> RemoteMethod[[], None]: ...
+    @property
+    def shutdown(self) -> RemoteMethod[[], None]: ...
+    @property
+    def snapshot(self) -> RemoteMethod[[], bytes]: ...
+    @property
+    def dist_accept(self) -> RemoteMethod[[DistRendezvous], bool]: ...
+
+
+class CoordinatorHandle(ActorRef, Protocol):
+    """The coordinator actor or a router replica (`kvmesh.coordinator.actor.CoordinatorActor`,
+    `kvmesh.coordinator.router.RouterActor`), as clients, workers and replicas call it."""
+
+    @property
+    def wait_ready(self) -> RemoteMethod[[], bool]: ...
+    @property
+    def workers(self) -> RemoteMethod[[], Sequence[RegisteredWorker]]: ...
+    @property
+    def route(self) -> RemoteMethod[[RouteQuery], RouteDecision]: ...
+    @property
+    def stats(self) -> RemoteMethod[[Sequence[ReportMark]], dict[str, Any]]: ...
+    @property
+    def remove_worker(self) -> RemoteMethod[[WorkerId], bool]: ...
+    @property
+    def address_of(self) -> RemoteMethod[[WorkerId], str]: ...
+    @property
+    def api_address(self) -> RemoteMethod[[], str | None]: ...
+    @property
+    def dist_link(self) -> RemoteMethod[[WorkerId, str], DistRendezvous]: ...
+
+
+__all__ = [
+    "ActorRef",
+    "CoordinatorHandle",
+    "RegisteredWorker",
+    "RemoteMethod",
+    "WorkerActorHandle",
+]
