@@ -48,12 +48,12 @@ from typing import cast
 
 import torch
 
-from kvmesh.coordinator.index import ApplyResult, GlobalIndex
+from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, RoutingPolicy, WorkerLoad
 from kvmesh.coordinator.tenant_shares import TenantShares
 from kvmesh.coordinator.tiers import TierCosts
 from kvmesh.errors import ConfigError, InvalidInput, InvariantViolation
-from kvmesh.events import EventBatch
+from kvmesh.events import ApplyResult, EventBatch
 from kvmesh.hashing import PageHasher, RequestHashes, reusable_pages
 from kvmesh.tenants import DEFAULT_TENANT, TenantWeights, tenant_of
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens, infinite_cache_hit_ratio

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, WorkerReport
-from kvmesh.coordinator.index import ApplyResult, GlobalIndex, MatchResult
+from kvmesh.coordinator.index import GlobalIndex, MatchResult
 from kvmesh.coordinator.policies import (
     REGISTRY,
     RouteDecision,
@@ -48,7 +48,7 @@ from kvmesh.coordinator.registry import WorkerInfo, WorkerRegistry
 from kvmesh.coordinator.tenant_shares import TenantShare, TenantShares
 from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import EventDecodeError, InvalidInput, KVMeshError, UnknownWorker
-from kvmesh.events import EventBatch, decode_batch
+from kvmesh.events import ApplyResult, EventBatch, decode_batch
 from kvmesh.metrics import (
     COORDINATOR_ERRORS,
     COORDINATOR_NAMES,
