@@ -41,8 +41,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import ray
@@ -61,12 +61,17 @@ from kvmesh.coordinator.service import (
     RouteView,
 )
 from kvmesh.errors import KVMeshError, TransportError
+from kvmesh.handles import CoordinatorHandle, WorkerActorHandle, handle_of
 from kvmesh.logs import configure_logging, request_scope
 from kvmesh.metrics import COORDINATOR_CALLS, REPORT_WAITS, in_ray_actor
 from kvmesh.rendezvous import DistRendezvous, LinkBook
 from kvmesh.types import PageHash, WorkerId
 
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SNAPSHOT_TIMEOUT_S = 30.0
 """How long a (re)starting coordinator waits for the workers' snapshots."""
@@ -151,7 +156,7 @@ class CoordinatorActor:
         self._report_seen = asyncio.Event()  # replaced by a fresh one after every report
         self._snapshot_asked: dict[WorkerId, float] = {}
         self._links: LinkBook | None = None
-        self._link_store: Any = None  # torch's TCPStore serving every link's rendezvous
+        self._link_store: TCPStore | None = None  # torch's TCPStore serving every link's rendezvous
         self._links_lock = asyncio.Lock()
         loop = asyncio.get_running_loop()
         self._tasks: list[asyncio.Task[Any]] = [
@@ -163,7 +168,7 @@ class CoordinatorActor:
             self._api_start: asyncio.Task[int] = loop.create_task(self._api.start())
             self._tasks.append(self._api_start)
 
-    async def _blocking(self, fn: Any, *args: Any) -> Any:
+    async def _blocking(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def _recover(self) -> None:
@@ -190,7 +195,9 @@ class CoordinatorActor:
         failed: dict[WorkerId, str] = {}
 
         async def fetch(wid: WorkerId, name: str, ns: str | None) -> bytes:
-            handle = await self._blocking(lambda: ray.get_actor(name, namespace=ns))
+            handle: WorkerActorHandle = await self._blocking(
+                lambda: ray.get_actor(name, namespace=ns)
+            )
             ref = handle.snapshot.remote()
             data: bytes = await asyncio.wait_for(ref, SNAPSHOT_TIMEOUT_S)
             return data
@@ -389,7 +396,9 @@ class CoordinatorActor:
             )
         name, ns = server.actor_name, server.actor_namespace
         try:
-            handle = await self._blocking(lambda: ray.get_actor(name, namespace=ns))
+            handle: WorkerActorHandle = await self._blocking(
+                lambda: ray.get_actor(name, namespace=ns)
+            )
             await asyncio.wait_for(
                 handle.dist_accept.remote(rdv), self.config.link_accept_timeout_s
             )
@@ -423,7 +432,7 @@ class CoordinatorActor:
 
 def get_or_create_coordinator(
     config: CoordinatorConfig | None = None, security: TransferConfig | None = None
-) -> Any:
+) -> CoordinatorHandle:
     """The cluster's coordinator actor handle, creating it if it does not exist yet.
 
     Needs `ray.init()` first. The actor takes no CPU slot (it is mostly idle
@@ -450,4 +459,4 @@ def get_or_create_coordinator(
     }
     if cfg.detached:
         options["lifetime"] = "detached"
-    return ray.remote(CoordinatorActor).options(**options).remote(cfg, security)
+    return handle_of(ray.remote(CoordinatorActor).options(**options).remote(cfg, security))

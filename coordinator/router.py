@@ -50,13 +50,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
-from kvmesh.coordinator.index import MatchResult
+from kvmesh.coordinator.index import ApplyResult, MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
@@ -75,6 +76,7 @@ from kvmesh.coordinator.shards import (
     shard_of,
 )
 from kvmesh.errors import InvalidInput, KVMeshError, TransportError
+from kvmesh.handles import CoordinatorHandle, WorkerActorHandle, handle_of
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
@@ -156,8 +158,8 @@ class RouterActor:
         config: CoordinatorConfig,
         replica: int,
         security: TransferConfig | None = None,
-        shards: Sequence[Sequence[Any]] = (),
-        peers: Sequence[Any] = (),
+        shards: Sequence[Sequence[CoordinatorHandle]] = (),
+        peers: Sequence[CoordinatorHandle] = (),
     ) -> None:
         self.config = config
         self.replica = replica
@@ -167,7 +169,7 @@ class RouterActor:
         self.router = ShardRouter(config, per_request_rng=True)
         # Ray collects an actor nobody holds a handle to: the routers hold their shards'
         # (`shards[replica][shard]`, from `create_layout`; Ray keeps them across restarts)
-        self._handles: dict[tuple[int, int], Any] = {
+        self._handles: dict[tuple[int, int], CoordinatorHandle] = {
             (r, s): h for r, row in enumerate(shards) for s, h in enumerate(row)
         }
         self._peers = list(peers)  # replica 0 holds the other routers (the same reason)
@@ -190,15 +192,17 @@ class RouterActor:
 
     # ---------------------------------------------------------------- shards
 
-    async def _shard(self, replica: int, shard: int) -> Any:
+    async def _shard(self, replica: int, shard: int) -> CoordinatorHandle:
         key = (replica, shard)
         handle = self._handles.get(key)
         if handle is None:
             name = shard_actor_name(self.config, replica, shard)
             ns = self.config.namespace
             loop = asyncio.get_running_loop()
-            handle = await loop.run_in_executor(None, lambda: ray.get_actor(name, namespace=ns))
-            self._handles[key] = handle
+            found: CoordinatorHandle = await loop.run_in_executor(
+                None, lambda: ray.get_actor(name, namespace=ns)
+            )
+            handle = self._handles[key] = found
         return handle
 
     async def _call(
@@ -371,7 +375,9 @@ class RouterActor:
         name, ns = info.actor_name, info.actor_namespace
         try:
             loop = asyncio.get_running_loop()
-            handle = await loop.run_in_executor(None, lambda: ray.get_actor(name, namespace=ns))
+            handle: WorkerActorHandle = await loop.run_in_executor(
+                None, lambda: ray.get_actor(name, namespace=ns)
+            )
             data: bytes = await asyncio.wait_for(handle.snapshot.remote(), SHARD_CALL_TIMEOUT_S)
             await self._everywhere(shard, "report", WorkerReport(info.worker_id, (data,)))
         except Exception as exc:  # one worker's failure must not stop the others
@@ -513,7 +519,7 @@ class RouterActor:
 
     async def rebuild(self) -> RebuildResult:
         """Every shard of every replica asks its workers for snapshots now."""
-        applied: dict[WorkerId, Any] = {}
+        applied: dict[WorkerId, ApplyResult] = {}
         failed: dict[WorkerId, str] = {}
         for s in range(self.num_shards):
             for r in await self._everywhere(s, "rebuild"):
@@ -556,7 +562,9 @@ class RouterActor:
         return rdv
 
 
-def create_layout(config: CoordinatorConfig, security: TransferConfig | None = None) -> list[Any]:
+def create_layout(
+    config: CoordinatorConfig, security: TransferConfig | None = None
+) -> list[ActorHandle[RouterActor]]:
     """Start (get-if-exists) every shard and router actor; returns the routers' handles, replica 0 first.
 
     Shards first, so that a router's catch-up finds its siblings. No actor
@@ -574,9 +582,9 @@ def create_layout(config: CoordinatorConfig, security: TransferConfig | None = N
     if config.detached:
         common["lifetime"] = "detached"
     shard_cfg = dataclasses.replace(config, index_shards=1, router_replicas=1, api_port=-1)
-    shards: list[list[Any]] = []
+    shards: list[list[ActorHandle[CoordinatorActor]]] = []
     for r in range(config.router_replicas):
-        row = []
+        row: list[ActorHandle[CoordinatorActor]] = []
         for s in range(config.index_shards):
             cfg = dataclasses.replace(shard_cfg, actor_name=shard_actor_name(config, r, s))
             options = {**common, "name": cfg.actor_name, **_placement(config, r)}
@@ -584,19 +592,21 @@ def create_layout(config: CoordinatorConfig, security: TransferConfig | None = N
                 options["scheduling_strategy"] = "SPREAD"
             replicated = config.router_replicas > 1
             row.append(
-                ray.remote(CoordinatorActor)
-                .options(**options)
-                .remote(cfg, None, ask_stale_snapshots=not replicated)
+                handle_of(
+                    ray.remote(CoordinatorActor)
+                    .options(**options)
+                    .remote(cfg, None, ask_stale_snapshots=not replicated)
+                )
             )
         shards.append(row)
-    routers: list[Any] = []
+    routers: list[ActorHandle[RouterActor]] = []
     for r in reversed(range(config.router_replicas)):  # replica 0 last: it holds the others
         options = {**common, "name": router_actor_name(config, r), **_placement(config, r)}
         # A call to a dead router fails at once (no retry wait), so its callers fail over to
         # another replica within milliseconds; workers resend their reports anyway.
         options["max_task_retries"] = 0
         peers = routers if r == 0 else []
-        handle = (
+        handle = handle_of(
             ray.remote(RouterActor).options(**options).remote(config, r, security, shards, peers)
         )
         routers.insert(0, handle)

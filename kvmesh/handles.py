@@ -16,10 +16,11 @@ caller needs it to find each worker's actor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 if TYPE_CHECKING:
     from ray import ObjectRef
+    from ray.actor import ActorHandle
 
     from kvmesh.coordination import RouteQuery
     from kvmesh.rendezvous import DistRendezvous
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+A = TypeVar("A")
 
 
 class RemoteMethod(Protocol[P, R]):
@@ -109,10 +111,20 @@ class CoordinatorHandle(ActorRef, Protocol):
     def dist_link(self) -> RemoteMethod[[WorkerId, str], DistRendezvous]: ...
 
 
+def handle_of(created: ActorHandle[A] | type[A]) -> ActorHandle[A]:
+    """What `ray.remote(Class).options(...).remote(...)` returned, as the handle it is.
+
+    Ray types it as the handle or the class (for `@ray.method`-typed classes); at
+    run time it is always the handle, which `ray.kill` and the protocols here take.
+    """
+    return cast("ActorHandle[A]", created)
+
+
 __all__ = [
     "ActorRef",
     "CoordinatorHandle",
     "RegisteredWorker",
     "RemoteMethod",
     "WorkerActorHandle",
+    "handle_of",
 ]

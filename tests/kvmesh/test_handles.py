@@ -66,7 +66,12 @@ def actor_signature(actor: type, name: str) -> tuple[list[Any], list[Any], Any]:
     """(required parameter types, optional ones, result) of an actor's method, `self` left out."""
     method = getattr(actor, name)
     hints = typing.get_type_hints(method)
-    params = list(inspect.signature(method).parameters.values())[1:]
+    # Ray adds `_ray_trace_ctx` to an actor class's methods once it has made it an actor
+    params = [
+        p
+        for p in list(inspect.signature(method).parameters.values())[1:]
+        if not p.name.startswith("_ray_")
+    ]
     required = [hints[p.name] for p in params if p.default is inspect.Parameter.empty]
     optional = [hints[p.name] for p in params if p.default is not inspect.Parameter.empty]
     return required, optional, hints["return"]
