@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -44,6 +44,10 @@ from kvmesh.logs import request_scope
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.requests import ROLES, Role, RouteOutcome
 from kvmesh.types import PageHash, WorkerId
+
+if TYPE_CHECKING:
+    from kvmesh.coordinator.service import Coordinator
+    from kvmesh.coordinator.shards import ShardedCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +77,7 @@ class RoutingBackend(Protocol):
 class LocalBackend:
     """A `RoutingBackend` over an in-process coordinator (`Coordinator` or `ShardedCoordinator`)."""
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Coordinator | ShardedCoordinator) -> None:
         self.core = core
 
     async def route(self, query: RouteQuery) -> RouteDecision:

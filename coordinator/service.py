@@ -65,6 +65,7 @@ from kvmesh.metrics import (
     ROUTES,
     WORKERS,
     WORKERS_EXPIRED,
+    Metric,
 )
 from kvmesh.rendezvous import DistRendezvous, LinkBook, LinkEnd
 from kvmesh.requests import Role
@@ -593,7 +594,7 @@ class Coordinator:
         """The coordinator's state now and its counters, read from its metrics."""
         me = {"coordinator": self.name}
 
-        def count(metric: Any, **labels: str) -> int:
+        def count(metric: Metric, **labels: str) -> int:
             return int(metric.value(**me, **labels))
 
         with self._lock:
