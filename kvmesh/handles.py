@@ -10,19 +10,21 @@ across the boundary, with their arguments and results in base types; a real
 classes really have these methods with these parameters.
 
 `RegisteredWorker` is what the coordinator's `workers()` answers, as far as a
-caller needs it to find each worker's actor.
+caller needs it to find each worker's actor; `ReportReply` what a report's
+answer tells a worker. A worker reports to a `WorkerCoordinator`: the actor's
+handle, or a coordinator in its own process (tests, tools), called by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeAlias, TypeVar, cast
 
 if TYPE_CHECKING:
     from ray import ObjectRef
     from ray.actor import ActorHandle
 
-    from kvmesh.coordination import RouteQuery
+    from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
     from kvmesh.rendezvous import DistRendezvous
     from kvmesh.requests import (
         GenerateRequest,
@@ -68,6 +70,20 @@ class RegisteredWorker(Protocol):
     def actor_namespace(self) -> str | None: ...
 
 
+class ReportReply(Protocol):
+    """The coordinator's answer to a worker's report, as far as the worker reads it."""
+
+    @property
+    def needs_snapshot(self) -> bool: ...
+
+
+class InProcessCoordinator(Protocol):
+    """A coordinator a worker calls directly, in one process (tests, tools): what it calls."""
+
+    def register_worker(self, reg: WorkerRegistration) -> object: ...
+    def report(self, report: WorkerReport) -> ReportReply: ...
+
+
 class WorkerActorHandle(ActorRef, Protocol):
     """A worker actor (`kvmesh.worker.actor.WorkerActor`), as clients and the coordinator call it."""
 
@@ -109,6 +125,16 @@ class CoordinatorHandle(ActorRef, Protocol):
     def api_address(self) -> RemoteMethod[[], str | None]: ...
     @property
     def dist_link(self) -> RemoteMethod[[WorkerId, str], DistRendezvous]: ...
+    @property
+    def register_worker(self) -> RemoteMethod[[WorkerRegistration], object]: ...
+    @property
+    def report(self) -> RemoteMethod[[WorkerReport], ReportReply]: ...
+    @property
+    def drain_worker(self) -> RemoteMethod[[WorkerId, bool], None]: ...
+
+
+WorkerCoordinator: TypeAlias = CoordinatorHandle | InProcessCoordinator
+"""What a worker reports to: the coordinator's actor, or one in the same process."""
 
 
 def handle_of(created: ActorHandle[A] | type[A]) -> ActorHandle[A]:
@@ -123,8 +149,11 @@ def handle_of(created: ActorHandle[A] | type[A]) -> ActorHandle[A]:
 __all__ = [
     "ActorRef",
     "CoordinatorHandle",
+    "InProcessCoordinator",
     "RegisteredWorker",
     "RemoteMethod",
+    "ReportReply",
     "WorkerActorHandle",
+    "WorkerCoordinator",
     "handle_of",
 ]

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.coordination import WorkerRegistration
 from kvmesh.errors import InvalidInput, KVMeshError, RequestCancelled, TransportError
+from kvmesh.handles import WorkerCoordinator
 from kvmesh.hashing import PageHasher, RequestHashes
 from kvmesh.load import WorkerLoad
 from kvmesh.logs import configure_logging, request_scope
@@ -145,7 +146,7 @@ class WorkerActor:
     e.g. in a test); the worker registers with it before `__init__` returns.
     """
 
-    def __init__(self, spec: WorkerSpec, coordinator: Any | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, coordinator: WorkerCoordinator | None = None) -> None:
         import torch
 
         from kvmesh.worker.cache_manager import KVCacheManager

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.coordination import WorkerReport
 from kvmesh.errors import InvariantViolation, UnknownWorker
 from kvmesh.events import encode_batch, make_batch
+from kvmesh.handles import ReportReply, WorkerCoordinator
 from kvmesh.load import WorkerLoad
 from kvmesh.requests import RouteOutcome
 from kvmesh.types import WorkerId
@@ -53,7 +54,7 @@ class CoordinatorRpc:
 
     __slots__ = ("coordinator", "timeout_s")
 
-    def __init__(self, coordinator: Any, timeout_s: float) -> None:
+    def __init__(self, coordinator: WorkerCoordinator, timeout_s: float) -> None:
         self.coordinator = coordinator
         self.timeout_s = timeout_s
 
@@ -212,7 +213,7 @@ class EventReporter:
         except Exception:
             log.exception("reporting a request's events failed")
 
-    def _submit(self) -> tuple[Future[Any], list[bytes], list[RouteOutcome]] | None:
+    def _submit(self) -> tuple[Future[ReportReply], list[bytes], list[RouteOutcome]] | None:
         """Build the next batch and send every unacknowledged one with the queued outcomes;
         None when sending failed at once (logged; everything stays queued)."""
         if self._rpc is None:  # pragma: no cover - callers check
@@ -239,7 +240,7 @@ class EventReporter:
         return future, batches, outcomes
 
     def _acknowledged(
-        self, done: Future[Any], batches: list[bytes], outcomes: list[RouteOutcome]
+        self, done: Future[ReportReply], batches: list[bytes], outcomes: list[RouteOutcome]
     ) -> None:
         """The reply to a `report_request`, on whatever thread delivered it."""
         try:
@@ -249,7 +250,7 @@ class EventReporter:
             return
         self._settle(batches, reply)
 
-    def _settle(self, batches: Sequence[bytes], reply: Any) -> None:
+    def _settle(self, batches: Sequence[bytes], reply: ReportReply) -> None:
         """An acknowledged report: its batches leave the queue; a stale index asks a snapshot."""
         with self._lock:
             acked = {id(b) for b in batches}

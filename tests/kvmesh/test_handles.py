@@ -17,11 +17,18 @@ from typing import Any
 import pytest
 
 import kvmesh.handles as handles
-from kvmesh.coordination import RouteQuery
+from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.router import RouterActor
-from kvmesh.handles import CoordinatorHandle, RegisteredWorker, WorkerActorHandle
+from kvmesh.coordinator.service import Coordinator, ReportResult
+from kvmesh.handles import (
+    CoordinatorHandle,
+    InProcessCoordinator,
+    RegisteredWorker,
+    ReportReply,
+    WorkerActorHandle,
+)
 from kvmesh.rendezvous import DistRendezvous
 from kvmesh.requests import (
     GenerateRequest,
@@ -39,6 +46,8 @@ NAMES: dict[str, Any] = {
     **vars(handles),
     "Sequence": Sequence,
     "RouteQuery": RouteQuery,
+    "WorkerRegistration": WorkerRegistration,
+    "WorkerReport": WorkerReport,
     "DistRendezvous": DistRendezvous,
     "GenerateRequest": GenerateRequest,
     "GenerationResult": GenerationResult,
@@ -97,29 +106,59 @@ def test_every_method_a_handle_names_takes_the_actors_parameters_in_order(
         assert list(params) == (required + optional)[: len(params)], name
 
 
+def fits(returned: Any, wanted: Any) -> bool:
+    """Whether a value of type `returned` is what a protocol's `wanted` result promises:
+    the same type, any type for `object`, a record with a protocol's fields, or a list of
+    such records for a sequence of the protocol."""
+    if wanted is object or returned == wanted:
+        return True
+    if getattr(wanted, "_is_protocol", False):
+        return dataclasses.is_dataclass(returned) and has_the_fields(returned, wanted)
+    if typing.get_origin(wanted) is Sequence and typing.get_origin(returned) in (list, tuple):
+        (item,) = typing.get_args(wanted)
+        return fits(typing.get_args(returned)[0], item)
+    return False
+
+
+def has_the_fields(record: type, protocol: type) -> bool:
+    """Whether `record` has every property `protocol` names, with the same type."""
+    hints = typing.get_type_hints(record)
+    named = [n for n, m in vars(protocol).items() if isinstance(m, property)]
+    return bool(named) and all(
+        hints.get(n) == typing.get_type_hints(getattr(protocol, n).fget, globalns=NAMES)["return"]
+        for n in named
+    )
+
+
 @pytest.mark.parametrize(("protocol", "actor"), CASES)
 def test_every_method_a_handle_names_answers_what_the_actor_returns(
     protocol: type, actor: type
 ) -> None:
     for name, (_, result) in remote_methods(protocol).items():
         _, _, returned = actor_signature(actor, name)
-        if name == "workers":  # the coordinator's records, seen as the base's protocol
-            assert typing.get_origin(returned) is list
-            assert typing.get_args(returned) == (WorkerInfo,)
-            continue
-        assert returned == result, f"{actor.__name__}.{name} returns {returned}, not {result}"
+        assert fits(returned, result), f"{actor.__name__}.{name} returns {returned}, not {result}"
 
 
-def test_the_coordinators_worker_records_have_what_a_registered_worker_names() -> None:
-    fields = {f.name: f.type for f in dataclasses.fields(WorkerInfo)}
-    named = [n for n, m in vars(RegisteredWorker).items() if isinstance(m, property)]
-    assert named
-    for name in named:
-        assert name in fields, f"WorkerInfo has no field {name!r}"
-    hints = typing.get_type_hints(WorkerInfo)
-    for name in named:
-        wanted = typing.get_type_hints(getattr(RegisteredWorker, name).fget, globalns=NAMES)
-        assert hints[name] == wanted["return"], name
+def test_the_coordinators_records_and_replies_have_what_the_protocols_name() -> None:
+    assert has_the_fields(WorkerInfo, RegisteredWorker)
+    assert has_the_fields(ReportResult, ReportReply)
+
+
+def test_the_in_process_coordinator_takes_and_answers_what_a_worker_calls() -> None:
+    for name in ("register_worker", "report"):
+        wanted = typing.get_type_hints(getattr(InProcessCoordinator, name), globalns=NAMES)
+        required, _, returned = actor_signature(Coordinator, name)
+        assert required == [v for k, v in wanted.items() if k != "return"], name
+        assert fits(returned, wanted["return"]), name
+
+
+def test_the_reader_sees_a_record_without_a_protocols_field() -> None:
+    @dataclasses.dataclass
+    class Partial:
+        worker_id: WorkerId
+
+    assert not has_the_fields(Partial, RegisteredWorker)
+    assert not fits(list[Partial], Sequence[RegisteredWorker])
 
 
 def test_the_reader_sees_a_parameter_the_actor_does_not_take() -> None:
