@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvmesh.config import TransferConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
@@ -90,7 +91,7 @@ class RoutingClient:
             raise ConfigError(f"deadline_s must be positive, got {self.deadline_s}")
         self.addresses = addrs
         creds = channel_credentials(self.security)
-        options: list[tuple[str, Any]] = [("grpc.enable_retries", 0)]
+        options: list[tuple[str, int | str]] = [("grpc.enable_retries", 0)]
         if self.security.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.security.tls_server_name))
         self._channels = [
@@ -114,7 +115,7 @@ class RoutingClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, request: Any, reply: type[T]) -> tuple[T, str]:
+    def _call(self, method: str, request: Message, reply: type[T]) -> tuple[T, str]:
         """One call, failing over across the routers in turn; returns (reply, router)."""
         with self._lock:
             first = self._current

@@ -12,7 +12,7 @@ failed request. Imports only the base and the proto.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ class StoreClient:
         self._control.close()
         self._pages.close()
 
-    def _call(self, method: Any, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, method: Callable[..., bytes], body: dict[str, Any]) -> dict[str, Any]:
         try:
             raw = method(msgpack.packb(body, use_bin_type=True), timeout=self.timeout_s)
         except grpc.RpcError as exc:

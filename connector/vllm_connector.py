@@ -64,7 +64,7 @@ from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
 from kvmesh.connector.saver import BackgroundSaver, PendingSave
 from kvmesh.connector.store_client import StoreClient
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
-from kvmesh.metrics import CONNECTOR_BLOCKS
+from kvmesh.metrics import CONNECTOR_BLOCKS, MetricChild
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -319,7 +319,7 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._write_block(block_id, data)
         return len(load.block_ids)
 
-    def _blocks(self, outcome: str) -> Any:
+    def _blocks(self, outcome: str) -> MetricChild:
         return CONNECTOR_BLOCKS.labels(self.client.page_address, outcome)
 
     def _forget(self, digest: bytes) -> None:

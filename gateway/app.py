@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest
@@ -473,7 +474,7 @@ class _UpstreamStream(StreamingResponse):
         self._upstream = upstream
         self._ticket = ticket
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
