@@ -24,10 +24,13 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvmesh.errors import InvalidInput, TransportError, UnknownWorker
 from kvmesh.types import WorkerId
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 LINK_CLIENT_RANK = 0
 """A link's rank that pulls and pushes (the worker that asked for the link)."""
@@ -154,7 +157,9 @@ LINK_STORE_TIMEOUT_S = 30.0
 """How long a wait on the links' store may take (the workers' groups time out alike)."""
 
 
-def host_link_store(host: str, timeout_s: float = LINK_STORE_TIMEOUT_S) -> tuple[Any, LinkBook]:
+def host_link_store(
+    host: str, timeout_s: float = LINK_STORE_TIMEOUT_S
+) -> tuple[TCPStore, LinkBook]:
     """Start a TCP store on a free port for links to meet at, and the `LinkBook` naming it.
 
     The coordinator runs one for the whole cluster; keep the returned store
