@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 from kvmesh.app.launch import start_workers
 from kvmesh.client.mesh import DEFAULT_WORKER_CPUS, KVMesh, WorkerHandle, attach_workers
 from kvmesh.config import ClusterConfig
 from kvmesh.coordinator.actor import get_or_create_coordinator
 from kvmesh.errors import ClusterAlreadyRunning, ConfigError
+from kvmesh.handles import CoordinatorHandle
 from kvmesh.ray_address import address_from_environment
 from kvmesh.requests import Role
 from kvmesh.security import TenantPolicy, check_cluster
@@ -171,7 +171,7 @@ def _refuse_a_running_kvmesh(cfg: ClusterConfig) -> None:
 
     ns, name = cfg.coordinator.namespace, cfg.coordinator.actor_name
     try:
-        coordinator: Any = ray.get_actor(name, namespace=ns)
+        coordinator: CoordinatorHandle = ray.get_actor(name, namespace=ns)
     except ValueError:
         return
     known = ray.get(coordinator.workers.remote(), timeout=60)

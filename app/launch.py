@@ -17,6 +17,7 @@ from typing import Any
 from kvmesh import errors
 from kvmesh.config import ClusterConfig
 from kvmesh.errors import ConfigError, KVMeshError, NoWorkers
+from kvmesh.handles import CoordinatorHandle, WorkerActorHandle, handle_of
 from kvmesh.requests import Role, WorkerSpec
 from kvmesh.types import WorkerId
 
@@ -31,13 +32,13 @@ class StartedWorker:
     worker_id: WorkerId
     role: Role
     address: str
-    actor: Any  # a Ray actor handle of `kvmesh.worker.actor.WorkerActor`
+    actor: WorkerActorHandle
 
 
 def start_workers(
     plan: Sequence[tuple[str, Role]],
     cfg: ClusterConfig,
-    coordinator: Any,
+    coordinator: CoordinatorHandle,
     num_cpus: float,
     num_gpus: float,
     max_concurrency: int,
@@ -63,7 +64,7 @@ def start_workers(
             "Ray more CPUs (num_cpus= for an embedded cluster)"
         )
     remote = ray.remote(WorkerActor)
-    handles = []
+    handles: list[tuple[str, Role, WorkerActorHandle]] = []
     for wid, role in plan:
         spec = WorkerSpec(WorkerId(wid), cfg, role)
         options: dict[str, Any] = {
@@ -75,10 +76,10 @@ def start_workers(
         }
         if num_gpus:
             options["num_gpus"] = num_gpus
-        handles.append((wid, role, remote.options(**options).remote(spec, coordinator)))
+        handles.append((wid, role, handle_of(remote.options(**options).remote(spec, coordinator))))
     try:
         infos = ray.get(
-            [h.info.remote() for _, _, h in handles],  # type: ignore[attr-defined]
+            [h.info.remote() for _, _, h in handles],
             timeout=WORKER_START_TIMEOUT_S,
         )
     except ray.exceptions.GetTimeoutError:
