@@ -33,8 +33,12 @@ from kvmesh.arguments import (
 from kvmesh.errors import ClusterAlreadyRunning, ClusterUnreachable, ConfigError, InvalidInput
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from kvmesh.client import KVMesh
+    from kvmesh.client.mesh import ClusterStats
     from kvmesh.config import ClusterConfig
+    from kvmesh.requests import GenerationResult
 
 
 # -- shared flags --------------------------------------------------------------------------
@@ -178,7 +182,7 @@ def attach(args: argparse.Namespace, cfg: ClusterConfig) -> KVMesh:
     return KVMesh.attach(address, config=cfg, source=source)
 
 
-def _console(stderr: bool = False) -> Any:
+def _console(stderr: bool = False) -> Console:
     """A rich console; at least 120 columns when not a terminal, so tables are not cut."""
     from rich.console import Console
 
@@ -188,7 +192,7 @@ def _console(stderr: bool = False) -> Any:
     return console
 
 
-def print_workers(mesh: KVMesh, console: Any | None = None) -> None:
+def print_workers(mesh: KVMesh, console: Console | None = None) -> None:
     """The rich table of `kvmesh status`: one row per worker, then the cluster totals."""
     from rich.table import Table
 
@@ -221,7 +225,7 @@ def print_workers(mesh: KVMesh, console: Any | None = None) -> None:
         console.print(line)
 
 
-def transfer_summary(stats: Any) -> str | None:
+def transfer_summary(stats: ClusterStats) -> str | None:
     """Pulls and pushes per transport over the cluster; None when torch.distributed was unused."""
     workers = stats.workers
     pulls = {t: sum(getattr(w, f"pulls_{t}") for w in workers) for t in ("grpc", "dist")}
@@ -451,7 +455,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def result_dict(res: Any) -> dict[str, Any]:
+def result_dict(res: GenerationResult) -> dict[str, Any]:
     """A `GenerationResult` as plain JSON-able values."""
     import dataclasses
 
