@@ -6,8 +6,9 @@ other's actor class (tests/test_layering.py), and Ray's own `ActorHandle` types
 every method as `Never`, which makes mypy skip the code after the first call
 silently. So each handle is a `Protocol` here naming the remote methods called
 across the boundary, with their arguments and results in base types; a real
-`ActorHandle` fits any of them, and tests/test_handles.py checks that the actor
-classes really have these methods with these parameters.
+`ActorHandle` fits any of them, and tests/kvmesh/test_handles.py checks that the
+actor classes really have these methods, parameters and results. `handle_of`
+turns what creating an actor returned into the handle it is.
 
 `RegisteredWorker` is what the coordinator's `workers()` answers, as far as a
 caller needs it to find each worker's actor; `ReportReply` what a report's
