@@ -57,7 +57,7 @@ from kvmesh.config import CoordinatorConfig, TransferConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.actor import CoordinatorActor
 from kvmesh.coordinator.grpc_api import CoordinatorAPIServer
-from kvmesh.coordinator.index import ApplyResult, MatchResult
+from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.policies import RouteDecision, RouteRequest, WorkerLoad
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
@@ -76,6 +76,7 @@ from kvmesh.coordinator.shards import (
     shard_of,
 )
 from kvmesh.errors import InvalidInput, KVMeshError, TransportError
+from kvmesh.events import ApplyResult
 from kvmesh.handles import CoordinatorHandle, WorkerActorHandle, handle_of
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
