@@ -2,7 +2,9 @@
 
 A slice of the bundled conversation trace (conversations of at least
 ``--min-turns`` turns, ``--requests`` requests in all, each trace block as
-``--block-tokens`` token ids, which is the engines' block size) is replayed
+``--block-tokens`` token ids, which is the engines' block size; which
+requests and how long, ``--slice`` and ``--full-blocks``:
+`kvmesh.benchmarks.engine_slices`) is replayed
 through ``kvmesh gateway`` once per policy, in the same run and against the
 same two engines, whose prefix caches are reset (``/reset_prefix_cache``)
 before each policy:
@@ -48,6 +50,14 @@ import httpx
 
 from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.benchmarks import engine_decisions
+from kvmesh.benchmarks.engine_slices import (
+    SLICES,
+    cache_replays,
+    prompt_tokens,
+    slice_prompts,
+    slices_table,
+    trace_slice,
+)
 from kvmesh.config import CoordinatorConfig
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
@@ -57,7 +67,7 @@ from kvmesh.gateway.config import HISTORY_POLICY
 from kvmesh.gateway.decisions import DECISION_HEADER
 from kvmesh.gateway.tokenizer import PromptTokenizer
 from kvmesh.stats import percentile
-from kvmesh.trace import TraceRequest, blocks_tokens, infinite_cache_hit_ratio, load_trace
+from kvmesh.trace import TraceRequest, blocks_tokens, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
 CONNECTOR_POLICIES = ("kv_mesh", "round_robin")
@@ -70,6 +80,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=8,
         help="conversations of at least this many turns",
+    )
+    parser.add_argument(
+        "--slice",
+        choices=SLICES,
+        default=SLICES[0],
+        help="which requests of those conversations: the first that fit the context "
+        "(default), the first of conversations whose every prompt fits (the slice before), "
+        "or every turn of the first conversations (docs/engines.md)",
+    )
+    parser.add_argument(
+        "--full-blocks",
+        action="store_true",
+        help="every trace block a full block (the slice before); default: the trace's "
+        "input_length scaled, so a prompt's last block is partial as in the trace",
+    )
+    parser.add_argument(
+        "--slices",
+        action="store_true",
+        help="print every slice's cache replays (bound, round robin, pinned, shared LRU "
+        "pools of the engines' size) and exit; starts no engine",
     )
     parser.add_argument(
         "--concurrency", type=positive_int, default=4, help="clients sending at once"
@@ -153,57 +183,21 @@ class PolicyResult:
 # ----------------------------------------------------------------------------- the slice
 
 
-def conversations(reqs: list[TraceRequest]) -> list[int]:
-    """Each request's conversation: a turn extends an earlier turn's blocks.
-
-    A request joins the conversation of the latest request sharing its
-    longest leading run of at least two blocks (the first block alone is the
-    service's common system prompt); otherwise it starts a new one.
-    """
-    owner: dict[tuple[int, ...], int] = {}
-    out: list[int] = []
-    fresh = 0
-    for r in reqs:
-        h = r.hash_ids
-        conv = next((owner[h[:k]] for k in range(len(h) - 1, 1, -1) if h[:k] in owner), None)
-        if conv is None:
-            conv, fresh = fresh, fresh + 1
-        out.append(conv)
-        for k in range(2, len(h)):
-            owner[h[:k]] = conv
-    return out
-
-
-def trace_slice(
-    reqs: list[TraceRequest], n: int, min_turns: int, max_blocks: int
-) -> list[tuple[int, TraceRequest]]:
-    """The first `n` requests, in trace order, of conversations of >= `min_turns` turns.
-
-    Conversations with a prompt longer than `max_blocks` are left out whole.
-    Trace order interleaves many conversations, as a chat service sees them.
-    """
-    conv_of = conversations(reqs)
-    turns: dict[int, int] = {}
-    longest: dict[int, int] = {}
-    for c, r in zip(conv_of, reqs, strict=True):
-        turns[c] = turns.get(c, 0) + 1
-        longest[c] = max(longest.get(c, 0), len(r.hash_ids))
-    picked = [
-        (c, r)
-        for c, r in zip(conv_of, reqs, strict=True)
-        if turns[c] >= min_turns and longest[c] <= max_blocks
-    ][:n]
-    if len(picked) < n:
-        raise ConfigError(
-            f"the trace has only {len(picked)} requests in conversations of >= {min_turns} "
-            f"turns within {max_blocks} blocks; ask for fewer --requests"
-        )
-    return picked
-
-
-def to_turns(picked: list[tuple[int, TraceRequest]], block_tokens: int, vocab: int) -> list[Turn]:
+def to_turns(
+    picked: list[tuple[int, TraceRequest]], block_tokens: int, vocab: int, full_blocks: bool = True
+) -> list[Turn]:
+    """Each request's prompt: its blocks' token ids, cut to `prompt_tokens` (a partial last
+    block unless `full_blocks`)."""
     table = blocks_tokens({b for _, r in picked for b in r.hash_ids}, block_tokens, vocab)
-    return [Turn(c, tuple(t for b in r.hash_ids for t in table[b])) for c, r in picked]
+    return [
+        Turn(
+            c,
+            tuple(t for b in r.hash_ids for t in table[b])[
+                : prompt_tokens(r, block_tokens, full_blocks)
+            ],
+        )
+        for c, r in picked
+    ]
 
 
 # ----------------------------------------------------------------------------- engines
@@ -604,22 +598,39 @@ def run(args: argparse.Namespace) -> int:
     for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    max_blocks = (args.max_model_len - args.max_tokens) // args.block_tokens
+    reqs = load_trace(args.trace)
+    if args.slices:
+        print(
+            slices_table(
+                reqs, args.requests, args.min_turns, max_blocks, args.block_tokens,
+                args.engine_blocks,
+            )
+        )  # fmt: skip
+        return 0
     spec = EngineSpec(
         block_size=args.block_tokens,
         kv_cache_memory_bytes=args.engine_blocks * block_bytes(engine_model(), args.block_tokens),
         max_model_len=args.max_model_len,
         extra_args=("--enable-prompt-tokens-details",),  # each answer's cached tokens
     )
-    max_blocks = (args.max_model_len - args.max_tokens) // args.block_tokens
-    picked = trace_slice(load_trace(args.trace), args.requests, args.min_turns, max_blocks)
-    bound = infinite_cache_hit_ratio([r for _, r in picked])
+    picked = trace_slice(reqs, args.requests, args.min_turns, max_blocks, args.slice)
+    replays = cache_replays(
+        slice_prompts(picked, args.block_tokens, args.full_blocks),
+        args.block_tokens,
+        args.engine_blocks,
+    )
+    bound = replays.bound
     vocab = PromptTokenizer(engine_model()).vocab_size  # ids the engines' tokenizer knows
-    turns = to_turns(picked, args.block_tokens, vocab)
-    blocks = [len(t.prompt) // args.block_tokens for t in turns]
+    turns = to_turns(picked, args.block_tokens, vocab, args.full_blocks)
+    blocks = [len(t.prompt) / args.block_tokens for t in turns]
     slice_info = (
-        f"slice: {len(turns)} requests of {len({t.conversation for t in turns})} conversations "
+        f"slice {args.slice} ({'full' if args.full_blocks else 'partial'} last blocks): "
+        f"{len(turns)} requests of {len({t.conversation for t in turns})} conversations "
         f"(>= {args.min_turns} turns) in trace order, {sum(blocks) / len(blocks):.1f} blocks of "
-        f"{args.block_tokens} tokens per prompt, bound hit ratio {bound:.3f}; "
+        f"{args.block_tokens} tokens per prompt; hit rates of LRU replays: bound {bound:.3f}, "
+        f"round robin {replays.round_robin:.3f}, conversations pinned {replays.pinned:.3f}, "
+        f"one shared pool {replays.shared:.3f}; "
         f"{args.concurrency} clients, {args.rounds} round(s); engines: {args.engine_blocks} "
         "blocks, one core each"
     )
