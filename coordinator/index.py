@@ -57,7 +57,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from kvmesh.coordinator.index_store import PageStore
+from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.coordinator.tiers import TierPages
 from kvmesh.errors import EventDecodeError, InvalidInput, InvariantViolation, UnknownWorker
 from kvmesh.events import (
@@ -542,16 +542,19 @@ class GlobalIndex:
 
     # ------------------------------------------------------------------ lookups
 
-    def match(self, hashes: Sequence[PageHash]) -> MatchResult:
-        """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no one holds."""
-        return self._walk(self._store.holder_ids(hashes), len(hashes))
+    def match(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> MatchResult:
+        """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no
+        one holds. `keys`: `PromptKeys.of([hashes])`, made once for several indexes (shards)."""
+        return self._walk(self._store.holder_ids(hashes, keys), len(hashes))
 
-    def match_many(self, prompts: Sequence[Sequence[PageHash]]) -> list[MatchResult]:
+    def match_many(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
+    ) -> list[MatchResult]:
         """`match` of each prompt, their pages looked up together (`PageStore.holder_ids_many`):
-        a batch of routes pays the lookup's fixed cost once."""
+        a batch of routes pays the lookup's fixed cost once. `keys`: `PromptKeys.of(prompts)`."""
         return [
             self._walk(ids, len(p))
-            for ids, p in zip(self._store.holder_ids_many(prompts), prompts, strict=True)
+            for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
         ]
 
     def _walk(self, holder_ids: Sequence[int], num_hashes: int) -> MatchResult:

@@ -45,6 +45,7 @@ import array
 import itertools
 import mmap
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -125,8 +126,48 @@ _GOLDEN_INT = 0x9E3779B97F4A7C15
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
+_NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
 _MIN_SLOTS = 1 << 12
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """Prompts' hashes as a lookup reads them, made once for every store that looks them up.
+
+    A sharded router asks every shard about the same prompts; what a lookup
+    derives from the prompts alone (their bytes end to end, a check of their
+    widths, each digest's compact key spread by the Fibonacci constant) is then
+    paid once per route, not once per shard. `width` is the hashes' one length
+    when they share one (a multiple of 8, no all-zero digest), else 0: stores
+    take their general path. `mixed` holds, for that width, each digest's first
+    8 bytes as a uint64 times the constant (a table's home slot is its top
+    bits); `ends`, where each prompt ends in `flat`.
+    """
+
+    flat: Sequence[PageHash]
+    joined: bytes
+    width: int
+    mixed: npt.NDArray[np.uint64]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[PageHash]]) -> PromptKeys:
+        """The keys of `prompts` (one pass over their bytes and a few numpy calls)."""
+        flat = prompts[0] if len(prompts) == 1 else list(itertools.chain.from_iterable(prompts))
+        joined = b"".join(flat)
+        width = len(flat[0]) if flat else 0
+        if (
+            not width
+            or width % 8
+            or len(joined) != width * len(flat)
+            or set(map(len, flat)) != {width}
+            # freed rows are zeroed: a zero digest takes the general path
+            or bytes(width) in joined
+        ):
+            return cls(flat, joined, 0, _NO_KEYS, list(itertools.accumulate(map(len, prompts))))
+        mixed = np.frombuffer(joined, np.uint64)[:: width // 8] * _GOLDEN
+        return cls(flat, joined, width, mixed, list(itertools.accumulate(map(len, prompts))))
 
 
 class PageStore:
@@ -585,28 +626,31 @@ class PageStore:
         lengths = self._length[rows].tolist()
         return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
 
-    def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
+    def holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> list[int]:
         """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed.
 
+        `keys`: `PromptKeys.of([hashes])`, when the caller made them for several stores.
         A 0 may end the list (a page nobody holds); callers stop at the first 0.
         """
         if not self._top or not hashes:
             return []
         width = self._words * 8
-        joined = b"".join(hashes)
-        # Freed rows are zeroed: a zero digest takes the general path, and so do
-        # digests of several widths (a shorter one, zero-padded, could look the same).
-        if self._narrow or set(map(len, hashes)) != {width} or bytes(width) in joined:
+        if keys is None:
+            keys = PromptKeys.of((hashes,))
+        # Digests of several widths take the general path (a shorter one, zero-padded,
+        # could look like another), and so does a zero digest (freed rows are zeroed).
+        if self._narrow or keys.width != width:
             found = self.find(hashes)
             ids: list[int] = np.where(
                 found >= 0, self._holders.take(found, mode="clip"), 0
             ).tolist()
             return ids
+        joined = keys.joined
         # The hot path (a prompt of one hash width): take each page's home slot's
         # row, compare all those digests with the prompt's bytes at once, and
         # probe on only where a home slot held another page. The first page
         # found nowhere ends the walk, as a page nobody holds would.
-        home = self._home(np.frombuffer(joined, np.uint64)[:: self._words])
+        home = (keys.mixed >> self._table_shift).astype(np.int64)
         rows = self._table.take(home)
         stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
         n = len(hashes)
@@ -632,33 +676,32 @@ class PageStore:
         held: list[int] = self._holders.take(rows[:done], mode="clip").tolist()
         return held
 
-    def holder_ids_many(self, prompts: Sequence[Sequence[PageHash]]) -> list[list[int]]:
+    def holder_ids_many(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
+    ) -> list[list[int]]:
         """`holder_ids` of each prompt, in one round of numpy calls over all their pages.
 
         A route costs each shard a fixed handful of numpy calls whatever the
         prompt's length, and with N shards a route pays it N times: a router
         asking for its concurrent routes in one call pays it once per batch.
+        `keys`: `PromptKeys.of(prompts)`, when the caller made them for several stores.
         """
         width = self._words * 8
-        flat = list(itertools.chain.from_iterable(prompts))
-        joined = b"".join(flat)
-        if (
-            len(prompts) < 2
-            or not self._top
-            or not flat
-            or self._narrow
-            or set(map(len, flat)) != {width}
-            or bytes(width) in joined
-        ):
+        if len(prompts) < 2 or not self._top:
             return [self.holder_ids(p) for p in prompts]
-        keys = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
-        rows_home = self._home(np.ascontiguousarray(keys[:, 0]))
+        if keys is None:
+            keys = PromptKeys.of(prompts)
+        if self._narrow or keys.width != width:
+            return [self.holder_ids(p) for p in prompts]
+        flat, joined = keys.flat, keys.joined
+        keys_of = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
+        rows_home = (keys.mixed >> self._table_shift).astype(np.int64)
         rows = self._table.take(rows_home)
         stored = self._digest.take(rows, axis=0, mode="clip")
-        ends = list(itertools.accumulate(map(len, prompts)))
+        ends = keys.ends
         cuts = list(ends)  # where each prompt's run of indexed pages ends
         if stored.tobytes() != joined:
-            eq = stored == keys
+            eq = stored == keys_of
             same = eq[:, 0]
             for word in range(1, self._words):  # a reduction over axis 1 costs 3x these
                 same = same & eq[:, word]

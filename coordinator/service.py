@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import GlobalIndex, MatchResult
+from kvmesh.coordinator.index_store import PromptKeys
 from kvmesh.coordinator.policies import (
     REGISTRY,
     RouteDecision,
@@ -154,6 +155,9 @@ class RouteView:
     """With a query's tenant: every tenant's pages on these workers (all tiers), for its share."""
     tenant_pages: dict[WorkerId, int] = field(default_factory=dict)
     """With a query's tenant: the pages that tenant holds on each of these workers."""
+    loads_version: int = field(default=0, compare=False)
+    """The answering coordinator's `Coordinator.loads_version` of `loads`: a router that holds
+    the loads of that version reuses them (and a shard may then leave `loads` empty)."""
 
 
 def policy_request(
@@ -202,6 +206,11 @@ def over_share_pages(
     return {w: n for w, n in sorted(tenant_pages.items()) if n}
 
 
+def _random_version() -> int:
+    """A starting `Coordinator.loads_version` no other coordinator shares (63 random bits)."""
+    return random.SystemRandom().getrandbits(63)
+
+
 class Coordinator:
     """Thread-safe coordinator core; see the module docstring for the worker side.
 
@@ -237,7 +246,11 @@ class Coordinator:
         self._policies: dict[str, RoutingPolicy] = {
             self.config.policy: make_policy(self.config.policy, self.config, self._rng)
         }
-        self._loads: dict[Role | None, list[WorkerLoad]] = {}
+        self._loads: dict[Role | None, tuple[WorkerLoad, ...]] = {}
+        # Each change of the loads takes a new version, random-based so that two
+        # coordinators (a shard and its restart, two replicas) never share one: a
+        # router holding a shard's loads of that version need not be sent them again.
+        self.loads_version = _random_version()
         self._workers_gauges = {s: WORKERS.labels(self.name, s) for s in ("all", "stale", "draining")}
         self._indexed_pages = INDEXED_PAGES.labels(self.name)
 
@@ -249,7 +262,7 @@ class Coordinator:
         with self._lock:
             self.registry.register(reg)
             self.index.register_worker(worker_id, incarnation)
-            self._loads.clear()
+            self._forget_loads()
             self._export_gauges()
             state = self.index.worker_state(worker_id)
             return Registration(
@@ -304,7 +317,7 @@ class Coordinator:
                     if batch.ts > 0:  # stamped by its sender (wall clock)
                         EVENT_LAG.labels(self.name, worker_id).observe(max(0.0, now - batch.ts))
                 self._count_batch(worker_id, results[-1])
-            self._loads.clear()
+            self._forget_loads()
             self._export_gauges()
             reply = ReportResult(tuple(results), self.index.is_stale(worker_id))
         for o in checked:
@@ -331,7 +344,7 @@ class Coordinator:
     def drain_worker(self, worker_id: WorkerId, draining: bool = True) -> None:
         with self._lock:
             self.registry.drain(worker_id, draining)
-            self._loads.clear()
+            self._forget_loads()
             self._export_gauges()
 
     def remove_worker(self, worker_id: WorkerId) -> bool:
@@ -340,7 +353,7 @@ class Coordinator:
             known = self.registry.remove(worker_id) is not None
             dropped = worker_id in self.index.workers()
             self.index.remove_worker(worker_id)
-            self._loads.clear()
+            self._forget_loads()
             self._export_gauges()
             return known or dropped
 
@@ -352,7 +365,7 @@ class Coordinator:
                 self.index.remove_worker(w)
             if dead:
                 WORKERS_EXPIRED.labels(self.name).inc(len(dead))
-                self._loads.clear()
+                self._forget_loads()
                 self._export_gauges()
             return dead
 
@@ -394,7 +407,7 @@ class Coordinator:
                         )
                     applied[wid] = self.index.apply_decoded(batch)
                     self._count_batch(wid, applied[wid])
-                    self._loads.clear()
+                    self._forget_loads()
                     self._export_gauges()
             except KVMeshError as exc:
                 failed[wid] = f"{type(exc).__name__}: {exc}"
@@ -425,22 +438,29 @@ class Coordinator:
                     self.index.remove_worker(w)
             for info in self.registry.workers():
                 self.index.register_worker(info.worker_id, info.incarnation)
-            self._loads.clear()
+            self._forget_loads()
             self._export_gauges()
 
     # ---------------------------------------------------------------- routing
 
-    def _current_loads(self, role: Role | None) -> list[WorkerLoad]:
+    def _forget_loads(self) -> None:
+        """The loads changed (a report, a worker in or out): build them again when asked."""
+        self._loads.clear()
+        self.loads_version += 1
+
+    def _current_loads(self, role: Role | None) -> tuple[WorkerLoad, ...]:
+        """The loads of `role`'s workers in worker-id order; one tuple per `loads_version`, so
+        a router can tell by identity that nothing changed."""
         loads = self._loads.get(role)
         if loads is None:
-            loads = []
+            built = []
             for info in self.registry.workers(role):
                 stale = self.index.is_stale(info.worker_id)
                 load = info.load
                 if load.stale != stale or load.draining != info.draining:
                     load = replace(load, stale=stale, draining=info.draining)
-                loads.append(load)
-            self._loads[role] = loads
+                built.append(load)
+            loads = self._loads[role] = tuple(built)
         return loads
 
     def _policy(self, name: str | None) -> RoutingPolicy:
@@ -460,31 +480,52 @@ class Coordinator:
         with self._lock:
             return self.index.match(hashes)
 
-    def view(self, query: RouteQuery) -> RouteView:
+    def view(
+        self,
+        query: RouteQuery,
+        known_loads_version: int | None = None,
+        keys: PromptKeys | None = None,
+    ) -> RouteView:
         """The index's overlaps (and their tiers) for the query's hashes, the loads of the
         workers serving its role and, with a tenant, the tenant counts a router needs to
-        weigh its fair share (`over_share_pages`)."""
-        return self.view_many([query])[0]
+        weigh its fair share (`over_share_pages`).
 
-    def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
+        With `known_loads_version` equal to `loads_version`, the caller already holds
+        these loads: they are left out (an empty `loads`), so a shard does not send them
+        over again on every route. `keys`: `PromptKeys.of([query.hashes])`, made once by
+        a router asking several shards in one process.
+        """
+        with self._lock:
+            return self._view(query, self.index.match(query.hashes, keys), known_loads_version)
+
+    def view_many(
+        self,
+        queries: Sequence[RouteQuery],
+        known_loads_version: int | None = None,
+        keys: PromptKeys | None = None,
+    ) -> list[RouteView]:
         """`view` of each query, their pages looked up together (`GlobalIndex.match_many`):
         a router's concurrent routes cost a shard one call and one lookup. The views of one
-        role share one loads tuple, so a router merges it once per batch."""
+        role share one loads tuple, so a router merges it once per batch. `keys`:
+        `PromptKeys.of` the queries' hashes."""
         with self._lock:
-            matched = self.index.match_many([query.hashes for query in queries])
-            loads: dict[Role | None, tuple[WorkerLoad, ...]] = {}
-            views: list[RouteView] = []
-            for query, match in zip(queries, matched, strict=True):
-                role_loads = loads.get(query.role)
-                if role_loads is None:
-                    role_loads = loads[query.role] = tuple(self._current_loads(query.role))
-                tiers = self.index.tier_pages(query.hashes, match)
-                view = RouteView(match.pages, role_loads, tiers)
-                if query.tenant is not None and self.config.tenant_share_weight > 0:
-                    totals, pages = self._tenant_counts(query.tenant)
-                    view = replace(view, tenant_totals=totals, tenant_pages=pages)
-                views.append(view)
-            return views
+            matched = self.index.match_many([query.hashes for query in queries], keys)
+            return [
+                self._view(query, match, known_loads_version)
+                for query, match in zip(queries, matched, strict=True)
+            ]
+
+    def _view(
+        self, query: RouteQuery, match: MatchResult, known_loads_version: int | None
+    ) -> RouteView:
+        """One query's view from its match (under the lock)."""
+        version = self.loads_version
+        loads = () if known_loads_version == version else self._current_loads(query.role)
+        tiers = self.index.tier_pages(query.hashes, match)
+        if query.tenant is not None and self.config.tenant_share_weight > 0:
+            totals, pages = self._tenant_counts(query.tenant)
+            return RouteView(match.pages, loads, tiers, totals, pages, version)
+        return RouteView(match.pages, loads, tiers, loads_version=version)
 
     def _tenant_counts(self, tenant: str) -> tuple[dict[str, int], dict[WorkerId, int]]:
         """Every tenant's pages here, and `tenant`'s per worker (under the lock; O(workers))."""
@@ -553,15 +594,17 @@ class Coordinator:
         load = self.registry.routed(decision.worker_id, prefill)
         if load is None:
             return
-        for loads in self._loads.values():
+        for role, loads in self._loads.items():
             for i, cached in enumerate(loads):
                 if cached.worker_id == decision.worker_id:
-                    loads[i] = replace(
+                    routed = replace(
                         cached,
                         active_prefill_tokens=load.active_prefill_tokens,
                         active_requests=load.active_requests,
                     )
+                    self._loads[role] = (*loads[:i], routed, *loads[i + 1 :])
                     break
+        self.loads_version += 1
 
     def record_result(
         self,

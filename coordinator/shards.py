@@ -49,6 +49,7 @@ import xxhash
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import MatchResult
+from kvmesh.coordinator.index_store import PromptKeys
 from kvmesh.coordinator.policies import (
     REGISTRY,
     RouteDecision,
@@ -101,42 +102,69 @@ def shard_of(worker_id: str, num_shards: int) -> int:
     return xxhash.xxh64_intdigest(worker_id.encode()) % num_shards
 
 
-def merge_views(views: Iterable[RouteView]) -> RouteView:
-    """One view from the shards' views: overlaps and tiers united, loads merged in worker-id order.
+class MergedLoads:
+    """The shards' loads merged in worker-id order, kept while no shard's loads change.
+
+    A shard hands out one loads tuple per `Coordinator.loads_version` (and a Ray
+    router puts the tuple it holds back into a view that left it out), so route
+    after route the same tuples come back: merging them again, a sort of every
+    worker's load, was most of what a route at N shards paid beside the N views.
+    Keyed by the tuples' identity; the cache holds them, so an id cannot be
+    reused while it is a key. Bounded (a few roles' merges). Not thread-safe: its
+    owner's lock or event loop guards it.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        if size < 1:
+            raise InvalidInput(f"size must be at least 1, got {size}")
+        self.size = size
+        self._merged: dict[
+            tuple[int, ...], tuple[tuple[tuple[WorkerLoad, ...], ...], tuple[WorkerLoad, ...]]
+        ] = {}
+
+    def of(self, views: Sequence[RouteView]) -> tuple[WorkerLoad, ...]:
+        """The loads of `views` (one per shard, disjoint workers) in worker-id order."""
+        parts = tuple(map(_LOADS, views))
+        key = tuple(map(id, parts))
+        hit = self._merged.get(key)
+        if hit is not None:
+            return hit[1]
+        # Timsort finds the shards' sorted runs and merges them in C: a Python merge of
+        # 64 loads cost more than the shards' index walks.
+        merged = tuple(sorted(itertools.chain.from_iterable(parts), key=_WORKER_ID))
+        if len(self._merged) >= self.size:
+            del self._merged[next(iter(self._merged))]  # the oldest: roles come and go
+        self._merged[key] = (parts, merged)
+        return merged
+
+
+def merge_views(views: Iterable[RouteView], loads: MergedLoads | None = None) -> RouteView:
+    """One view from the shards' views: overlaps and tiers united, loads merged in worker-id
+    order (by `loads`, which keeps the last merges, or afresh).
 
     Shards hold disjoint workers, so no worker appears twice.
     """
     views = list(views)
     if len(views) == 1:
         return views[0]
-    return _merged(views, _merged_loads(views))
+    return _merged(views, (loads or MergedLoads(1)).of(views))
 
 
-def merge_view_batches(per_shard: Sequence[Sequence[RouteView]]) -> list[RouteView]:
+def merge_view_batches(
+    per_shard: Sequence[Sequence[RouteView]], loads: MergedLoads | None = None
+) -> list[RouteView]:
     """`merge_views` of each route of a batch, from each shard's views of the batch in route
     order (`Coordinator.view_many`).
 
     A shard's views of one role share one loads tuple (object identity survives
     a Ray reply too: pickle keeps shared references), so the loads are merged
-    once per batch, not once per route.
+    once per batch (or not at all, while `loads` holds their merge), not once
+    per route.
     """
     if len(per_shard) == 1:
         return list(per_shard[0])
-    loads_of: dict[tuple[int, ...], tuple[WorkerLoad, ...]] = {}
-    merged: list[RouteView] = []
-    for views in zip(*per_shard, strict=True):
-        key = tuple(map(id, map(_LOADS, views)))  # `per_shard` keeps them alive: ids stay
-        loads = loads_of.get(key)
-        if loads is None:
-            loads = loads_of[key] = _merged_loads(views)
-        merged.append(_merged(views, loads))
-    return merged
-
-
-def _merged_loads(views: Sequence[RouteView]) -> tuple[WorkerLoad, ...]:
-    # Timsort finds the shards' sorted runs and merges them in C: a Python merge of
-    # 64 loads cost more than the shards' index walks.
-    return tuple(sorted(itertools.chain.from_iterable(v.loads for v in views), key=_WORKER_ID))
+    merger = loads or MergedLoads()
+    return [_merged(views, merger.of(views)) for views in zip(*per_shard, strict=True)]
 
 
 def _merged(views: Sequence[RouteView], loads: tuple[WorkerLoad, ...]) -> RouteView:
@@ -321,6 +349,7 @@ class ShardedCoordinator:
             Coordinator(self.config, clock=clock) for _ in range(self.config.index_shards)
         ]
         self.router = ShardRouter(self.config, rng, per_request_rng=per_request_rng)
+        self._loads = MergedLoads()
 
     def shard(self, worker_id: WorkerId) -> Coordinator:
         """The shard holding `worker_id` (`shard_of`)."""
@@ -364,11 +393,19 @@ class ShardedCoordinator:
         return merge_matches([s.match(hashes) for s in self.shards])
 
     def view(self, query: RouteQuery) -> RouteView:
-        return merge_views(s.view(query) for s in self.shards)
+        if len(self.shards) == 1:
+            return self.shards[0].view(query)
+        keys = PromptKeys.of((query.hashes,))  # what every shard's lookup needs, made once
+        return merge_views([s.view(query, None, keys) for s in self.shards], self._loads)
 
     def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
         """`view` of each query, with one call per shard for them all (`merge_view_batches`)."""
-        return merge_view_batches([s.view_many(queries) for s in self.shards])
+        if len(self.shards) == 1:
+            return self.shards[0].view_many(queries)
+        keys = PromptKeys.of([query.hashes for query in queries])
+        return merge_view_batches(
+            [s.view_many(queries, None, keys) for s in self.shards], self._loads
+        )
 
     def route(self, query: RouteQuery) -> RouteDecision:
         """Fan out to every shard, merge, decide (see the module docstring); raises `NoWorkers`."""

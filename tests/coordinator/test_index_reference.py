@@ -73,7 +73,7 @@ class DictStore:
         self.remove(pages, slot, _WORKER_BITS << (slot * 4))
         return len(pages)
 
-    def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
+    def holder_ids(self, hashes: Sequence[PageHash], keys: object = None) -> list[int]:
         ids = []
         for h in hashes:
             self.masks.append(self.holders.get(h, 0))
