@@ -7,7 +7,8 @@ engine among those up, and forward the prompt as token ids to the engine's
 ``/v1/completions``. The answer (or its SSE stream) goes back unchanged for
 completions and reshaped for chat. Response headers name the engine
 (``x-kvmesh-engine``) and the blocks the router expected it to hold
-(``x-kvmesh-matched-blocks``).
+(``x-kvmesh-matched-blocks``; under ``kv_mesh`` also those it loads from its
+store, ``x-kvmesh-store-blocks``, and pulls, ``x-kvmesh-pull-blocks``).
 
 Failures: a request whose engine cannot be reached (connection refused:
 the engine is marked down) or breaks off before answering (the engine is
@@ -46,7 +47,7 @@ from kvmesh.errors import (
     TransportError,
     UnknownModel,
 )
-from kvmesh.gateway.config import MESH_POLICY, EngineTarget, GatewayConfig
+from kvmesh.gateway.config import MESH_POLICY, EngineTarget, GatewayConfig, store_worker_id
 from kvmesh.gateway.decisions import DECISION_HEADER, DecisionLog, cached_tokens, usage_in_sse
 from kvmesh.gateway.engines import EnginePool, EngineState, Ticket
 from kvmesh.gateway.openai import (
@@ -61,7 +62,7 @@ from kvmesh.gateway.openai import (
     served_models,
     sse,
 )
-from kvmesh.gateway.routing import Router, make_router, tie_break_key
+from kvmesh.gateway.routing import MeshHeld, Router, make_router, tie_break_key
 from kvmesh.gateway.tokenizer import PromptTokenizer
 from kvmesh.metrics import (
     GATEWAY_FIRST_BYTE,
@@ -72,6 +73,7 @@ from kvmesh.metrics import (
     GATEWAY_RETRIES,
     GATEWAY_REUSED_BLOCKS,
     GATEWAY_ROUTED,
+    GATEWAY_STORE_BLOCKS,
 )
 from kvmesh.security import TenantPolicy
 from kvmesh.types import PageHash, WorkerId
@@ -82,6 +84,7 @@ ENGINE_HEADER = "x-kvmesh-engine"
 MATCHED_HEADER = "x-kvmesh-matched-blocks"
 PULL_HEADER = "x-kvmesh-pull-blocks"  # kv_mesh: blocks predicted pulled through the mesh
 PULL_FROM_HEADER = "x-kvmesh-pull-from"  # ... from this engine's store
+STORE_HEADER = "x-kvmesh-store-blocks"  # kv_mesh: blocks predicted loaded from its own store
 
 _UNREACHABLE = (httpx.ConnectError, httpx.ConnectTimeout)
 """Nothing listens (the engine died): it is down, whatever it cached is gone."""
@@ -130,8 +133,11 @@ class Gateway:
         self.index = index if index is not None else GlobalIndex()
         self.sources = list(sources)
         self.tenants = tenants if tenants is not None else TenantPolicy()
+        stores = {
+            WorkerId(e.name): store_worker_id(e.name) for e in config.engines if e.store_events
+        }
         self.router: Router = make_router(
-            config.policy, self.index, config.coordinator, config.history_blocks
+            config.policy, self.index, config.coordinator, config.history_blocks, stores
         )
         self.pool = EnginePool(config.engines, config.health_failures)
         self.decisions = DecisionLog(config.decision_log)
@@ -233,11 +239,18 @@ class Gateway:
     def index_view(self, worker_id: WorkerId) -> dict[str, int]:
         """What the event-fed index holds for an engine (for /health): its blocks and the
         last event batch applied (-1: none yet), so an operator or a benchmark can tell
-        a gateway that follows its engines from one still catching up."""
+        a gateway that follows its engines from one still catching up; the same for its
+        store (``store_blocks``, ``store_events_seq``) when the gateway follows one."""
+        view = self._worker_view(worker_id, "")
+        if self.pool.engines[worker_id].spec.store_events:
+            view.update(self._worker_view(store_worker_id(worker_id), "store_"))
+        return view
+
+    def _worker_view(self, worker_id: WorkerId, prefix: str) -> dict[str, int]:
         if worker_id not in self.index.workers():
-            return {"blocks": 0, "events_seq": -1}
+            return {prefix + "blocks": 0, prefix + "events_seq": -1}
         state = self.index.worker_state(worker_id)
-        return {"blocks": state.num_pages, "events_seq": state.last_seq}
+        return {prefix + "blocks": state.num_pages, prefix + "events_seq": state.last_seq}
 
     def prompt_hashes(self, prepared: PreparedRequest) -> list[PageHash]:
         """The prompt's full blocks, hashed as the engines hash them."""
@@ -266,29 +279,42 @@ class Gateway:
         decision = self.router.choose(request, overlaps, loads, key)
         engine = self.pool[decision.worker_id]
         name = engine.spec.name
+        mesh = decision.policy == MESH_POLICY
+        stored = decision.promote_pages if mesh else 0
         rid = self.decisions.record(
             policy=self.router.name,
             engine=name,
             prompt_blocks=len(hashes),
-            predicted_blocks=decision.local_pages,
-            pull_blocks=decision.peer_pages if decision.policy == MESH_POLICY else 0,
+            predicted_blocks=decision.local_pages - stored,
+            pull_blocks=decision.peer_pages if mesh else 0,
             overlaps=overlaps,
             loads=loads,
             prefix=hashes[0] if hashes else b"",
             attempt=len(exclude),
+            store_blocks=stored,
+            store_overlaps=overlaps.from_store if isinstance(overlaps, MeshHeld) else None,
         )
         GATEWAY_ROUTED.labels(name, self.router.name).inc()
         GATEWAY_PROMPT_BLOCKS.labels(name).inc(len(hashes))
-        GATEWAY_MATCHED_BLOCKS.labels(name).inc(decision.local_pages)
-        if decision.policy == MESH_POLICY:
+        GATEWAY_MATCHED_BLOCKS.labels(name).inc(decision.local_pages - stored)
+        if mesh:
             GATEWAY_PULL_BLOCKS.labels(name).inc(decision.peer_pages)
+            GATEWAY_STORE_BLOCKS.labels(name).inc(stored)
         return engine, decision, rid
 
     def prediction_headers(self, engine: EngineState, decision: RouteDecision) -> dict[str, str]:
         """What the router predicted for a request, told to its caller: the engine, the
-        blocks it holds and, under ``kv_mesh``, the blocks it pulls and from whom."""
-        headers = {ENGINE_HEADER: engine.spec.name, MATCHED_HEADER: str(decision.local_pages)}
-        if decision.policy == MESH_POLICY and decision.peer_id is not None:
+        blocks its cache holds and, under ``kv_mesh``, the blocks it loads from its store
+        and those it pulls, and from whom."""
+        mesh = decision.policy == MESH_POLICY
+        stored = decision.promote_pages if mesh else 0
+        headers = {
+            ENGINE_HEADER: engine.spec.name,
+            MATCHED_HEADER: str(decision.local_pages - stored),
+        }
+        if mesh:
+            headers[STORE_HEADER] = str(stored)
+        if mesh and decision.peer_id is not None:
             headers[PULL_HEADER] = str(decision.peer_pages)
             headers[PULL_FROM_HEADER] = self.pool[decision.peer_id].spec.name
         return headers
@@ -321,9 +347,11 @@ class Gateway:
                 reused += decision.peer_pages  # pulled, not computed
             prefill = max(len(prepared.token_ids) - reused * self.hasher.block_size, 0)
             if decision.policy == MESH_POLICY:
-                # a pull is engine time too: the same share of a computed block as in the cost
-                pull = decision.peer_pages * self.hasher.block_size
-                prefill += round(pull * self.config.coordinator.pull_cost)
+                # a pull or a load is engine time too: the same share of a computed block as
+                # in the cost
+                size, costs = self.hasher.block_size, self.config.coordinator
+                prefill += round(decision.peer_pages * size * costs.pull_cost)
+                prefill += round(decision.promote_pages * size * costs.host_hit_cost)
             ticket = self.pool.begin(engine, prefill, hashes)
             headers = self.prediction_headers(engine, decision)
             headers[DECISION_HEADER] = str(rid)

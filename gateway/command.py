@@ -5,7 +5,10 @@
                    --tokenizer MODEL_DIR --block-size 32 [--policy kv_aware] [--port 8000]
 
 ``--events`` / ``--replay`` pair with ``--engine`` in order (give each engine
-both, or none of them). The hash flags must say what the engines were
+both, or none of them); so do ``--store-events`` / ``--store-replay``, the
+event sockets of the kvmesh store beside each engine with kvmesh's connector
+(``python -m kvmesh.worker.engine_store --events ... --events-replay ...``),
+which ``--policy kv_mesh`` reads as what each engine can load. The hash flags must say what the engines were
 started with (``--block-size``, ``--prefix-caching-hash-algo``,
 PYTHONHASHSEED, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). Heavy imports (FastAPI,
 uvicorn, transformers, pyzmq) happen in `run`, so ``kvmesh --help`` stays fast.
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvmesh.arguments import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh.config import CoordinatorConfig, from_env
-from kvmesh.errors import ConfigError
+from kvmesh.errors import ConfigError, KVMeshError
 from kvmesh.logs import LogSettings, configure_logging
 
 if TYPE_CHECKING:
@@ -51,6 +54,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ENDPOINT",
         help="the engine's replay_endpoint, in --engine order (heals gaps in its events)",
+    )
+    g.add_argument(
+        "--store-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="the engine's kvmesh store's --events endpoint, in --engine order (kv_mesh: what "
+        "the engine can load from its store; tcp:// is bound here)",
+    )
+    g.add_argument(
+        "--store-replay",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="the engine's kvmesh store's --events-replay endpoint, in --engine order",
     )
     g.add_argument(
         "--events-topic",
@@ -131,20 +149,27 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from kvmesh.gateway.config import EngineTarget, GatewayConfig
 
     urls: list[str] = args.engine
-    for flag in ("events", "replay", "name"):
+    for flag in ("events", "replay", "name", "store_events", "store_replay"):
         given = getattr(args, flag)
         if given and len(given) != len(urls):
             raise ConfigError(
-                f"--{flag} was given {len(given)} times for {len(urls)} --engine: give one "
-                "per engine, in the same order"
+                f"--{flag.replace('_', '-')} was given {len(given)} times for {len(urls)} "
+                "--engine: give one per engine, in the same order"
             )
     names = args.name or [f"engine-{i}" for i in range(len(urls))]
     events = args.events or [None] * len(urls)
     replays = args.replay or [None] * len(urls)
     if args.replay and not args.events:
         raise ConfigError("--replay needs --events: it heals gaps in an engine's event stream")
+    if args.store_replay and not args.store_events:
+        raise ConfigError("--store-replay needs --store-events: it heals gaps in a store's events")
+    store_events = args.store_events or [None] * len(urls)
+    store_replays = args.store_replay or [None] * len(urls)
     targets = tuple(
-        EngineTarget(n, u, e, r) for n, u, e, r in zip(names, urls, events, replays, strict=True)
+        EngineTarget(n, u, e, r, se, sr)
+        for n, u, e, r, se, sr in zip(
+            names, urls, events, replays, store_events, store_replays, strict=True
+        )
     )
     return GatewayConfig(
         targets,
@@ -166,7 +191,7 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     from kvmesh.engine_hash import EngineHasher
     from kvmesh.engine_subscriber import EngineEventsEndpoint, EngineSubscriber
     from kvmesh.gateway.app import Gateway
-    from kvmesh.gateway.config import HISTORY_POLICY, EngineTarget
+    from kvmesh.gateway.config import HISTORY_POLICY, EngineTarget, store_worker_id
     from kvmesh.gateway.tokenizer import PromptTokenizer
     from kvmesh.security import TenantPolicy
 
@@ -176,20 +201,39 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     sources: list[EventSource] = []
     verify: EngineCheck | None = None
     followed = {t.name for t in config.engines if t.events}
-    if followed and config.policy != HISTORY_POLICY:
+    stores = {t.name: store_worker_id(t.name) for t in config.engines if t.store_events}
+    if (followed or stores) and config.policy != HISTORY_POLICY:
         endpoints = [
             EngineEventsEndpoint(t.name, t.events, t.replay, args.events_topic)
             for t in config.engines
             if t.events is not None
         ]
+        endpoints += [
+            EngineEventsEndpoint(stores[t.name], t.store_events, t.store_replay)
+            for t in config.engines
+            if t.store_events is not None
+        ]
         subscriber = EngineSubscriber(index, endpoints)
         sources.append(subscriber)
 
         async def verify(target: EngineTarget) -> object:
-            """The hash-parity canary, for engines whose events the gateway follows."""
+            """The hash-parity canary, for engines whose events the gateway follows; a store
+            names blocks by its engine's hashes, so it shares its engine's verdict."""
             if target.name not in followed:
                 return None
-            return await run_hash_parity_canary(subscriber, target.name, target.base_url, hasher)
+            store = stores.get(target.name)
+            try:
+                result = await run_hash_parity_canary(
+                    subscriber, target.name, target.base_url, hasher
+                )
+            except KVMeshError:
+                reason = subscriber.quarantined(target.name)
+                if store is not None and reason is not None:
+                    subscriber.quarantine(store, reason)
+                raise
+            if store is not None:
+                subscriber.release(store)
+            return result
 
     tenants = TenantPolicy.from_file(args.api_keys) if args.api_keys else TenantPolicy.from_env()
     return Gateway(
@@ -207,7 +251,9 @@ def describe(gateway: Gateway, host: str, port: int) -> str:
     """The start-up line: where it listens, which engines, how it routes and hashes."""
     h = gateway.hasher
     engines = ", ".join(
-        f"{t.name}={t.url}" + (f" (events {t.events})" if t.events else "")
+        f"{t.name}={t.url}"
+        + (f" (events {t.events})" if t.events else "")
+        + (f" (store events {t.store_events})" if t.store_events else "")
         for t in gateway.config.engines
     )
     return (

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from kvmesh.config import CoordinatorConfig
 from kvmesh.errors import ConfigError
+from kvmesh.types import WorkerId
 
 HISTORY_POLICY = "approx_prefix"
 """The policy that sees no events: it routes from the gateway's own routing history."""
@@ -21,6 +22,14 @@ MESH_POLICY = "kv_mesh"
 pulled to the chosen one through the mesh, so route, pull and recomputation are one cost."""
 
 
+STORE_SUFFIX = "/store"
+
+
+def store_worker_id(engine: str) -> WorkerId:
+    """The index worker an engine's kvmesh store's events feed (its blocks, host tier)."""
+    return WorkerId(engine + STORE_SUFFIX)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineTarget:
     """One engine behind the gateway: its HTTP base URL and its KV event sockets.
@@ -28,13 +37,18 @@ class EngineTarget:
     `events` is vLLM's ``--kv-events-config`` ``endpoint`` (a ``tcp://`` one
     is bound by the gateway, an ``ipc://`` one is connected to); `replay` its
     ``replay_endpoint``. No `events`: the engine serves, but never gets
-    affinity from the index.
+    affinity from the index. `store_events` / `store_replay`: the same for
+    the kvmesh store beside an engine with kvmesh's connector (the store's
+    ``--events`` / ``--events-replay``, `kvmesh.worker.store_events`): what
+    the engine can load from it, which ``kv_mesh`` prices as a host-tier hit.
     """
 
     name: str
     url: str
     events: str | None = None
     replay: str | None = None
+    store_events: str | None = None
+    store_replay: str | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -45,6 +59,16 @@ class EngineTarget:
             )
         if not self.name:
             raise ConfigError("an engine needs a non-empty name")
+        if self.name.endswith(STORE_SUFFIX):
+            raise ConfigError(
+                f"engine name {self.name!r} must not end in {STORE_SUFFIX!r}: the gateway names "
+                "an engine's store so"
+            )
+        if self.store_replay is not None and self.store_events is None:
+            raise ConfigError(
+                f"engine {self.name!r}: a store replay endpoint needs the store's events "
+                "endpoint (--store-events) too"
+            )
 
     @property
     def base_url(self) -> str:

@@ -36,9 +36,16 @@ class DecisionRecord:
 
     `overlaps`: blocks the router counted as held, per candidate engine
     (the event-fed index plus prompts being prefilled, or the history
-    router's own record). `queued_tokens`: each candidate's prefill tokens
-    in flight when the decision was made. `stale`: candidates without
-    affinity then.
+    router's own record; under ``kv_mesh`` the engine's store too).
+    `queued_tokens`: each candidate's prefill tokens in flight when the
+    decision was made. `stale`: candidates without affinity then.
+
+    Predicted reuse on the chosen engine: `predicted_blocks` from its own
+    cache, `store_blocks` loaded from its kvmesh store (``kv_mesh``: held
+    there, gone from its cache), `pull_blocks` pulled through the mesh;
+    `realized_blocks` is what the engine reports it did not compute, all
+    three together (vLLM's ``cached_tokens`` counts its own hits and the
+    connector's loads), so ``predicted_total`` is its prediction.
     """
 
     id: int
@@ -60,9 +67,17 @@ class DecisionRecord:
     hashing and routing, and earlier attempts' time on a retry."""
     first_byte_ms: float | None = None
     """From sending the request to the engine to its first bytes (streams: the first token)."""
+    store_blocks: int = 0
+    store_overlaps: dict[str, int] = field(default_factory=dict)
+    """``kv_mesh``: per candidate, the blocks of its `overlaps` only its store holds."""
+
+    @property
+    def predicted_total(self) -> int:
+        """Every block the router expected the engine not to compute."""
+        return self.predicted_blocks + self.store_blocks + self.pull_blocks
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "predicted_total": self.predicted_total}
 
 
 class DecisionLog:
@@ -87,6 +102,8 @@ class DecisionLog:
         loads: list[WorkerLoad],
         prefix: bytes,
         attempt: int,
+        store_blocks: int = 0,
+        store_overlaps: Mapping[WorkerId, int] | None = None,
     ) -> int:
         """A new record's id (ids count up from 0 whether or not records are kept)."""
         rid = self._next
@@ -105,6 +122,12 @@ class DecisionLog:
             sorted(str(load.worker_id) for load in loads if load.stale),
             prefix.hex(),
             attempt,
+            store_blocks=store_blocks,
+            store_overlaps={
+                str(load.worker_id): store_overlaps.get(load.worker_id, 0)
+                for load in loads
+                if store_overlaps and store_overlaps.get(load.worker_id, 0)
+            },
         )
         while len(self._records) > self.capacity:
             self._records.popitem(last=False)

@@ -7,12 +7,16 @@ Two routers share one shape (`Router`):
   coordinator policy by name (`kv_aware`, `round_robin`, ...).
 - `MeshRouter` (``kv_mesh``): for engines that load kvmesh's KV connector
   (`kvmesh.connector`), whose stores pull a prefix from each other. Every
-  request may pull, so `kv_aware` weighs, per engine, the blocks it holds
-  (free), the blocks another engine holds beyond them (a pull through the
-  mesh, ``pull_cost`` a block) and the rest (recomputed), against its
-  load: a request can go to an idle engine and pull its prefix there
-  instead of queueing behind the engine that holds it. The decision names
-  the peer and its blocks, the prediction the gateway records.
+  request may pull, so `kv_aware` weighs, per engine, the blocks its own
+  cache holds (free), the blocks beyond them its store holds (a load, priced
+  as the host tier: ``host_hit_cost`` a block; the stores publish their
+  blocks as KV events, `kvmesh.worker.store_events`), the blocks another
+  engine's cache or store holds beyond those (a pull through the mesh,
+  ``pull_cost`` a block) and the rest (recomputed), against its load: a
+  request can go to an idle engine and pull its prefix there instead of
+  queueing behind the engine that holds it. The decision names the store
+  blocks (``promote_pages``), the peer and its blocks: the prediction the
+  gateway records.
 - `HistoryRouter` (``approx_prefix``): sees no events. It records every
   decision it makes as if the chosen engine now caches the request's
   blocks, forgets the least recently routed blocks beyond an assumed
@@ -42,6 +46,7 @@ from kvmesh.coordinator.policies import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
+    TierPages,
     make_policy,
 )
 from kvmesh.errors import ConfigError
@@ -177,13 +182,57 @@ class IndexRouter:
         """Nothing to do: a restarted engine's events start a new incarnation."""
 
 
-class MeshRouter(IndexRouter):
-    """``kv_mesh``: `kv_aware` over the engines' own caches with every request allowed to pull
-    from the engine that holds more of its prefix (the engines' kvmesh stores do the pull)."""
+class MeshHeld(dict[WorkerId, int]):
+    """Per engine, the leading blocks of a request it reuses without a pull (its own cache's
+    and its store's); `from_store`: how many of them only its store holds (loaded from it)."""
 
-    def __init__(self, index: GlobalIndex, config: CoordinatorConfig) -> None:
+    __slots__ = ("from_store",)
+
+    def __init__(self, held: Mapping[WorkerId, int], from_store: Mapping[WorkerId, int]) -> None:
+        super().__init__(held)
+        self.from_store: dict[WorkerId, int] = dict(from_store)
+
+
+class MeshRouter(IndexRouter):
+    """``kv_mesh``: `kv_aware` over what each engine's own cache and its kvmesh store hold,
+    with every request allowed to pull from the engine (cache or store) that holds more of
+    its prefix (the engines' stores do the pull).
+
+    `stores` maps an engine to the index worker its store's events feed
+    (`kvmesh.gateway.config.store_worker_id`). An engine's store prefix counts
+    beyond its own cache's (the connector asks its store for the blocks after
+    the engine's own hit), in the host tier; a store whose stream is stale, or
+    whose engine is, counts nothing.
+    """
+
+    def __init__(
+        self,
+        index: GlobalIndex,
+        config: CoordinatorConfig,
+        stores: Mapping[WorkerId, WorkerId] | None = None,
+    ) -> None:
         super().__init__(index, "kv_aware", config)
         self.name = MESH_POLICY
+        self.stores = dict(stores or {})
+        self._store_ids = frozenset(self.stores.values())
+
+    def overlaps(self, request: RouteRequest, prefilling: Prefilling | None = None) -> MeshHeld:
+        """One index walk: each engine's own prefix (with the prompts it is prefilling), then
+        its store's prefix beyond it."""
+        match = self.index.match(request.hashes).pages
+        own = {w: n for w, n in match.items() if w not in self._store_ids}
+        if prefilling:
+            own = with_prefilling(own, request.hashes, prefilling)
+        from_store: dict[WorkerId, int] = {}
+        if self.stores:
+            stale = self.index.stale_workers()
+            for engine, store in self.stores.items():
+                stored = match.get(store, 0)
+                beyond = stored - own.get(engine, 0)
+                if beyond > 0 and store not in stale and engine not in stale:
+                    own[engine] = stored
+                    from_store[engine] = beyond
+        return MeshHeld(own, from_store)
 
     def choose(
         self,
@@ -192,8 +241,14 @@ class MeshRouter(IndexRouter):
         loads: Sequence[WorkerLoad],
         key: bytes,
     ) -> RouteDecision:
+        """`overlaps` as `overlaps` returned them; a plain mapping counts as own caches only."""
         mesh_request = dataclasses.replace(request, allow_pull=True)
-        decision = super().choose(mesh_request, overlaps, loads, key)
+        from_store = overlaps.from_store if isinstance(overlaps, MeshHeld) else {}
+        tiers = {
+            engine: TierPages(gpu=overlaps[engine] - n, cpu=n) for engine, n in from_store.items()
+        }
+        self._rng.seed(key)
+        decision = self._policy.choose(mesh_request, overlaps, loads, tiers or None)
         return dataclasses.replace(decision, policy=MESH_POLICY)
 
 
@@ -272,13 +327,18 @@ POLICY_NAMES: tuple[str, ...] = (*sorted(REGISTRY), HISTORY_POLICY, MESH_POLICY)
 
 
 def make_router(
-    policy: str, index: GlobalIndex, config: CoordinatorConfig, history_blocks: int = 0
+    policy: str,
+    index: GlobalIndex,
+    config: CoordinatorConfig,
+    history_blocks: int = 0,
+    stores: Mapping[WorkerId, WorkerId] | None = None,
 ) -> Router:
-    """The router for `policy`; `ConfigError` naming the known policies otherwise."""
+    """The router for `policy`; `ConfigError` naming the known policies otherwise.
+    `stores`: engine -> its store's index worker, which only ``kv_mesh`` reads."""
     if policy == HISTORY_POLICY:
         return HistoryRouter(config, history_blocks)
     if policy == MESH_POLICY:
-        return MeshRouter(index, config)
+        return MeshRouter(index, config, stores)
     if policy not in REGISTRY:
         raise ConfigError(f"unknown routing policy {policy!r}; choose one of {list(POLICY_NAMES)}")
     return IndexRouter(index, policy, config)

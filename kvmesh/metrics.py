@@ -583,6 +583,19 @@ ENGINE_STORE_BLOCKS = Counter(
     "pulled (from a peer store), forgotten (its engine refused them on load)",
     ["store", "outcome"],
 )
+STORE_EVENT_BATCHES = Counter(
+    "kvmesh_store_event_batches",
+    "Event batches a store beside an engine published as vLLM KV events "
+    "(`kvmesh.worker.store_events`), by outcome: published, replayed (sent again to a "
+    "subscriber that missed them), unsent (its queue was full: a gap healed from replay)",
+    ["store", "outcome"],
+)
+GATEWAY_STORE_BLOCKS = Counter(
+    "kvmesh_gateway_store_blocks",
+    "Prompt blocks the router (kv_mesh) expected the chosen engine to load from its own "
+    "kvmesh store (held there, gone from the engine's cache)",
+    ["engine"],
+)
 GATEWAY_RETRIES = Counter(
     "kvmesh_gateway_engine_retries",
     "Requests moved to another engine because this one could not be reached or broke off "

@@ -51,10 +51,12 @@ import msgpack
 from kvmesh.config import TransferConfig
 from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
 from kvmesh.errors import ConfigError, InvalidInput, KVMeshError
+from kvmesh.events import KVEvent
 from kvmesh.grpc_security import ERROR_METADATA_KEY
 from kvmesh.hashing import PageHasher
 from kvmesh.metrics import ENGINE_STORE_BLOCKS
 from kvmesh.types import PageHash
+from kvmesh.worker import store_events
 from kvmesh.worker.kv_store import KVStore, PageBlob
 from kvmesh.worker.page_pool import PagePool
 from kvmesh.worker.page_proofs import PageProof, ProofBook
@@ -209,6 +211,9 @@ class EngineStore:
         self._control: grpc.aio.Server | None = None
         self._peer_links = Peers(self.config, worker=name)
         self.control_address = ""
+        # every change of the cached set, in order (kvmesh.worker.store_events publishes them)
+        self.on_events: Callable[[list[KVEvent]], object] | None = None
+        self._events_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -261,7 +266,7 @@ class EngineStore:
             for d, p in zip(run.digests, pages, strict=True)
         ]
         inserted = self.service.insert_many(incoming, run.proofs(self.block_size))
-        self.service.take_events()  # the engine's own events feed the index, not these
+        self._events_out()
         ENGINE_STORE_BLOCKS.labels(self.name, "saved").inc(sum(inserted))
         return inserted
 
@@ -286,9 +291,16 @@ class EngineStore:
             now = self.service.prefix_length(run.digests)
             if now > held:
                 pulled, source, held = pulled + now - held, address, now
-        self.service.take_events()
+        self._events_out()
         ENGINE_STORE_BLOCKS.labels(self.name, "pulled").inc(pulled)
         return held, pulled, source
+
+    def _events_out(self) -> None:
+        """Drain the pool's events and hand them to `on_events` in the order they happened."""
+        with self._events_lock:
+            events = self.service.take_events()
+            if events and self.on_events is not None:
+                self.on_events(events)
 
     # ---------------------------------------------------------------- control server
 
@@ -352,7 +364,7 @@ class EngineStore:
         """
         with self.service.lock:
             forgotten = self.pool.evict_pages(digests)
-        self.service.take_events()
+        self._events_out()
         ENGINE_STORE_BLOCKS.labels(self.name, "forgotten").inc(forgotten)
         return forgotten
 
@@ -394,6 +406,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--control-port", type=int, default=0)
     p.add_argument("--name", default="engine-store")
     p.add_argument("--page-delay-s", type=float, default=0.0, help="test hook: slow page streams")
+    store_events.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -414,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             control_port=args.control_port,
             name=args.name,
             page_delay_s=args.page_delay_s,
-        ).start()
+        )
+        publisher = store_events.attach(store, args)
+        store.start()
     except KVMeshError as exc:
         print(f"kvmesh: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -424,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"READY {store.address} {store.control_address}", flush=True)
     done.wait()
     store.stop()
+    if publisher is not None:
+        publisher.close()
     return 0
 
 
