@@ -46,10 +46,11 @@ def sealed_page_bytes(block_nbytes: int, block_size: int) -> int:
     return -(-(block_nbytes + SEAL_BYTES) // unit) * unit
 
 
-def _checksum(digest: bytes, data: bytes | memoryview) -> bytes:
+def _checksum(digest: bytes, *parts: bytes | memoryview) -> bytes:
     h = xxhash.xxh3_128()
     h.update(digest)
-    h.update(data)
+    for part in parts:
+        h.update(part)
     return h.digest()
 
 
@@ -67,6 +68,68 @@ def seal(digest: bytes, data: bytes | memoryview, page_bytes: int) -> bytes:
     return b"".join((data, trailer, bytes(page_bytes - size - SEAL_BYTES)))
 
 
+def seal_into(
+    digest: bytes, page: memoryview, source: Sequence[bytes | memoryview], block_nbytes: int
+) -> None:
+    """Seal, in place, a page whose first `block_nbytes` bytes were copied from `source`.
+
+    What `seal` makes, without copying the bytes again: the seal goes after
+    them and the rest of the page is zeroed. The checksum is taken over
+    `source` (the block where it was computed, layer by layer), not over the
+    page: a page written by someone else since the copy fails its check on
+    load instead of being sealed as this block.
+    """
+    if len(digest) != DIGEST_BYTES:
+        raise InvalidInput(f"a block digest is {DIGEST_BYTES} bytes, got {len(digest)}")
+    if block_nbytes + SEAL_BYTES > page.nbytes:
+        raise PageFormatError(
+            f"a block of {block_nbytes} bytes and its seal do not fit a {page.nbytes}-byte page"
+        )
+    if sum(memoryview(p).nbytes for p in source) != block_nbytes:
+        raise PageFormatError(f"{len(source)} parts do not add up to a {block_nbytes}-byte block")
+    end = block_nbytes + SEAL_BYTES
+    checksum = _checksum(digest, *source)
+    page[block_nbytes:end] = _SEAL.pack(SEAL_MAGIC, digest, block_nbytes, checksum)
+    page[end:] = bytes(page.nbytes - end)
+
+
+def seal_of(page: bytes | memoryview, block_nbytes: int) -> bytes:
+    """A copy of the seal of a page holding a `block_nbytes`-byte block (checked by `check_seal`)."""
+    return bytes(memoryview(page)[block_nbytes : block_nbytes + SEAL_BYTES])
+
+
+def check_seal(
+    digest: bytes, seal_bytes: bytes, parts: Sequence[bytes | memoryview], block_nbytes: int
+) -> None:
+    """Raise unless `parts` (a block's bytes, in order, wherever they were copied to) are
+    block `digest` as sealed by `seal_bytes`.
+
+    The check for bytes already copied out of a page (into the engine's KV
+    cache, layer by layer): what was copied is what is checked, so a page
+    overwritten while it was copied is refused, never used. Raises as `unseal`.
+    """
+    if len(seal_bytes) != SEAL_BYTES:
+        raise PageFormatError(f"a seal is {SEAL_BYTES} bytes, got {len(seal_bytes)}")
+    magic, sealed_digest, size, checksum = _SEAL.unpack(seal_bytes)
+    if magic != SEAL_MAGIC or size != block_nbytes:
+        raise PageFormatError(
+            f"page has no seal for a {block_nbytes}-byte block (magic {magic!r}, size {size}): "
+            "it was written by another layout or model"
+        )
+    if sealed_digest != digest:
+        raise HashMismatch(
+            f"page sealed as block {sealed_digest.hex()[:16]} was handed over as "
+            f"{digest.hex()[:16]}"
+        )
+    if sum(memoryview(p).nbytes for p in parts) != block_nbytes:
+        raise PageFormatError(f"{len(parts)} parts do not add up to a {block_nbytes}-byte block")
+    if _checksum(digest, *parts) != checksum:
+        raise ChecksumMismatch(
+            f"block {digest.hex()[:16]}: its bytes no longer match the checksum sealed when it "
+            "was computed; the block is recomputed"
+        )
+
+
 def unseal(digest: bytes, page: bytes | memoryview, block_nbytes: int) -> memoryview:
     """The block bytes of a sealed `page`, after checking it is block `digest`, whole.
 
@@ -78,23 +141,8 @@ def unseal(digest: bytes, page: bytes | memoryview, block_nbytes: int) -> memory
         raise PageFormatError(
             f"page of {view.nbytes} bytes cannot hold a {block_nbytes}-byte block and its seal"
         )
-    magic, sealed_digest, size, checksum = _SEAL.unpack_from(view, block_nbytes)
-    if magic != SEAL_MAGIC or size != block_nbytes:
-        raise PageFormatError(
-            f"page has no seal for a {block_nbytes}-byte block (magic {magic!r}, size {size}): "
-            "it was written by another layout or model"
-        )
-    if sealed_digest != digest:
-        raise HashMismatch(
-            f"page sealed as block {sealed_digest.hex()[:16]} was handed over as "
-            f"{digest.hex()[:16]}"
-        )
     data = view[:block_nbytes]
-    if _checksum(digest, data) != checksum:
-        raise ChecksumMismatch(
-            f"block {digest.hex()[:16]}: its bytes no longer match the checksum sealed when it "
-            "was computed; the block is recomputed"
-        )
+    check_seal(digest, seal_of(view, block_nbytes), (data,), block_nbytes)
     return data
 
 

@@ -4,13 +4,14 @@
 tokens go out; sending a prompt's blocks to the store there would add the
 save (tens of ms for a 1,000-token prompt, `kvmesh bench engines
 --connector`) to the request's time to first token. So the step only copies
-its blocks' bytes (the engine may reuse the blocks once the request ends)
+its blocks out of the KV cache (the engine may reuse the blocks once the
+request ends; `BlockPath.stage`: into the store's staging slots, or bytes)
 and hands them to `BackgroundSaver`, whose thread seals and saves them in
-order. The queue is bounded: when the store falls behind, new saves are
-dropped (a dropped save is a later miss, never a wrong answer); blocks
-saved, dropped and failed are counted in ``kvmesh_connector_blocks``.
-`flush` waits until everything handed over was sent (a prefill engine's
-hand-off, shutdown).
+order (`BlockPath.send`). The queue is bounded: when the store falls behind,
+new saves are dropped (a dropped save is a later miss, never a wrong
+answer); blocks saved, dropped and failed are counted in
+``kvmesh_connector_blocks``. `flush` waits until everything handed over was
+sent (a prefill engine's hand-off, shutdown).
 """
 
 from __future__ import annotations
@@ -18,40 +19,35 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from kvmesh.connector.blocks import BlockRun, seal
+from kvmesh.connector.block_path import PendingSave
 from kvmesh.errors import KVMeshError
 from kvmesh.metrics import CONNECTOR_BLOCKS
 
 log = logging.getLogger(__name__)
 
-SaveFn = Callable[[BlockRun, Sequence[bytes]], object]
-
-
-@dataclass(frozen=True, slots=True)
-class PendingSave:
-    """One request's blocks of one step: the run that proves them and each block's bytes."""
-
-    run: BlockRun
-    blocks: tuple[bytes, ...]
+SendFn = Callable[[PendingSave], object]
 
 
 class BackgroundSaver:
-    """Seals and saves `PendingSave`s on one daemon thread, in the order they were submitted."""
+    """Sends `PendingSave`s on one daemon thread, in the order they were submitted.
+
+    `send` seals and saves one (`BlockPath.send`); `release` gives back what a
+    dropped one held (its staging slots).
+    """
 
     def __init__(
         self,
-        save: SaveFn,
-        page_bytes: int,
+        send: SendFn,
         *,
+        release: Callable[[PendingSave], None] | None = None,
         store: str = "",
         max_pending: int = 64,
         on_error: Callable[[KVMeshError], None] | None = None,
     ) -> None:
-        self._save = save
-        self.page_bytes = page_bytes
+        self._send_one = send
+        self._release = release
         self._queue: queue.Queue[PendingSave | None] = queue.Queue(max_pending)
         self._on_error = on_error
         self._saved = CONNECTOR_BLOCKS.labels(store, "saved")
@@ -65,9 +61,15 @@ class BackgroundSaver:
         try:
             self._queue.put_nowait(pending)
         except queue.Full:
-            self._dropped.inc(len(pending.blocks))
+            self.drop(pending)
             return False
         return True
+
+    def drop(self, pending: PendingSave) -> None:
+        """Count a save that will not be sent and give back what it held."""
+        self._dropped.inc(len(pending.run))
+        if self._release is not None:
+            self._release(pending)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every save submitted so far was sent (or failed); False on timeout."""
@@ -101,16 +103,12 @@ class BackgroundSaver:
 
     def _send(self, pending: PendingSave) -> None:
         try:
-            pages = [
-                seal(digest, block, self.page_bytes)
-                for digest, block in zip(pending.run.digests, pending.blocks, strict=True)
-            ]
-            self._save(pending.run, pages)
-            self._saved.inc(len(pages))
+            self._send_one(pending)
+            self._saved.inc(len(pending.run))
         except KVMeshError as exc:
-            self._failed.inc(len(pending.blocks))
+            self._failed.inc(len(pending.run))
             if self._on_error is not None:
                 self._on_error(exc)
         except Exception:  # a bug here must not kill the thread (and every later save)
-            self._failed.inc(len(pending.blocks))
+            self._failed.inc(len(pending.run))
             log.exception("kvmesh connector: a save failed")

@@ -1,9 +1,11 @@
 """The engine's side of the store beside it: save sealed blocks, prepare a prefix, fetch pages.
 
 Blocking gRPC on loopback (the engine's connector hooks are synchronous):
-``Save`` and ``Prepare`` on the store's control service (`kvmesh.v1.EngineStore`,
-msgpack bodies), pages out of its page server with ``FetchPages``
-(`kvmesh.v1.KVWorker`, protobuf `PageChunk` messages, raw bytes). Every call
+``Save``, ``Prepare``, ``Locate`` and ``Attach`` on the store's control
+service (`kvmesh.v1.EngineStore`, msgpack bodies), pages out of its page
+server with ``FetchPages`` (`kvmesh.v1.KVWorker`, protobuf `PageChunk`
+messages, raw bytes) when its shared-memory arena cannot be used
+(`kvmesh.connector.block_path` picks the path). Every call
 has a deadline; a store that is down or too slow raises `TransportError`,
 a refused call the store's own error (`HashMismatch`, `PageFormatError`...);
 the connector turns either into a miss (load) or a skipped save, never a
@@ -22,6 +24,7 @@ import msgpack
 from kvmesh.connector.blocks import BlockRun
 from kvmesh.errors import InvalidInput, TransportError
 from kvmesh.grpc_security import error_from_rpc
+from kvmesh.page_arena import ArenaLayout
 from kvmesh.proto import kvmesh_pb2 as pb
 
 CONTROL_SERVICE = "kvmesh.v1.EngineStore"
@@ -47,6 +50,15 @@ class StoreInfo:
     block_size: int
     algo: str
     root_hash: bytes
+    arena: ArenaLayout | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """What `Locate` answered: the arena's token and the slots of the leading pages held."""
+
+    arena: bytes | None
+    slots: tuple[int, ...]
 
 
 class StoreClient:
@@ -78,6 +90,8 @@ class StoreClient:
         self._prepare = self._control.unary_unary(f"/{CONTROL_SERVICE}/Prepare")
         self._describe = self._control.unary_unary(f"/{CONTROL_SERVICE}/Describe")
         self._forget = self._control.unary_unary(f"/{CONTROL_SERVICE}/Forget")
+        self._locate = self._control.unary_unary(f"/{CONTROL_SERVICE}/Locate")
+        self._attach = self._control.unary_unary(f"/{CONTROL_SERVICE}/Attach")
         self._fetch = self._pages.unary_stream(
             f"/{PAGE_SERVICE}/FetchPages",
             request_serializer=pb.FetchRequest.SerializeToString,
@@ -100,11 +114,34 @@ class StoreClient:
 
     def describe(self) -> StoreInfo:
         a = self._call(self._describe, {})
-        return StoreInfo(a["page_bytes"], a["block_size"], a["algo"], a["root_hash"])
+        arena = a.get("arena")
+        return StoreInfo(
+            a["page_bytes"],
+            a["block_size"],
+            a["algo"],
+            a["root_hash"],
+            None if arena is None else ArenaLayout.from_wire(arena),
+        )
 
     def save(self, run: BlockRun, pages: Sequence[bytes]) -> list[bool]:
         """Hand sealed blocks to the store; per block whether it was new there."""
         return list(self._call(self._save, {**run.wire(), "pages": list(pages)})["inserted"])
+
+    def save_staged(self, run: BlockRun, lease: bytes, slots: Sequence[int]) -> list[bool]:
+        """`save` for sealed blocks written into the staging `slots` this client's `lease` holds."""
+        body = {**run.wire(), "lease": lease, "slots": list(slots)}
+        return list(self._call(self._save, body)["inserted"])
+
+    def attach(self) -> bytes:
+        """Lease the store's staging slots (ending any other client's lease); the lease."""
+        return bytes(self._call(self._attach, {})["lease"])
+
+    def locate(self, digests: Sequence[bytes]) -> Located:
+        """Arena slots of the leading `digests` the store holds (nothing pinned)."""
+        a = self._call(self._locate, {"digests": list(digests)})
+        arena = a.get("arena")
+        slots = tuple(int(s) for s in a["slots"])
+        return Located(None if arena is None else bytes(arena), slots)
 
     def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> Prepared:
         """Ask the store to hold `run` (pulling from `peers` what it lacks)."""

@@ -10,7 +10,9 @@ Load it with::
 (`kvmesh.connector.engine_config.connector_config` builds it). ``store`` /
 ``control`` are the page and control addresses of the engine's store
 (`kvmesh.worker.engine_store`); optional ``peers`` (page addresses of other
-stores the store may pull from for this engine) and ``timeout_s``.
+stores the store may pull from for this engine), ``timeout_s`` and ``shm``
+(default true: move blocks through the store's shared-memory arena when it
+maps on this host; false: gRPC only).
 
 Scheduler side (one decision per request, before it is scheduled):
 `get_num_new_matched_tokens` asks the store to hold the blocks past the
@@ -20,17 +22,17 @@ leading blocks it holds; it never claims the prompt's last token. Each step
 `build_connector_meta` lists the blocks to load (claimed ones, with the
 engine blocks allocated for them) and the blocks to save (every full block
 the step computes, named by the engine's own digests, with the tokens and
-extra keys that prove them). Worker side: `start_load_kv` fetches the claimed
-pages before the forward, checks every seal (`kvmesh.connector.blocks.unseal`:
-the page is the block asked for and its bytes are whole) and copies the good
-ones into the paged KV cache; the first block that fails and every block
-after it are reported with `get_block_ids_with_load_errors`, so vLLM
-recomputes them (``kv_load_failure_policy: recompute`` is required).
-`wait_for_save` copies the step's full blocks and hands them to a background
-saver (`kvmesh.connector.saver`), which seals and saves them off the step's
-critical path; a ``kv_producer`` waits for its saves before it answers (the
-decode engine loads them next). A store that is down costs a miss or a
-skipped save, never a failed request.
+extra keys that prove them). Worker side (`kvmesh.connector.block_path`:
+shared memory with the store, or gRPC): `start_load_kv` copies the claimed
+blocks into the paged KV cache before the forward and checks every seal over
+the bytes copied (the block asked for, whole); the first block that fails
+and every block after it are reported with `get_block_ids_with_load_errors`,
+so vLLM recomputes them (``kv_load_failure_policy: recompute`` is required).
+`wait_for_save` copies the step's full blocks out of the KV cache and hands
+them to a background saver (`kvmesh.connector.saver`), which seals and saves
+them off the step's critical path; a ``kv_producer`` waits for its saves
+before it answers (the decode engine loads them next). A store that is down
+costs a miss or a skipped save, never a failed request.
 
 Tenants: a request's ``cache_salt`` is in its first block's extra keys, so
 its digests, and the names of its pages, differ from every other salt's.
@@ -59,9 +61,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvmesh.connector.blocks import BlockRun, block_run, sealed_page_bytes, unseal
+from kvmesh.connector.block_path import BlockPath, KVLayers
+from kvmesh.connector.blocks import BlockRun, block_run
 from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
-from kvmesh.connector.saver import BackgroundSaver, PendingSave
+from kvmesh.connector.saver import BackgroundSaver
 from kvmesh.connector.store_client import StoreClient
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
 from kvmesh.metrics import CONNECTOR_BLOCKS, MetricChild
@@ -144,13 +147,14 @@ class KVMeshConnector(KVConnectorBase_V1):
             str(extra.get("control") or ""),
             float(extra.get("timeout_s", 5.0)),
         )
+        self.shm = bool(extra.get("shm", True))
         self._warnings = _Warnings()
         # scheduler side
         self._requests: dict[str, Request] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
         self._loads: list[BlockLoad] = []
         # worker side
-        self._layers: list[torch.Tensor] = []  # per layer: blocks along dim 0
+        self._path: BlockPath | None = None
         self.block_nbytes = 0
         self.page_bytes = 0
         self._failed: set[int] = set()
@@ -247,22 +251,24 @@ class KVMeshConnector(KVConnectorBase_V1):
                     f"[blocks={num_blocks}, heads, block_size={self.block_size}, ...] (vLLM "
                     f"{SUPPORTED_VLLM}x's standard per-layer view)"
                 )
-        self._layers = layers
-        self.block_nbytes = sum(t[0].numel() * t.element_size() for t in layers)
-        self.page_bytes = sealed_page_bytes(self.block_nbytes, self.block_size)
-        self._check_store()
+        path = BlockPath(self.client, KVLayers(layers), self.block_size, shm=self.shm)
+        self._path = path
+        self.block_nbytes = path.block_nbytes
+        self.page_bytes = path.page_bytes
+        self._check_store(path)
         if self.saves:
             self._saver = BackgroundSaver(
-                self.client.save,
-                self.page_bytes,
+                path.send,
+                release=path.release,
                 store=self.client.page_address,
                 on_error=lambda exc: self._warnings.warn("save", exc),
             )
 
-    def _check_store(self) -> None:
-        """Refuse a store whose page size or hash does not match this engine (if it answers)."""
+    def _check_store(self, path: BlockPath) -> None:
+        """Refuse a store whose page size or hash does not match this engine (if it answers);
+        map its shared-memory arena when it offers one."""
         try:
-            info = self.client.describe()
+            info = path.connect()
         except KVMeshError as exc:
             self._warnings.warn("describe (store not up yet?)", exc)
             return
@@ -295,29 +301,21 @@ class KVMeshConnector(KVConnectorBase_V1):
                 self._failed_requests.add(load.request_id)
 
     def _load(self, load: BlockLoad) -> int:
-        """Fetch, check and copy `load`'s pages in order; how many leading blocks loaded."""
-        try:
-            pages = self.client.fetch(load.digests)
-        except KVMeshError as exc:
-            self._warnings.warn("load", exc)
-            self._blocks("undelivered").inc(len(load.block_ids))
+        """Copy and check `load`'s blocks in order; how many leading blocks loaded."""
+        if self._path is None:
             return 0
-        for i, (page, digest, block_id) in enumerate(
-            zip(pages, load.digests, load.block_ids, strict=True)
-        ):
-            if page is None:
-                self._blocks("undelivered").inc(len(load.block_ids) - i)
-                return i
-            try:
-                data = unseal(digest, page, self.block_nbytes)
-            except KVMeshError as exc:
-                self._warnings.warn(f"check of block {digest.hex()[:16]}", exc)
-                self._blocks("refused").inc()
-                self._blocks("undelivered").inc(len(load.block_ids) - i - 1)
-                self._forget(digest)
-                return i
-            self._write_block(block_id, data)
-        return len(load.block_ids)
+        loaded = self._path.load(load.digests, load.block_ids)
+        missed = len(load.block_ids) - loaded.blocks
+        if loaded.refused is not None:
+            what = f"check of block {loaded.refused.hex()[:16]}"
+            self._warnings.warn(what, loaded.error or KVMeshError("its seal failed"))
+            self._blocks("refused").inc()
+            missed -= 1
+            self._forget(loaded.refused)
+        elif loaded.error is not None:
+            self._warnings.warn("load", loaded.error)
+        self._blocks("undelivered").inc(missed)
+        return loaded.blocks
 
     def _blocks(self, outcome: str) -> MetricChild:
         return CONNECTOR_BLOCKS.labels(self.client.page_address, outcome)
@@ -328,15 +326,6 @@ class KVMeshConnector(KVConnectorBase_V1):
             self.client.forget([digest])
         except KVMeshError as exc:
             self._warnings.warn("forget", exc)
-
-    def _write_block(self, block_id: int, data: memoryview) -> None:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        offset = 0
-        for layer in self._layers:
-            dst = layer[block_id]
-            n = dst.numel() * dst.element_size()
-            dst.copy_(flat[offset : offset + n].view(dst.dtype).view(dst.shape))
-            offset += n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load completed in start_load_kv, before the forward
@@ -351,24 +340,21 @@ class KVMeshConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVMeshConnectorMetadata)
-        saver = self._saver
-        if saver is None:
+        saver, path = self._saver, self._path
+        if saver is None or path is None:
             return
         for save in meta.saves:
             if save.request_id in self._failed_requests:
                 continue  # this step attended over blocks that failed to load: not saved
-            blocks = tuple(self._read_block(block_id) for block_id in save.block_ids)
-            if not saver.submit(PendingSave(save.run, blocks)):
+            pending = path.stage(save.run, save.block_ids)
+            if pending is None:
+                self._blocks("dropped").inc(len(save.block_ids))
+                self._warnings.warn("save", TransportError("no free staging slot; save dropped"))
+            elif not saver.submit(pending):
                 self._warnings.warn("save", TransportError("the store is behind; save dropped"))
         if not self.loads:
             # a prefill engine's hand-off: its blocks are in the store before it answers
             saver.flush(self.client.timeout_s)
-
-    def _read_block(self, block_id: int) -> bytes:
-        return b"".join(
-            layer[block_id].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            for layer in self._layers
-        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -377,4 +363,6 @@ class KVMeshConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._saver is not None:
             self._saver.close()
+        if self._path is not None:
+            self._path.close()
         self.client.close()

@@ -141,6 +141,13 @@ class TransportError(KVMeshError):
     grpc_code = "UNAVAILABLE"
 
 
+class ArenaUnavailable(KVMeshError):
+    """A store's shared-memory arena cannot be used from here (another host, a store that
+    restarted, a staging lease another client took): pages move over gRPC instead."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class DeadlineExceeded(TransportError):
     """A remote call did not finish within its deadline."""
 

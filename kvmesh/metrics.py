@@ -577,6 +577,13 @@ CONNECTOR_BLOCKS = Counter(
     "save_failed",
     ["store", "outcome"],
 )
+CONNECTOR_SHM_UNMAPPED = Counter(
+    "kvmesh_connector_shm_unmapped",
+    "Times kvmesh's KV connector moved blocks over gRPC because it could not use its store's "
+    "shared-memory arena, by reason: not_offered (the store runs without one), unmappable "
+    "(it offers one this host cannot map: another host or container, a stale file)",
+    ["store", "reason"],
+)
 ENGINE_STORE_BLOCKS = Counter(
     "kvmesh_engine_store_blocks",
     "Blocks the kvmesh store beside an engine took, by outcome: saved (new from its engine), "

@@ -17,7 +17,20 @@ and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies):
 - ``Prepare``: before the engine loads, make the store hold as much of a
   request's prefix as the mesh has: what is not held is pulled from peer
   stores over the `Peer` contract (`kvmesh.worker.peers`), proven against
-  the same kind of book; answers how many leading blocks are held now.
+  the same kind of book; answers how many leading blocks are held now;
+- ``Locate``: where the leading held pages of a load lie in the store's
+  shared-memory arena (pool slots), so the engine copies them straight out;
+- ``Attach``: lease the arena's staging slots to the calling engine; its
+  ``Save`` then names slots it wrote sealed blocks into instead of carrying
+  the bytes (a newer lease ends the older one: its saves are refused).
+
+Same host, the page bytes never cross a socket: the pool and a staging area
+live in one file under /dev/shm (`kvmesh.page_arena`), which ``Describe``
+names and the engine maps; the store unlinks it when it stops. ``Locate``
+pins nothing: a page evicted and reused while the engine copies it fails the
+seal the engine checks on the bytes it copied, and is recomputed. Without an
+arena (``--no-shm``, or an engine on another host) pages move over the page
+server's ``FetchPages`` and ``Save``'s bytes.
 
 Pages are named by the engine's full 32-byte block digests (the chain needs
 whole parents); the engine's KV events name the same blocks by the digests'
@@ -38,23 +51,28 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import msgpack
+import numpy as np
+import torch
 
 from kvmesh.config import TransferConfig
 from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
-from kvmesh.errors import ConfigError, InvalidInput, KVMeshError
+from kvmesh.errors import ArenaUnavailable, ConfigError, InvalidInput, KVMeshError
 from kvmesh.events import KVEvent
 from kvmesh.grpc_security import ERROR_METADATA_KEY
 from kvmesh.hashing import PageHasher
 from kvmesh.metrics import ENGINE_STORE_BLOCKS
+from kvmesh.page_arena import SHM_DIR, Arena, create_arena, sweep_stale
 from kvmesh.types import PageHash
 from kvmesh.worker import store_events
 from kvmesh.worker.kv_store import KVStore, PageBlob
@@ -70,6 +88,7 @@ CONTROL_SERVICE = "kvmesh.v1.EngineStore"
 DIGEST_BYTES = 32
 MAX_CONTROL_BYTES = 256 * 1024 * 1024
 MAX_BLOCKS_PER_CALL = 65_536
+DEFAULT_STAGING_PAGES = 128
 
 
 class EngineBlockProver(PageHasher):
@@ -171,7 +190,9 @@ class EngineStore:
 
     `page_bytes` is a sealed block's size (a multiple of ``2 * block_size``);
     `peers` are stores `Prepare` pulls from when the caller names none.
-    `start()` binds both servers (port 0: free ports); `stop()` ends them.
+    `shm_dir` holds the shared-memory arena (pool and `staging_pages` staging
+    slots; None: no arena, gRPC only). `start()` binds both servers (port 0:
+    free ports); `stop()` ends them and removes the arena.
     """
 
     def __init__(
@@ -188,6 +209,8 @@ class EngineStore:
         control_port: int = 0,
         name: str = "engine-store",
         page_delay_s: float = 0.0,
+        shm_dir: str | None = SHM_DIR,
+        staging_pages: int = DEFAULT_STAGING_PAGES,
     ) -> None:
         if block_size <= 0 or page_bytes <= 0 or page_bytes % (2 * block_size):
             raise ConfigError(
@@ -196,10 +219,25 @@ class EngineStore:
             )
         self.block_size = block_size
         self.page_bytes = page_bytes
+        self.page_delay_s = page_delay_s
         self.name = name
         self.peers = tuple(peers)
         self.pool = PagePool(num_pages, page_size=block_size, event_token_ids=False)
-        self.kv = KVStore(num_pages, 1, 1, page_bytes // (2 * block_size), block_size, "uint8")
+        self.arena: Arena | None = None
+        self._staging: np.ndarray | None = None
+        memory: torch.Tensor | None = None
+        if shm_dir is not None:
+            sweep_stale(shm_dir)
+            self.arena = create_arena(page_bytes, num_pages, staging_pages, shm_dir)
+            memory = torch.frombuffer(self.arena.pages, dtype=torch.uint8)
+            self._staging = np.frombuffer(self.arena.staging, dtype=np.uint8).reshape(
+                staging_pages, page_bytes
+            )
+        self._lease: bytes | None = None
+        self._lease_lock = threading.Lock()
+        self.kv = KVStore(
+            num_pages, 1, 1, page_bytes // (2 * block_size), block_size, "uint8", memory=memory
+        )
         self.service = PageService(
             self.pool, self.kv, EngineBlockProver(block_size, algo, seed), name=name
         )
@@ -243,6 +281,8 @@ class EngineStore:
                 asyncio.run_coroutine_threadsafe(server.stop(0.2), self._pages.loop).result(5)
         self._pages.stop()
         self._peer_links.close()
+        if self.arena is not None:
+            self.arena.close()
 
     def __enter__(self) -> EngineStore:
         return self.start()
@@ -252,7 +292,7 @@ class EngineStore:
 
     # ------------------------------------------------------------------ calls
 
-    def save(self, run: BlockRun, pages: Sequence[bytes]) -> list[bool]:
+    def save(self, run: BlockRun, pages: Sequence[bytes | memoryview]) -> list[bool]:
         """Prove and cache sealed blocks; per block True new, False already held.
 
         All or nothing (`PageService.insert_many`): a block whose tokens do not
@@ -269,6 +309,44 @@ class EngineStore:
         self._events_out()
         ENGINE_STORE_BLOCKS.labels(self.name, "saved").inc(sum(inserted))
         return inserted
+
+    def attach(self) -> bytes:
+        """Lease the staging slots to a new client; the previous lease ends (its saves fail)."""
+        if self.arena is None:
+            raise ArenaUnavailable(f"store {self.name} has no shared-memory arena (--no-shm)")
+        lease = secrets.token_bytes(16)
+        with self._lease_lock:
+            self._lease = lease
+        return lease
+
+    def save_staged(self, run: BlockRun, lease: bytes, slots: Sequence[int]) -> list[bool]:
+        """`save` for sealed blocks the lease holder wrote into staging `slots`.
+
+        `ArenaUnavailable` for a lease that is not the current one (another
+        client attached since, or this store restarted): its slots may hold
+        another client's bytes, so nothing is read.
+        """
+        staging = self._staging
+        if staging is None:
+            raise ArenaUnavailable(f"store {self.name} has no shared-memory arena (--no-shm)")
+        count = len(staging)
+        if len(slots) != len(run.digests) or len(set(slots)) != len(slots):
+            raise InvalidInput(f"{len(run.digests)} digests need as many distinct staging slots")
+        if not all(isinstance(s, int) and 0 <= s < count for s in slots):
+            raise InvalidInput(f"staging slots are integers in [0, {count}), got {list(slots)}")
+        with self._lease_lock:
+            if lease != self._lease:
+                raise ArenaUnavailable(
+                    f"store {self.name}'s staging is leased to another client; Attach again"
+                )
+        return self.save(run, [memoryview(staging[s]) for s in slots])
+
+    def locate(self, digests: Sequence[PageHash]) -> list[int]:
+        """Arena slots of the leading `digests` held, touched as a hit; nothing is pinned."""
+        ids = self.service.pin(digests)
+        self.service.unpin(ids)
+        held = ids.index(None) if None in ids else len(ids)
+        return [int(pid) for pid in ids[:held] if pid is not None]
 
     def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> tuple[int, int, str | None]:
         """Hold as much of `run` as the mesh has: (leading blocks held, blocks pulled, from whom).
@@ -348,6 +426,8 @@ class EngineStore:
                 "Prepare": unary(self._prepare),
                 "Describe": unary(self._describe),
                 "Forget": unary(self._forget),
+                "Locate": unary(self._locate),
+                "Attach": unary(self._attach),
             },
         )
 
@@ -375,10 +455,29 @@ class EngineStore:
             "block_size": self.block_size,
             "algo": hasher.algo,
             "root_hash": bytes(hasher.root_hash),
+            "arena": None if self.arena is None else self.arena.layout.wire(),
         }
+
+    def _attach(self, _body: dict[str, Any]) -> dict[str, Any]:
+        return {"lease": self.attach()}
+
+    def _locate(self, body: dict[str, Any]) -> dict[str, Any]:
+        digests = body.get("digests")
+        if not isinstance(digests, tuple) or len(digests) > MAX_BLOCKS_PER_CALL:
+            raise InvalidInput(f"Locate needs digests: a list of at most {MAX_BLOCKS_PER_CALL}")
+        slots = self.locate([check_hash(d, "block digest") for d in digests])
+        if self.page_delay_s:  # the slow-store test hook, as for streamed pages
+            time.sleep(self.page_delay_s * len(slots))
+        token = None if self.arena is None else self.arena.layout.token
+        return {"arena": token, "slots": slots}
 
     def _save(self, body: dict[str, Any]) -> dict[str, Any]:
         run = BlockRun.from_wire(body, self.block_size)
+        if "slots" in body:
+            lease, slots = body.get("lease"), body["slots"]
+            if not isinstance(lease, bytes) or not isinstance(slots, tuple):
+                raise InvalidInput("Save from staging needs lease (bytes) and slots (a list)")
+            return {"inserted": self.save_staged(run, lease, slots)}
         pages = body.get("pages")
         if not isinstance(pages, tuple) or not all(isinstance(p, bytes) for p in pages):
             raise InvalidInput("Save needs pages: one bytes value per digest")
@@ -406,6 +505,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--control-port", type=int, default=0)
     p.add_argument("--name", default="engine-store")
     p.add_argument("--page-delay-s", type=float, default=0.0, help="test hook: slow page streams")
+    p.add_argument("--shm-dir", default=SHM_DIR, help="where the shared-memory arena lives")
+    p.add_argument("--no-shm", action="store_true", help="no arena: pages move over gRPC only")
+    p.add_argument(
+        "--staging-pages",
+        type=int,
+        default=DEFAULT_STAGING_PAGES,
+        help="arena slots the engine writes its saves into",
+    )
     store_events.add_arguments(p)
     return p.parse_args(argv)
 
@@ -427,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             control_port=args.control_port,
             name=args.name,
             page_delay_s=args.page_delay_s,
+            shm_dir=None if args.no_shm else args.shm_dir,
+            staging_pages=args.staging_pages,
         )
         publisher = store_events.attach(store, args)
         store.start()

@@ -110,7 +110,10 @@ class KVStore:
         page_size: int,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
+        memory: Tensor | None = None,
     ) -> None:
+        """`memory`: bytes to keep the pages in instead of a fresh tensor (a CPU uint8
+        tensor of exactly the store's size, e.g. a shared-memory arena other processes map)."""
         dims = {
             "num_pages": num_pages,
             "num_layers": num_layers,
@@ -126,7 +129,19 @@ class KVStore:
         self.device = resolve_device(str(device))
         self.num_pages = num_pages
         self.page_shape: tuple[int, ...] = (num_layers, 2, page_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros((num_pages, *self.page_shape), dtype=self.dtype, device=self.device)
+        if memory is None:
+            self.kv = torch.zeros(
+                (num_pages, *self.page_shape), dtype=self.dtype, device=self.device
+            )
+        else:
+            want = num_pages * math.prod(self.page_shape) * self.dtype.itemsize
+            if memory.dtype != torch.uint8 or memory.device.type != "cpu" or memory.numel() != want:
+                raise ConfigError(
+                    f"a KV store's memory must be {want} CPU uint8 bytes, got {memory.numel()} "
+                    f"{memory.dtype} on {memory.device}"
+                )
+            self.device = memory.device
+            self.kv = memory.view(self.dtype).view(num_pages, *self.page_shape)
         self.page_nbytes = math.prod(self.page_shape) * self.kv.element_size()
         # A CPU store's bytes as one numpy array [num_pages, page_nbytes]: exports and
         # imports are then slicing plus at most one memcpy.

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import msgpack
 import pytest
+import torch
 
+from kvmesh.connector.block_path import BlockPath, KVLayers, PendingSave
 from kvmesh.connector.blocks import (
     SEAL_BYTES,
     BlockRun,
@@ -27,11 +30,12 @@ from kvmesh.connector.blocks import (
     unseal,
 )
 from kvmesh.connector.engine_config import check_vllm_version, connector_config
-from kvmesh.connector.saver import BackgroundSaver, PendingSave
-from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.saver import BackgroundSaver
+from kvmesh.connector.store_client import Located, StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.errors import (
+    ArenaUnavailable,
     ChecksumMismatch,
     ConfigError,
     HashMismatch,
@@ -41,6 +45,7 @@ from kvmesh.errors import (
     TransportError,
 )
 from kvmesh.metrics import counter_value
+from kvmesh.page_arena import ArenaLayout, open_arena
 from kvmesh.worker.engine_store import EngineStore
 
 B = 32
@@ -254,10 +259,12 @@ def test_the_saver_seals_and_saves_in_order_off_the_callers_thread(
 ) -> None:
     a, _ = stores
     c = client(a)
-    saver = BackgroundSaver(c.save, PAGE, store="saver-test")
+    path = BlockPath(c, KVLayers([torch.zeros(4, NBYTES, dtype=torch.uint8)]), B, shm=False)
+    saver = BackgroundSaver(path.send, store="saver-test")
     runs = [request(20 + i)[0] for i in range(3)]
     for run in runs:
-        assert saver.submit(PendingSave(run, tuple(bytes([7]) * NBYTES for _ in run.digests)))
+        blocks = tuple(bytes([7]) * NBYTES for _ in run.digests)
+        assert saver.submit(PendingSave(run, blocks=blocks))
     assert saver.flush(10)
     assert counter_value("kvmesh_connector_blocks", store="saver-test", outcome="saved") == 9
     for run in runs:
@@ -270,16 +277,20 @@ def test_a_saver_whose_store_is_behind_drops_and_one_that_fails_reports() -> Non
     gate = threading.Event()
     errors: list[KVMeshError] = []
 
-    def slow_save(run: BlockRun, pages: Sequence[bytes]) -> None:
+    def slow_send(pending: PendingSave) -> None:
         gate.wait(10)
         raise TransportError("store down")
 
-    saver = BackgroundSaver(slow_save, PAGE, max_pending=1, on_error=errors.append)
+    released: list[PendingSave] = []
+    saver = BackgroundSaver(
+        slow_send, release=released.append, max_pending=1, on_error=errors.append
+    )
     run, _ = request(30)
     blocks = tuple(bytes(NBYTES) for _ in run.digests)
-    results = [saver.submit(PendingSave(run, blocks)) for _ in range(4)]
+    results = [saver.submit(PendingSave(run, blocks=blocks)) for _ in range(4)]
     assert results[0] and not all(results)
     assert counter_value("kvmesh_connector_blocks", store="", outcome="dropped") >= 3
+    assert len(released) == results.count(False)  # what a dropped save held is given back
     gate.set()
     assert saver.flush(10)
     assert counter_value("kvmesh_connector_blocks", store="", outcome="save_failed") >= 3
@@ -310,3 +321,251 @@ def test_a_connector_without_its_stores_addresses_is_refused_by_name() -> None:
         StoreClient("", "127.0.0.1:2")
     with pytest.raises(InvalidInput, match="timeout_s"):
         StoreClient("127.0.0.1:1", "127.0.0.1:2", timeout_s=0)
+
+
+# ------------------------------------------------------------------ the shared-memory path
+
+LAYERS, HEADS, HEAD_DIM, ENGINE_BLOCKS = 3, 2, 16, 16
+
+
+def kv_cache(seed: int | None = None) -> list[torch.Tensor]:
+    """An engine's paged KV cache: per layer [blocks, kv_heads, block_size, 2 x head_dim] bf16."""
+    shape = (ENGINE_BLOCKS, HEADS, B, 2 * HEAD_DIM)
+    if seed is None:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+KV_NBYTES = KVLayers(kv_cache()).block_nbytes
+KV_PAGE = sealed_page_bytes(KV_NBYTES, B)
+
+
+@pytest.fixture
+def shm_store() -> Iterator[EngineStore]:
+    with EngineStore(page_bytes=KV_PAGE, block_size=B, num_pages=16, staging_pages=8) as store:
+        yield store
+
+
+def engine_path(store: EngineStore | StoreProcess, layers: list[torch.Tensor]) -> BlockPath:
+    address = store.address if isinstance(store, EngineStore) else store.page_address
+    path = BlockPath(StoreClient(address, store.control_address), KVLayers(layers), B)
+    path.connect()
+    return path
+
+
+def same_blocks(
+    a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor], b_ids: list[int]
+) -> bool:
+    return all(torch.equal(x[a_ids], y[b_ids]) for x, y in zip(a, b, strict=True))
+
+
+def no_grpc_fetch(path: BlockPath) -> None:
+    def refuse(digests: Sequence[bytes]) -> list[bytes | None]:
+        raise AssertionError("the shared-memory path fetched pages over gRPC")
+
+    path.client.fetch = refuse  # type: ignore[method-assign]
+
+
+def test_blocks_move_through_shared_memory_as_the_engines_own_bytes(
+    shm_store: EngineStore,
+) -> None:
+    source = kv_cache(seed=1)
+    saving = engine_path(shm_store, source)
+    assert saving.mapped is not None and saving.mapped.arena.layout.path.startswith("/dev/shm/")
+    run, _ = request(40)
+    pending = saving.stage(run, [5, 9, 2])
+    assert pending is not None and pending.staged is saving.mapped and not pending.blocks
+    assert saving.send(pending) == [True, True, True]
+    assert shm_store.service.prefix_length(run.digests) == 3
+
+    target = kv_cache()
+    loading = engine_path(shm_store, target)
+    no_grpc_fetch(loading)
+    loaded = loading.load(run.digests, [0, 1, 2])
+    assert (loaded.blocks, loaded.refused, loaded.error) == (3, None, None)
+    assert same_blocks(source, [5, 9, 2], target, [0, 1, 2])
+    assert not same_blocks(source, [5], target, [3])  # untouched blocks stay as they were
+
+
+def test_a_load_stops_at_the_first_block_the_store_lacks(shm_store: EngineStore) -> None:
+    source = kv_cache(seed=2)
+    path = engine_path(shm_store, source)
+    run, _ = request(41)
+    pending = path.stage(run, [0, 1, 2])
+    assert pending is not None
+    path.send(pending)
+    shm_store.forget(run.digests[1:2])
+    target = kv_cache()
+    assert engine_path(shm_store, target).load(run.digests, [4, 5, 6]).blocks == 1
+    assert same_blocks(source, [0], target, [4])
+
+
+@pytest.mark.parametrize("rewrite", ["another block's page", "bytes under the seal"])
+def test_a_page_rewritten_between_locate_and_the_copy_is_refused_never_used(
+    shm_store: EngineStore, rewrite: str
+) -> None:
+    source = kv_cache(seed=3)
+    path = engine_path(shm_store, source)
+    run, _ = request(42)
+    other, _ = request(43)
+    for r, ids in ((run, [0, 1, 2]), (other, [3, 4, 5])):
+        pending = path.stage(r, ids)
+        assert pending is not None
+        path.send(pending)
+    target = kv_cache()
+    loading = engine_path(shm_store, target)
+    locate = loading.client.locate
+
+    def locate_then_reuse(digests: Sequence[bytes]) -> Located:
+        located = locate(digests)
+        # the store evicts block 1 and reuses its page, after answering where it lay
+        page = shm_store.kv.page_buffer(located.slots[1])
+        assert page is not None
+        if rewrite == "another block's page":
+            with shm_store.service.pinned(other.digests[:1]) as (other_id,):
+                assert other_id is not None
+                page[:] = shm_store.kv.page_bytes(other_id)
+        else:
+            page[:100] = bytes(100)
+        return located
+
+    loading.client.locate = locate_then_reuse  # type: ignore[method-assign]
+    loaded = loading.load(run.digests, [7, 8, 9])
+    assert loaded.blocks == 1 and loaded.refused == run.digests[1]
+    wanted = HashMismatch if rewrite == "another block's page" else ChecksumMismatch
+    assert isinstance(loaded.error, wanted)
+    assert same_blocks(source, [0], target, [7])  # the block before it is good and kept
+
+
+def test_a_newer_lease_on_the_staging_ends_the_older_one(shm_store: EngineStore) -> None:
+    run, _ = request(44)
+    first, second = client(shm_store), client(shm_store)
+    old = first.attach()
+    second.attach()
+    with pytest.raises(ArenaUnavailable, match="Attach again"):
+        first.save_staged(run, old, [0, 1, 2])
+    assert shm_store.service.prefix_length(run.digests) == 0
+    with pytest.raises(InvalidInput, match="distinct staging slots"):
+        second.save_staged(run, second.attach(), [0, 0, 1])
+    with pytest.raises(InvalidInput, match=r"\[0, 8\)"):
+        second.save_staged(run, second.attach(), [0, 1, 8])
+
+
+def test_an_engine_whose_lease_was_taken_leases_again_and_its_save_lands(
+    shm_store: EngineStore,
+) -> None:
+    source = kv_cache(seed=4)
+    path = engine_path(shm_store, source)
+    run, _ = request(45)
+    pending = path.stage(run, [1, 2, 3])
+    assert pending is not None
+    client(shm_store).attach()  # another client takes the staging
+    assert path.send(pending) == [True, True, True]
+    target = kv_cache()
+    assert engine_path(shm_store, target).load(run.digests, [0, 1, 2]).blocks == 3
+    assert same_blocks(source, [1, 2, 3], target, [0, 1, 2])
+
+
+def test_a_step_with_more_blocks_than_free_staging_slots_is_dropped_and_slots_come_back(
+    shm_store: EngineStore,
+) -> None:
+    path = engine_path(shm_store, kv_cache(seed=5))
+    run, _ = request(46, blocks=6)
+    first = path.stage(run, list(range(6)))
+    assert first is not None
+    assert path.stage(run, list(range(6))) is None  # 8 staging slots: 2 left
+    path.release(first)
+    again = path.stage(run, list(range(6)))
+    assert again is not None and path.send(again) == [True] * 6
+
+
+def test_a_restarted_store_has_a_new_arena_that_the_engine_maps(tmp_path: Path) -> None:
+    source = kv_cache(seed=6)
+    with StoreProcess(block_nbytes=KV_NBYTES, block_size=B, pages=16, log_dir=tmp_path) as proc:
+        path = engine_path(proc, source)
+        assert path.mapped is not None
+        old = path.mapped.arena.layout
+        run, _ = request(47)
+        pending = path.stage(run, [0, 1, 2])
+        assert pending is not None and path.send(pending) == [True] * 3
+        proc.restart()
+        assert not Path(old.path).exists()  # a store removes its arena when it stops
+        assert path.load(run.digests, [3, 4, 5]).blocks == 0  # the new store is empty
+        mapped = path.mapped
+        assert mapped is not None and mapped.token != old.token  # Locate named a new arena
+        pending = path.stage(run, [0, 1, 2])  # staged under the old lease...
+        assert pending is not None
+        proc.restart()
+        assert path.send(pending) == [True] * 3  # ...refused, leased again, saved
+        target = kv_cache()
+        no_grpc_fetch(path)
+        fresh = BlockPath(path.client, KVLayers(target), B)
+        fresh.connect()
+        no_grpc_fetch(fresh)
+        assert fresh.load(run.digests, [7, 8, 9]).blocks == 3
+        assert same_blocks(source, [0, 1, 2], target, [7, 8, 9])
+
+
+def test_a_killed_stores_arena_is_removed_by_the_next_store_on_the_host(tmp_path: Path) -> None:
+    with StoreProcess(block_nbytes=KV_NBYTES, block_size=B, pages=4, log_dir=tmp_path) as proc:
+        layout = StoreClient(proc.page_address, proc.control_address).describe().arena
+        assert layout is not None and Path(layout.path).exists()
+        proc.kill()
+        assert Path(layout.path).exists()  # SIGKILL: no chance to unlink
+        proc.start()
+        assert not Path(layout.path).exists()
+
+
+def test_an_arena_this_host_cannot_map_means_grpc_counted(shm_store: EngineStore) -> None:
+    arena = shm_store.arena
+    assert arena is not None
+    before = counter_value(
+        "kvmesh_connector_shm_unmapped", store=shm_store.address, reason="unmappable"
+    )
+    Path(arena.layout.path).unlink()  # as seen from another host: no such file
+    source = kv_cache(seed=7)
+    path = engine_path(shm_store, source)
+    assert path.mapped is None
+    assert (
+        counter_value("kvmesh_connector_shm_unmapped", store=shm_store.address, reason="unmappable")
+        == before + 1
+    )
+    run, _ = request(48)
+    pending = path.stage(run, [3, 4, 5])
+    assert pending is not None and pending.staged is None and len(pending.blocks) == 3
+    assert path.send(pending) == [True] * 3
+    target = kv_cache()
+    assert engine_path(shm_store, target).load(run.digests, [0, 1, 2]).blocks == 3
+    assert same_blocks(source, [3, 4, 5], target, [0, 1, 2])
+
+
+def test_a_store_without_shared_memory_is_reached_over_grpc_counted() -> None:
+    with EngineStore(page_bytes=KV_PAGE, block_size=B, num_pages=8, shm_dir=None) as store:
+        path = engine_path(store, kv_cache(seed=8))
+        assert path.mapped is None and store.arena is None
+        assert (
+            counter_value(
+                "kvmesh_connector_shm_unmapped", store=store.address, reason="not_offered"
+            )
+            == 1
+        )
+        run, _ = request(49)
+        pending = path.stage(run, [0, 1, 2])
+        assert pending is not None and path.send(pending) == [True] * 3
+        with pytest.raises(ArenaUnavailable, match="no-shm"):
+            client(store).attach()
+
+
+def test_an_arena_with_another_token_or_size_is_refused(shm_store: EngineStore) -> None:
+    arena = shm_store.arena
+    assert arena is not None
+    layout = arena.layout
+    with pytest.raises(ArenaUnavailable, match="restarted"):
+        open_arena(replace(layout, token=bytes(16)))
+    with pytest.raises(ArenaUnavailable, match="restarted"):
+        open_arena(replace(layout, staging=layout.staging + 1))
+    with pytest.raises(ArenaUnavailable, match="no usable arena"):
+        ArenaLayout.from_wire({"path": layout.path})
+    with pytest.raises(ConfigError, match="--no-shm"):
+        EngineStore(page_bytes=KV_PAGE, block_size=B, shm_dir="/nonexistent/kvmesh")

@@ -1,0 +1,364 @@
+"""The engine's KV blocks to and from its store: shared memory on one host, gRPC otherwise.
+
+`BlockPath` is the connector's data path, apart from vLLM (the benchmark
+drives it with plain tensors). On `connect` it asks the store for its arena
+(``Describe``, `kvmesh.page_arena`) and maps it; a store that offers none, or
+one this host cannot map (another host, another container), is reached over
+gRPC, counted in ``kvmesh_connector_shm_unmapped``.
+
+Load, shared memory: ``Locate`` answers the arena slots of the leading pages
+the store holds; each block is copied straight from the mapping into the KV
+cache (one copy per layer), then its seal is checked over the bytes now in
+the KV cache (`check_seal`), with the seal read from the arena. Nothing is
+pinned in the store: a page evicted and reused while it was copied fails the
+check, and it and every later block are recomputed. A ``Locate`` answer for
+another arena (the store restarted) remaps first. gRPC: ``FetchPages``, then
+`unseal` and the same copy.
+
+Save: `stage` runs in the engine's step and copies the step's blocks out of
+the KV cache (the engine may reuse them once the request ends): into staging
+slots of the arena leased to this engine (``Attach``), or into bytes for
+gRPC. `send` runs on the saver thread: it seals the staged blocks in place
+and names their slots in ``Save`` (or sends the bytes). Slots come back when
+the save is done; a step that finds too few free is dropped, like a save
+the store is too far behind to take.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.connector.blocks import (
+    SEAL_BYTES,
+    BlockRun,
+    check_seal,
+    seal,
+    seal_into,
+    sealed_page_bytes,
+    unseal,
+)
+from kvmesh.connector.store_client import StoreClient, StoreInfo
+from kvmesh.errors import ArenaUnavailable, ConfigError, KVMeshError, TransportError
+from kvmesh.metrics import CONNECTOR_SHM_UNMAPPED
+from kvmesh.page_arena import Arena, open_arena
+
+log = logging.getLogger(__name__)
+
+
+class KVLayers:
+    """An engine's paged KV cache as the store sees a block: every layer's slab, in order.
+
+    Each tensor holds blocks along dim 0; a block's bytes are layer 0's
+    ``t[block]`` then layer 1's..., in each slab's logical order.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+        if not layers:
+            raise ConfigError("the engine registered no KV cache layers")
+        self.layers = list(layers)
+        self.sizes = [t[0].numel() * t.element_size() for t in self.layers]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.block_nbytes = sum(self.sizes)
+        self._views = [(t, o, n, t.dtype, t.shape[1:]) for t, o, n in zip(
+            self.layers, self.offsets, self.sizes, strict=True)]  # fmt: skip
+
+    def write(self, block_id: int, row: torch.Tensor) -> None:
+        """Copy a block's bytes (`row`, uint8, at least `block_nbytes`) into every layer."""
+        for t, o, n, dtype, shape in self._views:
+            t[block_id].copy_(row[o : o + n].view(dtype).view(shape))
+
+    def read_into(self, block_id: int, row: torch.Tensor) -> None:
+        """Copy a block's bytes out of every layer into `row` (uint8, writable)."""
+        for t, o, n, dtype, shape in self._views:
+            row[o : o + n].view(dtype).view(shape).copy_(t[block_id])
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """A block's bytes as one owned copy (the gRPC path)."""
+        out = torch.empty(self.block_nbytes, dtype=torch.uint8)
+        self.read_into(block_id, out)
+        return out.numpy().tobytes()
+
+    def parts(self, block_id: int) -> list[memoryview]:
+        """The block's bytes where they lie in the KV cache (no copy for contiguous slabs)."""
+        return [t[block_id].reshape(-1).view(torch.uint8).numpy().data for t in self.layers]
+
+
+class _Slots:
+    """Free staging slots of one lease; taken by the step, given back by the saver thread."""
+
+    def __init__(self, count: int) -> None:
+        self._free = deque(range(count))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> tuple[int, ...] | None:
+        with self._lock:
+            if n > len(self._free):
+                return None
+            return tuple(self._free.popleft() for _ in range(n))
+
+    def give(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+
+class Mapped:
+    """One store arena, mapped here: its pool (read-only) and the staging leased to us."""
+
+    def __init__(self, arena: Arena) -> None:
+        layout = arena.layout
+        self.arena = arena
+        self.token = layout.token
+        with warnings.catch_warnings():  # the pool is mapped read-only, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            pages = torch.frombuffer(arena.pages, dtype=torch.uint8)
+        self.pages = pages.view(layout.pages, layout.page_bytes)
+        self.pages_np = np.frombuffer(arena.pages, dtype=np.uint8).reshape(
+            layout.pages, layout.page_bytes
+        )
+        self.staging = torch.frombuffer(arena.staging, dtype=torch.uint8).view(
+            layout.staging, layout.page_bytes
+        )
+        self.staging_np = np.frombuffer(arena.staging, dtype=np.uint8).reshape(
+            layout.staging, layout.page_bytes
+        )
+        self.lease: bytes | None = None
+        self.slots = _Slots(layout.staging)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSave:
+    """One request's blocks of one step, copied out of the KV cache, waiting to be saved.
+
+    Either `blocks` (their bytes, for gRPC) or `slots` of `staged` (the
+    arena mapping they were copied into, with its lease).
+    """
+
+    run: BlockRun
+    blocks: tuple[bytes, ...] = ()
+    slots: tuple[int, ...] = ()
+    staged: Mapped | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """How a load went: leading blocks copied and checked; the block refused (its seal
+    failed) or the store's failure, with its error, if either stopped it."""
+
+    blocks: int
+    refused: bytes | None = None
+    error: KVMeshError | None = None
+
+
+class BlockPath:
+    """Loads and saves one engine's blocks through its store (module docstring: how)."""
+
+    def __init__(
+        self, client: StoreClient, layers: KVLayers, block_size: int, *, shm: bool = True
+    ) -> None:
+        self.client = client
+        self.layers = layers
+        self.block_nbytes = layers.block_nbytes
+        self.page_bytes = sealed_page_bytes(layers.block_nbytes, block_size)
+        self.shm = shm
+        self._mapped: Mapped | None = None
+        self._arena_seen = False  # the store offered an arena this host mapped: Locate first
+        self._lock = threading.Lock()
+
+    @property
+    def mapped(self) -> Mapped | None:
+        """The arena in use (None: gRPC)."""
+        return self._mapped
+
+    def connect(self) -> StoreInfo:
+        """Describe the store and map its arena when it offers one this host can map."""
+        info = self.client.describe()
+        with self._lock:
+            self._map(info)
+        return info
+
+    def _map(self, info: StoreInfo) -> None:
+        old, self._mapped = self._mapped, None
+        if old is not None:
+            old.arena.close()
+        if not self.shm:
+            return
+        store = self.client.page_address
+        if info.arena is None:
+            CONNECTOR_SHM_UNMAPPED.labels(store, "not_offered").inc()
+            log.info("kvmesh connector: store %s offers no shared memory; gRPC", store)
+            return
+        try:
+            self._mapped = Mapped(open_arena(info.arena))
+            self._arena_seen = True
+        except ArenaUnavailable as exc:
+            CONNECTOR_SHM_UNMAPPED.labels(store, "unmappable").inc()
+            log.warning("kvmesh connector: %s; blocks move over gRPC", exc)
+
+    def _remap(self, token: bytes) -> Mapped | None:
+        """The mapping of arena `token`, mapping the store's current arena if it is that one."""
+        with self._lock:
+            mapped = self._mapped
+            if mapped is not None and mapped.token == token:
+                return mapped
+            self._map(self.client.describe())
+            mapped = self._mapped
+            return mapped if mapped is not None and mapped.token == token else None
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Loaded:
+        """Copy the stored blocks `digests` into engine blocks `block_ids`, checked, in order.
+
+        Stops at the first block the store lacks or that fails its check;
+        a store that fails is `Loaded(0, error=...)`. Never raises a kvmesh error.
+        """
+        try:
+            if self.shm and self._arena_seen:
+                located = self.client.locate(digests)
+                mapped = None if located.arena is None else self._remap(located.arena)
+                if mapped is not None:
+                    pages = mapped.arena.layout.pages
+                    if not all(0 <= s < pages for s in located.slots):
+                        raise TransportError(f"store located pages outside its {pages} slots")
+                    return self._copy_from_arena(mapped, digests, block_ids, located.slots)
+            return self._copy_from_fetch(digests, block_ids)
+        except KVMeshError as exc:
+            return Loaded(0, error=exc)
+
+    def _copy_from_arena(
+        self,
+        mapped: Mapped,
+        digests: Sequence[bytes],
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+    ) -> Loaded:
+        nbytes, layers = self.block_nbytes, self.layers
+        for i, (slot, digest, block_id) in enumerate(zip(slots, digests, block_ids, strict=False)):
+            layers.write(block_id, mapped.pages[slot])
+            # the seal is read after the copy and checked against what was copied: a page
+            # rewritten meanwhile (evicted, reused) fails, whichever part changed
+            trailer = mapped.pages_np[slot, nbytes : nbytes + SEAL_BYTES].tobytes()
+            try:
+                check_seal(digest, trailer, layers.parts(block_id), nbytes)
+            except KVMeshError as exc:
+                return Loaded(i, refused=digest, error=exc)
+        return Loaded(min(len(slots), len(digests)))
+
+    def _copy_from_fetch(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Loaded:
+        pages = self.client.fetch(digests)
+        for i, (page, digest, block_id) in enumerate(zip(pages, digests, block_ids, strict=True)):
+            if page is None:
+                return Loaded(i)
+            try:
+                data = unseal(digest, page, self.block_nbytes)
+            except KVMeshError as exc:
+                return Loaded(i, refused=digest, error=exc)
+            self.layers.write(block_id, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return Loaded(len(digests))
+
+    # ------------------------------------------------------------------ save
+
+    def stage(self, run: BlockRun, block_ids: Sequence[int]) -> PendingSave | None:
+        """Copy a step's blocks out of the KV cache for the saver; None: no staging room now."""
+        mapped = self._leased()
+        if mapped is None:
+            blocks = tuple(self.layers.block_bytes(b) for b in block_ids)
+            return PendingSave(run, blocks=blocks)
+        slots = mapped.slots.take(len(block_ids))
+        if slots is None:
+            return None
+        nbytes = self.block_nbytes
+        for slot, block_id, digest in zip(slots, block_ids, run.digests, strict=True):
+            self.layers.read_into(block_id, mapped.staging[slot])
+            # sealed over the KV cache's own bytes: staging written by anyone else since
+            # (another client, a bug) fails the check on load, never passes as this block
+            page = memoryview(mapped.staging_np[slot])
+            seal_into(digest, page, self.layers.parts(block_id), nbytes)
+        return PendingSave(run, slots=slots, staged=mapped)
+
+    def _leased(self) -> Mapped | None:
+        """The mapping this engine saves into, leasing its staging first; None: gRPC."""
+        if not self.shm:
+            return None
+        with self._lock:
+            mapped = self._mapped
+            if mapped is not None and mapped.lease is not None:
+                return mapped
+        try:
+            if mapped is None:
+                self.connect()  # after a store restart: its new arena
+            with self._lock:
+                mapped = self._mapped
+                if mapped is not None and mapped.lease is None:
+                    mapped.lease = self.client.attach()
+                return mapped
+        except KVMeshError as exc:
+            log.warning("kvmesh connector: cannot lease the store's staging (%s); gRPC", exc)
+            return None
+
+    def send(self, pending: PendingSave) -> list[bool]:
+        """Save staged blocks (the saver thread); their slots come back either way.
+
+        A store that refuses the lease (it restarted: a new arena; or another
+        client leased its staging) is described and leased anew, and the
+        sealed pages are moved into the new staging and saved once more (their
+        seals were taken over the KV cache, so a page changed meanwhile is
+        refused on load).
+        """
+        mapped = pending.staged
+        if mapped is None:
+            pages = [
+                seal(d, b, self.page_bytes)
+                for d, b in zip(pending.run.digests, pending.blocks, strict=True)
+            ]
+            return self.client.save(pending.run, pages)
+        try:
+            return self._save_staged(mapped, pending.run, pending.slots)
+        except ArenaUnavailable:
+            self._forget_mapping(mapped)
+            fresh = self._leased()
+            if fresh is None or fresh is mapped:
+                raise
+            slots = fresh.slots.take(len(pending.slots))
+            if slots is None:
+                raise
+            try:
+                for old, new in zip(pending.slots, slots, strict=True):
+                    fresh.staging_np[new] = mapped.staging_np[old]
+                return self._save_staged(fresh, pending.run, slots)
+            finally:
+                fresh.slots.give(slots)
+        finally:
+            mapped.slots.give(pending.slots)
+
+    def _save_staged(self, mapped: Mapped, run: BlockRun, slots: Sequence[int]) -> list[bool]:
+        lease = mapped.lease
+        if lease is None:
+            raise ArenaUnavailable("the staging lease was given up; Attach again")
+        return self.client.save_staged(run, lease, slots)
+
+    def release(self, pending: PendingSave) -> None:
+        """Give back the slots of a save that will not be sent (dropped)."""
+        if pending.staged is not None:
+            pending.staged.slots.give(pending.slots)
+
+    def _forget_mapping(self, mapped: Mapped) -> None:
+        """A store that refused our lease restarted or leased to another: describe it anew."""
+        with self._lock:
+            if self._mapped is mapped:
+                self._mapped = None
+                mapped.arena.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._mapped is not None:
+                self._mapped.arena.close()
+                self._mapped = None

@@ -1,0 +1,239 @@
+"""A store's pages in a shared-memory file that the engine beside it maps.
+
+The kvmesh store beside a vLLM engine (`kvmesh.worker.engine_store`) keeps
+its page pool, and a staging area the engine writes its saves into, in one
+file under ``/dev/shm``; the engine's connector (`kvmesh.connector`) maps the
+same file. A load is then a copy out of the mapping and a save a copy into
+it; only small control calls (msgpack over gRPC) cross the socket::
+
+    0          4096 (pages_offset)                         staging_offset (4 KiB aligned)
+    ┌ header ┐┌──── pool: pages x page_bytes ────────────┐┌──── staging: staging x page_bytes ┐
+    header = b"KVMARENA" | token (16 random bytes)
+
+Why a named file mapped with `mmap` (and not `multiprocessing.shared_memory`):
+before Python 3.13 an attached `SharedMemory` registers with the attaching
+process's resource tracker, which unlinks the segment when that process
+exits, so an engine that stops would delete its store's memory; a file the
+store creates, names in ``Describe`` and unlinks when it stops has one owner.
+The engine maps the pool read-only (a bug there cannot write the store's
+pages) and only the staging area writable.
+
+The token proves the engine mapped this store's own file: a path on another
+host or in another container, or the file of a store that has since
+restarted, holds another token (or none), and `open_arena` refuses it with
+`ArenaUnavailable` (the connector then moves pages over gRPC). A store
+killed before it could unlink its file leaves it behind; the next store on
+the host removes files whose creator is gone (`sweep_stale`).
+
+Pure: os, mmap and secrets only (no torch, no gRPC); importable in the
+engine's venv.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmesh.errors import ArenaUnavailable, ConfigError
+
+SHM_DIR = "/dev/shm"
+FILE_PREFIX = "kvmesh-store-"
+MAGIC = b"KVMARENA"
+TOKEN_BYTES = 16
+HEADER_BYTES = 4096  # a page of its own: the pool's mapping starts on a page boundary
+_HEADER = struct.Struct(f"<8s{TOKEN_BYTES}s")
+_ALIGN = mmap.ALLOCATIONGRANULARITY
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaLayout:
+    """Where an arena is and how it is cut: what ``Describe`` tells the engine.
+
+    `pages` pool pages then `staging` staging slots, each `page_bytes` long.
+    """
+
+    path: str
+    token: bytes
+    page_bytes: int
+    pages: int
+    staging: int
+
+    @property
+    def pages_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def staging_offset(self) -> int:
+        return _aligned(HEADER_BYTES + self.pages * self.page_bytes)
+
+    @property
+    def size(self) -> int:
+        return self.staging_offset + self.staging * self.page_bytes
+
+    def wire(self) -> dict[str, Any]:
+        """The layout as ``Describe``'s msgpack map."""
+        return {
+            "path": self.path,
+            "token": self.token,
+            "page_bytes": self.page_bytes,
+            "pages": self.pages,
+            "staging": self.staging,
+        }
+
+    @classmethod
+    def from_wire(cls, body: Any) -> ArenaLayout:
+        """A layout from ``Describe``; `ArenaUnavailable` when it is not one."""
+        try:
+            layout = cls(
+                str(body["path"]),
+                bytes(body["token"]),
+                int(body["page_bytes"]),
+                int(body["pages"]),
+                int(body["staging"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArenaUnavailable(f"the store described no usable arena ({exc!r})") from None
+        if (
+            len(layout.token) != TOKEN_BYTES
+            or min(layout.page_bytes, layout.pages, layout.staging) <= 0
+        ):
+            raise ArenaUnavailable(f"the store described a malformed arena: {layout}")
+        return layout
+
+
+class Arena:
+    """A mapped arena: `pages` (the pool) and `staging`, each an `mmap` over its region.
+
+    The creator (`create_arena`) owns the file and unlinks it in `close`; an
+    engine (`open_arena`) only unmaps. Buffers handed out (torch or numpy
+    views) keep a mapping alive until they are gone, so `close` unmaps what
+    it can and leaves the rest to the views' owners.
+    """
+
+    def __init__(self, layout: ArenaLayout, pages: mmap.mmap, staging: mmap.mmap, *, owner: bool):
+        self.layout = layout
+        self.pages = pages
+        self.staging = staging
+        self.owner = owner
+
+    def close(self) -> None:
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.layout.path)
+        for buffer in (self.pages, self.staging):
+            with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+                buffer.close()
+
+
+def _map(fd: int, layout: ArenaLayout, *, pages_writable: bool) -> tuple[mmap.mmap, mmap.mmap]:
+    pages_prot = mmap.PROT_READ | (mmap.PROT_WRITE if pages_writable else 0)
+    pages = mmap.mmap(
+        fd,
+        layout.pages * layout.page_bytes,
+        flags=mmap.MAP_SHARED,
+        prot=pages_prot,
+        offset=layout.pages_offset,
+    )
+    staging = mmap.mmap(
+        fd,
+        layout.staging * layout.page_bytes,
+        flags=mmap.MAP_SHARED,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=layout.staging_offset,
+    )
+    return pages, staging
+
+
+def create_arena(
+    page_bytes: int, pages: int, staging: int, directory: str | Path = SHM_DIR
+) -> Arena:
+    """A new arena file (mode 0600) in `directory`, zeroed, header written, mapped read-write.
+
+    `ConfigError` when the directory cannot hold it (no such directory, no room).
+    """
+    if min(page_bytes, pages, staging) <= 0:
+        raise ConfigError(
+            "an arena needs positive page_bytes, pages and staging slots, got "
+            f"{page_bytes}, {pages} and {staging}"
+        )
+    token = secrets.token_bytes(TOKEN_BYTES)
+    path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{token.hex()[:12]}"
+    layout = ArenaLayout(str(path), token, page_bytes, pages, staging)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the store's shared-memory arena {path}: {exc}; give the store a "
+            "writable --shm-dir (tmpfs) or --no-shm"
+        ) from None
+    try:
+        os.ftruncate(fd, layout.size)
+        os.pwrite(fd, _HEADER.pack(MAGIC, token), 0)
+        pages_map, staging_map = _map(fd, layout, pages_writable=True)
+    except OSError as exc:
+        os.unlink(path)
+        raise ConfigError(f"cannot size the arena {path} to {layout.size} bytes: {exc}") from None
+    finally:
+        os.close(fd)
+    return Arena(layout, pages_map, staging_map, owner=True)
+
+
+def open_arena(layout: ArenaLayout) -> Arena:
+    """Map the arena `layout` describes (pool read-only, staging writable).
+
+    `ArenaUnavailable` when the file is not there, not that size, or does not
+    hold the layout's token: the store is on another host, in another
+    container, or restarted since it described the layout.
+    """
+    try:
+        fd = os.open(layout.path, os.O_RDWR)
+    except OSError as exc:
+        raise ArenaUnavailable(f"cannot open the store's arena {layout.path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, _HEADER.size, 0)
+        if size != layout.size or header != _HEADER.pack(MAGIC, layout.token):
+            raise ArenaUnavailable(
+                f"{layout.path} is not the arena the store described ({size} bytes, expected "
+                f"{layout.size}, or another token): the store runs elsewhere or restarted"
+            )
+        pages_map, staging_map = _map(fd, layout, pages_writable=False)
+    except OSError as exc:
+        raise ArenaUnavailable(f"cannot map the store's arena {layout.path}: {exc}") from None
+    finally:
+        os.close(fd)
+    return Arena(layout, pages_map, staging_map, owner=False)
+
+
+def sweep_stale(directory: str | Path = SHM_DIR) -> list[Path]:
+    """Remove arena files whose creating process is gone (a store killed); the removed paths."""
+    removed: list[Path] = []
+    with contextlib.suppress(OSError):
+        for path in Path(directory).glob(f"{FILE_PREFIX}*-*"):
+            pid_text = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
+            if not pid_text.isdigit() or _alive(int(pid_text)):
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
