@@ -148,7 +148,7 @@ class CoordinatorActor:
         self.core = Coordinator(config)
         self._calls = {
             m: COORDINATOR_CALLS.labels(self.core.name, m)
-            for m in ("route", "report", "heartbeat", "record_result")
+            for m in ("route", "report", "heartbeat", "record_result", "view", "view_many")
         }
         self._api: CoordinatorAPIServer | None = None
         self.store = WorkerStore(config)
@@ -302,18 +302,29 @@ class CoordinatorActor:
     async def match(self, hashes: Sequence[PageHash]) -> MatchResult:
         return self.core.match(hashes)
 
-    async def view(self, query: RouteQuery) -> RouteView:
+    async def view(self, query: RouteQuery, known_loads_version: int | None = None) -> RouteView:
         """Overlaps and loads for a router in front of shards; waits for the start-up rebuild
         and for the reports the query follows (`query.after`, the marks of this shard's
-        workers).
+        workers). Loads of `known_loads_version` (the router holds them) are left out.
 
         A shard answers only once its index is rebuilt from the workers'
         snapshots, so a restarted shard never hands a router a half-empty
         index (that would be a wrong answer, not a slow one).
         """
+        self._calls["view"].inc()
         await self._ready.wait()
         await self._wait_reported(query.after)
-        return self.core.view(query)
+        return self.core.view(query, known_loads_version)
+
+    async def view_many(
+        self, queries: Sequence[RouteQuery], known_loads_version: int | None = None
+    ) -> list[RouteView]:
+        """`view` of each query in one call and one lookup (`Coordinator.view_many`): what a
+        router asks for the routes that arrived while its last fan-out was in flight."""
+        self._calls["view_many"].inc()
+        await self._ready.wait()
+        await self._wait_reported([m for query in queries for m in query.after])
+        return self.core.view_many(queries, known_loads_version)
 
     async def address_of(self, worker_id: WorkerId) -> str:
         """The worker's serving address; raises `UnknownWorker`."""

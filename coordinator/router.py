@@ -68,11 +68,12 @@ from kvmesh.coordinator.service import (
     policy_request,
 )
 from kvmesh.coordinator.shards import (
+    MergedLoads,
     ShardRouter,
     SlowShards,
     merge_matches,
     merge_stats,
-    merge_views,
+    merge_view_batches,
     shard_of,
 )
 from kvmesh.errors import InvalidInput, KVMeshError, TransportError
@@ -81,7 +82,7 @@ from kvmesh.handles import CoordinatorHandle, WorkerActorHandle, handle_of
 from kvmesh.logs import request_scope
 from kvmesh.metrics import REPLICA_FAILOVERS
 from kvmesh.rendezvous import DistRendezvous
-from kvmesh.requests import ReportMark
+from kvmesh.requests import ReportMark, Role
 from kvmesh.router_replicas import router_actor_name, shard_actor_name
 from kvmesh.types import PageHash, WorkerId
 
@@ -144,6 +145,19 @@ def _kvmesh_cause(exc: BaseException) -> KVMeshError | None:
     return cause if isinstance(cause, KVMeshError) else None
 
 
+def _check_hashes(hashes: Sequence[object]) -> None:
+    """Refuse a route's page hashes that are not 1-64 bytes each (`InvalidInput`); C-level
+    passes while all are good."""
+    if hashes and (
+        set(map(type, hashes)) != {bytes}
+        or min(map(len, hashes)) == 0  # type: ignore[arg-type]
+        or max(map(len, hashes)) > 64  # type: ignore[arg-type]
+    ):
+        for h in hashes:
+            if type(h) is not bytes or not 0 < len(h) <= 64:
+                raise InvalidInput(f"a page hash must be 1-64 bytes, got {h!r:.40}")
+
+
 def _placement(config: CoordinatorConfig, replica: int) -> dict[str, Any]:
     """Ray options placing replica `replica`'s actors: on nodes labelled for it, if configured."""
     if config.replica_node_label:
@@ -179,6 +193,13 @@ class RouterActor:
         self._slow = SlowShards(max(config.heartbeat_interval_s, HEDGE_AFTER_S))
         self._hedge = HedgeDelay()
         self._background: set[asyncio.Task[Any]] = set()  # routed-load updates under way
+        # views asked while a fan-out is in flight go out together when it ends (`view`)
+        self._asked: list[tuple[RouteQuery, asyncio.Future[RouteView]]] = []
+        self._fanning_out = False
+        # per shard: the loads version of its last answer and its loads per role, so a
+        # shard sends them only when they changed; their merge is kept while they last
+        self._shard_loads: dict[int, tuple[int, dict[Role | None, tuple[WorkerLoad, ...]]]] = {}
+        self._merged_loads = MergedLoads()
         self._ready = asyncio.Event()
         self._api: CoordinatorAPIServer | None = None
         loop = asyncio.get_running_loop()
@@ -433,12 +454,95 @@ class RouterActor:
 
     async def view(self, query: RouteQuery) -> RouteView:
         """Every shard's view, merged (own replica first, hedged to the others); each shard
-        waits only for the reports of its own workers (`query.after`)."""
+        waits only for the reports of its own workers (`query.after`).
+
+        Views asked while a fan-out is in flight wait for it to end and then go
+        to the shards together, one `view_many` call per shard for them all, so
+        a busy router pays each shard's per-call cost (Ray's and the lookup's)
+        once per batch, not once per route. Each is answered with its own view,
+        as `ShardedCoordinator.route_many` does; a request routed in one batch
+        counts in its worker's load for the batches after it.
+        """
+        _check_hashes(query.hashes)  # a bad one would fail the batch it joins, not itself alone
         await self._ready.wait()
-        views = await asyncio.gather(
-            *(self._hedged(s, "view", self._for_shard(query, s)) for s in range(self.num_shards))
+        view: asyncio.Future[RouteView] = asyncio.get_running_loop().create_future()
+        self._asked.append((query, view))
+        if not self._fanning_out:
+            self._fanning_out = True
+            task = asyncio.get_running_loop().create_task(self._fan_out())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return await view
+
+    async def _fan_out(self) -> None:
+        """Send the views asked so far to the shards, batch after batch, until none wait."""
+        batch: list[tuple[RouteQuery, asyncio.Future[RouteView]]] = []
+        try:
+            while self._asked:
+                batch, self._asked = self._asked, []
+                answers = await self._answers([query for query, _ in batch])
+                for (_, view), answer in zip(batch, answers, strict=True):
+                    if view.done():  # its caller is gone (cancelled)
+                        continue
+                    if isinstance(answer, BaseException):
+                        view.set_exception(answer)
+                    else:
+                        view.set_result(answer)
+        except BaseException:  # cancelled (the actor stops): no caller is left waiting
+            for _, view in [*batch, *self._asked]:
+                view.cancel()
+            raise
+        finally:
+            self._fanning_out = False
+
+    async def _answers(self, queries: Sequence[RouteQuery]) -> list[RouteView | BaseException]:
+        """Each query's merged view, or the error that stopped it: one query's fault (a bad
+        hash a shard refuses) fails that query alone, asked again one by one."""
+        try:
+            return list(await self._views(queries))
+        except TransportError as exc:  # no replica of a shard answered: no view can come
+            return [exc] * len(queries)
+        except Exception as exc:
+            if len(queries) == 1:
+                return [exc]
+            one_by_one = await asyncio.gather(
+                *(self._views([query]) for query in queries), return_exceptions=True
+            )
+            return [v if isinstance(v, BaseException) else v[0] for v in one_by_one]
+
+    async def _views(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
+        """The merged views of `queries`: one `view_many` call per shard, each shard's loads
+        sent only when they changed since this router last held them."""
+        per_shard = await asyncio.gather(
+            *(self._shard_views(s, queries) for s in range(self.num_shards))
         )
-        return merge_views(views)
+        return merge_view_batches(per_shard, self._merged_loads)
+
+    async def _shard_views(self, shard: int, queries: Sequence[RouteQuery]) -> list[RouteView]:
+        """`shard`'s views of `queries` (hedged), each with the loads tuple this router holds
+        for that shard's loads version, so that an unchanged shard's loads are neither sent
+        nor merged again."""
+        held = self._shard_loads.get(shard)
+        known = None
+        if held is not None and {query.role for query in queries} <= held[1].keys():
+            known = held[0]
+        mine = [self._for_shard(query, shard) for query in queries]
+        views: list[RouteView] = await self._hedged(shard, "view_many", mine, known)
+        if not views:
+            return views
+        version = views[0].loads_version  # one call: one version (another replica's, hedged)
+        if held is None or held[0] != version:
+            held = self._shard_loads[shard] = (version, {})
+        loads = held[1]
+        out = []
+        for query, view in zip(queries, views, strict=True):
+            cached = loads.get(query.role)
+            if cached is None:
+                loads[query.role] = view.loads
+            elif view.loads is not cached:  # left out, or sent again: the same loads
+                view = dataclasses.replace(view, loads=cached)
+            out.append(view)
+        return out
 
     def _for_shard(self, query: RouteQuery, shard: int) -> RouteQuery:
         """`query` with only the report marks of `shard`'s workers (the others are not its)."""

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from kvmesh.coordinator.index_store import PageStore
+from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.types import PageHash
 
 
@@ -111,3 +111,22 @@ def test_holder_ids_many_gives_each_prompts_holder_ids(seed: int) -> None:
     assert store.holder_ids_many(prompts) == [store.holder_ids(p) for p in prompts]
     narrow = [[PageHash(b"short")], chains[1][:4]]  # another width: the general path
     assert store.holder_ids_many(narrow) == [store.holder_ids(p) for p in narrow]
+    # keys made once for several stores (a sharded router) look up as each store alone
+    assert store.holder_ids_many(prompts, PromptKeys.of(prompts)) == store.holder_ids_many(prompts)
+    for p in [*prompts, *narrow]:
+        assert store.holder_ids(p, PromptKeys.of([p])) == store.holder_ids(p)
+
+
+def test_prompt_keys_send_other_widths_and_zero_digests_down_the_general_path() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    chain = _chain(0, 6)
+    store.store([(chain, None)], 0, 1)
+    zero = PageHash(bytes(32))
+    for prompt in ([*chain[:2], PageHash(b"x" * 16)], [zero, *chain], [*chain[:3], zero]):
+        keys = PromptKeys.of([prompt])
+        assert keys.width == 0
+        assert store.holder_ids(prompt, keys) == store.holder_ids(prompt)
+    assert PromptKeys.of([chain]).width == 32
+    # the widths must match the store's: 8-byte keys look a 32-byte store up the general way
+    assert store.holder_ids(chain, PromptKeys.of([chain])) == store.holder_ids(chain)

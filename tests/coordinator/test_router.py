@@ -406,6 +406,69 @@ def test_the_single_coordinator_actor_serves_the_grpc_api_too(ray_cluster: None)
             assert got.worker_address == f"addr-{got.worker_id}"
 
 
+def test_routes_arriving_together_go_to_each_shard_in_one_call_and_decide_as_one_by_one(
+    ray_cluster: None,
+) -> None:
+    cfg = layout(shards=3, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    assert ray.get(router.wait_ready.remote(60), timeout=90)
+    workers = start_workers(cfg, router, 6)
+    held = truth(workers)
+    rng = random.Random(5)
+    looks = []
+    for _ in range(300):
+        p = PROMPTS[rng.randrange(len(PROMPTS))][: rng.randint(1, 12)]
+        policy = rng.choice([None, "least_loaded", "cache_aware"])
+        looks.append(RouteQuery(p, len(p) * PAGE + rng.randrange(PAGE), PAGE, True, None, policy))
+    one_by_one = [ray.get(router.route.remote(q)) for q in looks]
+    shards = [ray.get_actor(shard_actor_name(cfg, 0, s), namespace=cfg.namespace) for s in range(3)]
+    before = [ray.get(s.calls.remote()).get("view_many", 0) for s in shards]
+    together = ray.get([router.route.remote(q) for q in looks])
+    after = [ray.get(s.calls.remote()).get("view_many", 0) for s in shards]
+    calls = [a - b for a, b in zip(after, before, strict=True)]
+    assert together == one_by_one  # looks change no load: arriving together changes nothing
+    for d, q in zip(together, looks, strict=True):
+        check(d, q.hashes, held)
+    assert all(0 < n < len(looks) for n in calls), calls  # batched: fewer calls than routes
+
+
+def test_a_bad_route_among_routes_arriving_together_fails_alone(ray_cluster: None) -> None:
+    cfg = layout(shards=2, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    workers = start_workers(cfg, router, 3)
+    held = truth(workers)
+    good = [RouteQuery(p, len(p) * PAGE, PAGE, True) for p in PROMPTS * 4]
+    bad = dataclasses.replace(good[0])
+    object.__setattr__(bad, "hashes", [*good[0].hashes[:2], "not bytes"])  # past its checks
+    refs = [router.route.remote(q) for q in good[:10]]
+    bad_ref = router.route.remote(bad)
+    refs += [router.route.remote(q) for q in good[10:]]
+    with pytest.raises(InvalidInput, match="page hash must be 1-64 bytes"):
+        ray.get(bad_ref)
+    for d, q in zip(ray.get(refs), good, strict=True):
+        check(d, q.hashes, held)
+
+
+def test_a_router_routes_on_each_shards_loads_as_they_change(ray_cluster: None) -> None:
+    """The router keeps each shard's loads while their version holds; every report that
+    moves them reaches the next route."""
+    cfg = layout(shards=2, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    workers = start_workers(cfg, router, 4)
+    look = RouteQuery(PROMPTS[0][:3], 3 * PAGE, PAGE, True, None, "least_loaded")
+
+    def least_loaded_after(loads: list[int]) -> str:
+        ray.get([w.serve.remote([], load=n) for w, n in zip(workers, loads, strict=True)])
+        first = ray.get(router.route.remote(look))
+        assert ray.get(router.route.remote(look)) == first  # held loads: the same answer
+        return str(first.worker_id)
+
+    assert least_loaded_after([10, 20, 30, 40]) == "w0"
+    assert least_loaded_after([10**6, 20, 30, 40]) == "w1"
+    assert least_loaded_after([10**6, 10**6, 30, 5]) == "w3"
+    assert least_loaded_after([0, 10**6, 30, 5]) == "w0"
+
+
 def test_a_hedge_waits_the_ceiling_for_a_shard_never_heard_from() -> None:
     hedge = HedgeDelay(floor_s=0.05, ceiling_s=0.25, factor=4.0)
     assert hedge.delay(0) == 0.25

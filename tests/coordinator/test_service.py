@@ -364,3 +364,40 @@ def test_a_stale_worker_is_not_routed_to_for_its_prefix_until_it_resyncs() -> No
     assert (d.worker_id, d.local_pages, d.peer_id) == (w1.worker_id, 0, None)
     coord.report(WorkerReport(w0.worker_id, [w0.snapshot()]))
     assert coord.route(RouteQuery(p, 24, page_size=PAGE)).worker_id == w0.worker_id
+
+
+def test_every_change_of_the_loads_takes_a_new_loads_version() -> None:
+    coord, (w0, w1, _), _ = cluster(3)
+    p = prompt(3, tag=33)
+    look = RouteQuery(p, 3 * PAGE + 2)
+    seen = [coord.loads_version]
+    coord.report(WorkerReport(w0.worker_id, [], WorkerLoad(w0.worker_id, 7)))
+    seen.append(coord.loads_version)
+    coord.route(RouteQuery(p, 3 * PAGE + 2, request_id="r1"))  # counted in its worker's load
+    seen.append(coord.loads_version)
+    coord.drain_worker(w1.worker_id)
+    seen.append(coord.loads_version)
+    coord.remove_worker(w1.worker_id)
+    seen.append(coord.loads_version)
+    assert len(set(seen)) == len(seen)
+    coord.route(look)  # a look changes nothing
+    coord.view(look)
+    assert coord.loads_version == seen[-1]
+    # one loads tuple per version: a router can tell by identity that nothing changed
+    assert coord.view(look).loads is coord.view(look).loads
+    assert Coordinator(CoordinatorConfig()).loads_version != coord.loads_version
+
+
+def test_a_coordinator_leaves_out_the_loads_its_caller_holds_and_only_those() -> None:
+    coord, (w0, *_), _ = cluster(3)
+    look = RouteQuery(prompt(2, tag=34), 2 * PAGE)
+    full = coord.view(look)
+    assert len(full.loads) == 3
+    held = coord.view(look, full.loads_version)
+    assert held.loads == () and held.loads_version == full.loads_version
+    assert held.overlaps == full.overlaps
+    assert coord.view_many([look, look], full.loads_version) == [held, held]
+    coord.report(WorkerReport(w0.worker_id, [], WorkerLoad(w0.worker_id, 9)))
+    changed = coord.view(look, full.loads_version)  # they changed: sent again
+    assert changed.loads_version != full.loads_version
+    assert {x.worker_id: x.active_prefill_tokens for x in changed.loads}[w0.worker_id] == 9

@@ -17,6 +17,7 @@ from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad
 from kvmesh.coordinator.service import Coordinator, RouteView
 from kvmesh.coordinator.shards import (
+    MergedLoads,
     ShardedCoordinator,
     ShardRouter,
     SlowShards,
@@ -409,3 +410,29 @@ def test_a_mark_while_slow_extends_the_hold() -> None:
 def test_a_negative_hold_is_refused() -> None:
     with pytest.raises(InvalidInput, match="hold_s"):
         SlowShards(-1.0)
+
+
+def test_merged_loads_are_merged_again_only_when_a_shards_loads_change() -> None:
+    sharded = ShardedCoordinator(CoordinatorConfig(index_shards=3), clock=lambda: 0.0)
+    replay([sharded], workers=7, seed=3, policy="kv_aware", start=0, requests=20)
+    look = _looks(0, 1, ["kv_aware"], 3)[0]
+    first = sharded.view(look)
+    assert sharded.view(look).loads is first.loads  # kept: no shard's loads changed
+    worker = first.loads[0].worker_id
+    sharded.heartbeat(worker, WorkerLoad(worker, 12_345))
+    again = sharded.view(look)
+    assert again.loads is not first.loads
+    assert again.loads == merge_views([s.view(look) for s in sharded.shards]).loads
+    assert {x.worker_id: x.active_prefill_tokens for x in again.loads}[worker] == 12_345
+
+
+def test_a_merged_loads_cache_keeps_its_size_and_refuses_none() -> None:
+    views = [RouteView({}, (WorkerLoad(WorkerId(f"w{i}")),)) for i in range(3)]
+    cache = MergedLoads(size=2)
+    for k in range(4):  # four different shard pairs: the oldest merges go
+        assert [x.worker_id for x in cache.of([views[k % 3], views[(k + 1) % 3]])] == sorted(
+            [f"w{k % 3}", f"w{(k + 1) % 3}"]
+        )
+    assert len(cache._merged) == 2
+    with pytest.raises(InvalidInput, match="size"):
+        MergedLoads(size=0)
