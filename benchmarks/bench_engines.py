@@ -230,6 +230,7 @@ def routing_view(text: str) -> str:
     """What the gateway's router saw in one run (from its /metrics), for the log."""
     matched = metric_sum(text, "kvmesh_gateway_matched_blocks_total")
     pulled = metric_sum(text, "kvmesh_gateway_pull_blocks_total")
+    stored = metric_sum(text, "kvmesh_gateway_store_blocks_total")
     prompt = metric_sum(text, "kvmesh_gateway_prompt_blocks_total")
     gaps = {
         outcome: metric_sum(text, "kvmesh_engine_event_gaps_total", outcome=outcome)
@@ -238,6 +239,7 @@ def routing_view(text: str) -> str:
     held = metric_sum(text, "kvmesh_engine_event_batches_total", outcome="held")
     return (
         f"the router expected {matched:.0f} of {prompt:.0f} prompt blocks cached"
+        + (f", {stored:.0f} loaded from the engine's store" if stored else "")
         + (f" and {pulled:.0f} pulled through the mesh" if pulled else "")
         + "; event gaps "
         f"healed {gaps['healed']:.0f}, uncovered {gaps['uncovered']:.0f}; batches held back {held:.0f}"
@@ -293,8 +295,14 @@ def policy_setting(label: str) -> tuple[str, dict[str, str]]:
 
 
 def start_gateway(
-    engines: list[VLLMEngine], label: str, block_tokens: int, engine_blocks: int, port: int
+    engines: list[VLLMEngine],
+    label: str,
+    block_tokens: int,
+    engine_blocks: int,
+    port: int,
+    stores: dict[str, StoreProcess] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """`stores`: each engine's kvmesh store, whose page events the gateway follows."""
     policy, env = policy_setting(label)
     cmd = [
         sys.executable, "-m", "kvmesh.app.cli", "gateway",
@@ -310,6 +318,9 @@ def start_gateway(
         cmd += ["--engine", e.url, "--name", e.name]
         if e.events_endpoint and e.replay_endpoint:
             cmd += ["--events", e.events_endpoint, "--replay", e.replay_endpoint]
+        store = (stores or {}).get(e.name)
+        if store is not None and store.events and store.events_replay:
+            cmd += ["--store-events", store.events, "--store-replay", store.events_replay]
     return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
 
 
@@ -472,6 +483,7 @@ async def measure(
     turns: list[Turn],
     args: argparse.Namespace,
     into: Measured,
+    stores: dict[str, StoreProcess] | None = None,
 ) -> None:
     """One replay of the slice under `policy`, after resetting the engines' prefix caches."""
     async with httpx.AsyncClient(timeout=30) as client:
@@ -479,7 +491,7 @@ async def measure(
             await reset_cache(client, e)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port)
+        proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port, stores)
         try:
             await wait_healthy(client, url, proc)
             reads_events = policy_setting(policy)[0] != HISTORY_POLICY
@@ -698,6 +710,8 @@ def run_connector(
         StoreProcess(
             block_nbytes=nbytes, block_size=args.block_tokens, pages=args.store_blocks,
             hash_algo=spec.hash_algo, seed=spec.seed, name=f"store-{i}",
+            events=f"tcp://127.0.0.1:{free_port()}",  # its page events, for the gateway
+            events_replay=f"tcp://127.0.0.1:{free_port()}",
         )
         for i in range(2)
     ]  # fmt: skip
@@ -727,7 +741,8 @@ def run_connector(
                 print(f"round {round_ + 1}: {policy} with the connector ...", file=sys.stderr)
                 for store in stores:
                     store.restart()  # empty: each policy starts from cold stores
-                asyncio.run(measure(policy, engines, turns, args, measured[policy]))
+                by_engine = {e.name: s for e, s in zip(engines, stores, strict=True)}
+                asyncio.run(measure(policy, engines, turns, args, measured[policy], by_engine))
         keep_decisions(args, {f"{p}+mesh": m.decisions for p, m in measured.items()})
         return [summarize(p, measured[p], bound, connector=True) for p in CONNECTOR_POLICIES]
     finally:

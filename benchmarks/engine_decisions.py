@@ -63,14 +63,15 @@ def summarize(policy: str, records: Iterable[Record]) -> PolicyDecisions:
     for r in sorted(records, key=lambda r: (r["round"], r["turn"])):
         out.requests += 1
         out.prompt_blocks += r["prompt_blocks"]
-        out.predicted_blocks += r["predicted_blocks"]
+        predicted = predicted_total(r)
+        out.predicted_blocks += predicted
         realized = r["realized_blocks"]
         if realized is None:
             out.unrealized += 1
         else:
             out.realized_blocks += realized
-            out.overestimated_blocks += max(0, r["predicted_blocks"] - realized)
-            out.unseen_blocks += max(0, realized - r["predicted_blocks"])
+            out.overestimated_blocks += max(0, predicted - realized)
+            out.unseen_blocks += max(0, realized - predicted)
         best = max(r["overlaps"].values(), default=0)
         if best > r["overlaps"].get(r["engine"], 0):
             out.away += 1
@@ -83,15 +84,21 @@ def summarize(policy: str, records: Iterable[Record]) -> PolicyDecisions:
     return out
 
 
+def predicted_total(r: Record) -> int:
+    """Blocks the router expected the engine not to compute: its own cache's and, under
+    ``kv_mesh``, those it loads from its store and pulls (records before these: own only)."""
+    return int(r.get("predicted_total", r["predicted_blocks"]))
+
+
 def loss_class(r: Record) -> str:
     """Why `r` realized fewer blocks than it might have (see the module docstring)."""
     mine = r["overlaps"].get(r["engine"], 0)
     if max(r["overlaps"].values(), default=0) > mine:
         return "away"
     realized = r["realized_blocks"] or 0
-    if realized < r["predicted_blocks"]:
+    if realized < predicted_total(r):
         return "overestimated"
-    if realized > r["predicted_blocks"]:
+    if realized > predicted_total(r):
         return "unseen"
     return "nowhere"
 

@@ -67,8 +67,13 @@ class StoreProcess:
         python: str = sys.executable,
         log_dir: Path | None = None,
         page_delay_s: float = 0.0,
+        events: str | None = None,
+        events_replay: str | None = None,
     ) -> None:
         self.page_delay_s = page_delay_s  # test hook: every streamed page waits this long
+        # where the store publishes its page events for a gateway (kvmesh.worker.store_events)
+        self.events = events
+        self.events_replay = events_replay
         self.page_bytes = sealed_page_bytes(block_nbytes, block_size)
         self.block_size = block_size
         self.pages = pages
@@ -102,6 +107,10 @@ class StoreProcess:
             cmd += ["--page-delay-s", str(self.page_delay_s)]
         for peer in self.peers:
             cmd += ["--peer", peer]
+        if self.events is not None:
+            cmd += ["--events", self.events]
+        if self.events_replay is not None:
+            cmd += ["--events-replay", self.events_replay]
         return cmd
 
     def start(self, timeout: float = 60.0) -> StoreProcess:

@@ -189,3 +189,20 @@ def test_policies_are_summed_and_compared_on_the_same_turns() -> None:
     assert c.lost["away"] == 3 and c.lost_turns["away"] == 1
     text = engine_decisions.report({"kv_aware": mine, "approx_prefix": theirs})
     assert "kv_aware vs approx_prefix on 2 turns" in text and "away 3 blocks/1 turns" in text
+
+
+def test_a_kv_mesh_prediction_counts_store_loads_and_pulls_beside_the_own_cache() -> None:
+    mesh = {**record(0, "a", {"a": 3}, 1, 3), "store_blocks": 2, "pull_blocks": 0,
+            "predicted_total": 3}  # fmt: skip
+    assert engine_decisions.loss_class(mesh) == "nowhere"  # the store's 2 blocks were foreseen
+    pulled = {**record(1, "a", {"a": 1}, 1, 4), "pull_blocks": 2, "predicted_total": 3}
+    s = engine_decisions.summarize("kv_mesh", [mesh, pulled])
+    assert (s.predicted_blocks, s.realized_blocks, s.unseen_blocks) == (6, 7, 1)
+    log = DecisionLog(4)
+    rid = log.record(policy="kv_mesh", engine="a", prompt_blocks=4, predicted_blocks=1,
+                     pull_blocks=1, overlaps={WorkerId("a"): 3}, loads=[WorkerLoad(WorkerId("a"))],
+                     prefix=b"", attempt=0, store_blocks=2,
+                     store_overlaps={WorkerId("a"): 2})  # fmt: skip
+    written = log.get(rid)
+    assert written is not None and written.as_dict()["predicted_total"] == 4
+    assert written.store_overlaps == {"a": 2}

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.connector.blocks import block_run
+from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.store_launcher import StoreProcess
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.engine_events import decode_engine_payload
 from kvmesh.engine_hash import EngineHasher
@@ -277,3 +280,52 @@ def test_a_store_publishes_on_ipc_where_it_binds_and_the_subscriber_connects(
                 await sub.stop()
 
     asyncio.run(asyncio.wait_for(main(), 3 * BOUND_S))
+
+
+def test_a_store_process_started_with_events_flags_publishes_what_its_engine_saves() -> None:
+    """The store as engines get it (`StoreProcess`, ``--events``/``--events-replay``): blocks
+    saved through its control API reach the index; a restart (empty) takes them out."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    index = GlobalIndex()
+    process = StoreProcess(block_nbytes=64, block_size=B, pages=16, name="store-proc",
+                           events=endpoint, events_replay=replay)  # fmt: skip
+    assert process.command()[-4:] == ["--events", endpoint, "--events-replay", replay]
+
+    def save_through(client: StoreClient, seed: int) -> list[PageHash]:
+        run, names = prompt(seed, 2)
+        wire = block_run(list(run.digests), list(run.tokens), [None, None], 0, 2, B)
+        client.save(wire, [bytes(process.page_bytes)] * 2)
+        return names
+
+    async def main() -> None:
+        sub = EngineSubscriber(
+            index,
+            [EngineEventsEndpoint(str(STORE), endpoint, replay)],
+            config=SubscriberConfig(replay_timeout_s=2.0, replay_idle_s=0.2),
+        )
+        await sub.start()
+        try:
+            process.start()
+            client = StoreClient(process.page_address, process.control_address)
+            first = save_through(client, 1)
+            while sub.stream_state(STORE).last_seq < 0:  # the PUB socket's first batch is
+                client.forget([bytes(d) for d in prompt(1, 2)[0].digests])  # lost while it
+                first = save_through(client, 1)  # connects: go on until one arrives
+                await asyncio.sleep(0.05)
+            await until(lambda: held(index) == frozenset(first), "the saved blocks")
+            client.close()
+            process.restart()
+            client = StoreClient(process.page_address, process.control_address)
+            second = save_through(client, 2)
+            while first[0] in held(index):
+                client.forget([bytes(d) for d in prompt(2, 2)[0].digests])
+                second = save_through(client, 2)
+                await asyncio.sleep(0.05)
+            await until(lambda: held(index) == frozenset(second), "the new life's blocks")
+            client.close()
+        finally:
+            process.stop()
+            await sub.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 6 * BOUND_S))
