@@ -33,12 +33,13 @@ from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest
 from kvmesh.engine_launcher import free_port
+from kvmesh.engine_subscriber import EngineSubscriber
 from kvmesh.errors import ConfigError
 from kvmesh.events import AllPagesCleared, PagesStored, make_batch
 from kvmesh.gateway.app import STORE_HEADER, Gateway, create_app
-from kvmesh.gateway.command import build_gateway
+from kvmesh.gateway.command import build_gateway, describe
 from kvmesh.gateway.config import EngineTarget, store_worker_id
-from kvmesh.gateway.routing import MeshHeld, make_router
+from kvmesh.gateway.routing import MeshHeld, MeshRouter, make_router
 from kvmesh.load import WorkerLoad
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.engine_store import BlockRun, EngineStore
@@ -133,6 +134,26 @@ def test_store_flags_pair_with_engines_and_a_replay_needs_its_events(tokenizer_d
                                          "--store-events", "tcp://127.0.0.1:8"]))  # fmt: skip
     with pytest.raises(ConfigError, match="must not end in '/store'"):
         EngineTarget("e/store", "http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="needs the store's events endpoint"):
+        EngineTarget("e", "http://127.0.0.1:1", store_replay="tcp://127.0.0.1:9")
+
+
+def test_the_flags_give_kv_mesh_each_engines_store_and_one_subscriber_for_all(
+    tokenizer_dir: Path,
+) -> None:
+    argv = ["gateway", "--policy", "kv_mesh", "--tokenizer", str(tokenizer_dir),
+            "--engine", "http://127.0.0.1:8001", "--engine", "http://127.0.0.1:8002",
+            "--events", "tcp://127.0.0.1:5557", "--events", "tcp://127.0.0.1:5567",
+            "--store-events", "tcp://127.0.0.1:7101", "--store-events", "tcp://127.0.0.1:7111",
+            "--store-replay", "tcp://127.0.0.1:7102", "--store-replay", "tcp://127.0.0.1:7112"]  # fmt: skip
+    gateway = build_gateway(build_parser().parse_args(argv))
+    assert isinstance(gateway.router, MeshRouter)
+    assert gateway.router.stores == {"engine-0": "engine-0/store", "engine-1": "engine-1/store"}
+    (subscriber,) = gateway.sources
+    assert isinstance(subscriber, EngineSubscriber)
+    assert subscriber.engines() == ["engine-0", "engine-0/store", "engine-1", "engine-1/store"]
+    line = describe(gateway, "127.0.0.1", 8000)
+    assert "engine-1=http://127.0.0.1:8002 (events tcp://127.0.0.1:5567) (store events " in line
 
 
 # ---------------------------------------------------------------- the whole path
