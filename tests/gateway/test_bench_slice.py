@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.app.cli import main
 from kvmesh.benchmarks.bench_engines import metric_sum, policy_setting, to_turns
 from kvmesh.benchmarks.engine_slices import (
+    SLICES,
     LRUBlockPool,
     SlicePrompt,
     cache_replays,
@@ -224,3 +226,26 @@ def test_the_default_slice_of_the_bundled_trace_matches_the_issues_round_robin_r
     old = trace_slice(reqs, 250, min_turns=8, max_blocks=127, kind="fitting-conversations")
     r_old = cache_replays(slice_prompts(old, 32, full_blocks=True), 32, 384)
     assert (r_old.bound, r_old.round_robin) == pytest.approx((0.722, 0.349), abs=0.001)
+
+
+def test_bench_engines_slices_prints_every_reading_without_an_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "engines", "--slices", "--requests", "100"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    readings = [(row.split()[0], row.split()[1]) for row in rows[1:-1]]
+    assert readings == [(kind, last) for kind in SLICES for last in ("partial", "full")]
+    first = rows[1].split()
+    assert first[2:4] == ["100", str(len({c for c, _ in fitting_100()}))]
+
+
+def fitting_100() -> list[tuple[int, TraceRequest]]:
+    return trace_slice(load_trace(), 100, min_turns=8, max_blocks=127, kind="fitting-requests")
+
+
+def test_bench_engines_refuses_an_unknown_slice_before_starting_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "engines", "--slice", "first-requests"])
+    assert "invalid choice: 'first-requests'" in capsys.readouterr().err
