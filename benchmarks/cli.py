@@ -25,6 +25,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "the simulator: host tiers vs a large device pool, a quiet tenant beside a flood "
         "(LRU vs fair share)",
     ),
+    "connector": (
+        "kvmesh.benchmarks.bench_connector",
+        "the KV connector's data path: save and load of an engine's blocks through its store, "
+        "shared memory vs gRPC",
+    ),
     "engines": (
         "kvmesh.benchmarks.bench_engines",
         "the gateway in front of two real vLLM CPU engines: kv_aware vs round_robin vs "

@@ -69,8 +69,12 @@ class StoreProcess:
         page_delay_s: float = 0.0,
         events: str | None = None,
         events_replay: str | None = None,
+        shm: bool = True,
+        staging_pages: int | None = None,
     ) -> None:
         self.page_delay_s = page_delay_s  # test hook: every streamed page waits this long
+        self.shm = shm  # False: the store keeps no shared-memory arena (gRPC only)
+        self.staging_pages = staging_pages
         # where the store publishes its page events for a gateway (kvmesh.worker.store_events)
         self.events = events
         self.events_replay = events_replay
@@ -105,6 +109,10 @@ class StoreProcess:
             cmd += ["--seed", self.seed]
         if self.page_delay_s:
             cmd += ["--page-delay-s", str(self.page_delay_s)]
+        if not self.shm:
+            cmd += ["--no-shm"]
+        if self.staging_pages is not None:
+            cmd += ["--staging-pages", str(self.staging_pages)]
         for peer in self.peers:
             cmd += ["--peer", peer]
         if self.events is not None:

@@ -11,7 +11,7 @@ loaded through the connector) and their greedy tokens are the evidence.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -20,6 +20,8 @@ from kvmesh.connector.blocks import sealed_page_bytes
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import engine_block_nbytes
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
+from kvmesh.types import PageHash
+from kvmesh.worker.engine_store import BlockRun as StoreRun
 from kvmesh.worker.engine_store import EngineStore
 from tests.engines.connector_kit import (
     BLOCK,
@@ -138,3 +140,48 @@ def test_nothing_is_claimed_when_the_store_holds_nothing(mesh: Mesh) -> None:
     before = external_hits(mesh.b)
     complete(mesh.b, prompt_of(6))
     assert external_hits(mesh.b) == before
+
+
+def test_blocks_move_through_the_stores_shared_memory_not_the_socket(
+    mesh: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staged: list[int] = []
+    located: list[int] = []
+    save_staged, locate = mesh.sa.save_staged, mesh.sa.locate
+
+    def saving(run: StoreRun, lease: bytes, slots: Sequence[int]) -> list[bool]:
+        staged.append(len(slots))
+        return save_staged(run, lease, slots)
+
+    def locating(hashes: Sequence[PageHash]) -> list[int]:
+        slots = locate(hashes)
+        located.append(len(slots))
+        return slots
+
+    monkeypatch.setattr(mesh.sa, "save_staged", saving)
+    monkeypatch.setattr(mesh.sa, "locate", locating)
+    prompt = prompt_of(7)
+    expected = complete(mesh.a, prompt)
+    saved(mesh.sa, prompt)
+    assert sum(staged) >= 6  # saved from staging slots, not as bytes in the call
+    reset_prefix_cache(mesh.a)
+    before = external_hits(mesh.a)
+    assert complete(mesh.a, prompt) == expected
+    assert external_hits(mesh.a) - before == 6 * BLOCK
+    assert located == [6]  # loaded from the arena's slots (FetchPages is the fallback only)
+
+
+def test_a_stored_page_reused_for_another_block_is_refused_and_recomputed(mesh: Mesh) -> None:
+    prompt, other = prompt_of(8), prompt_of(9)
+    expected = complete(mesh.a, prompt)
+    complete(mesh.a, other)
+    saved(mesh.sa, prompt)
+    saved(mesh.sa, other)
+    reset_prefix_cache(mesh.a)
+    hashes = [digests(prompt)[3], digests(other)[0]]
+    with mesh.sa.service.pinned(hashes) as (page_id, other_id):  # type: ignore[arg-type]
+        assert page_id is not None and other_id is not None
+        # the store's page now holds another block, whole and sealed as that block
+        mesh.sa.kv.kv[page_id].copy_(mesh.sa.kv.kv[other_id])
+    assert complete(mesh.a, prompt) == expected
+    assert "HashMismatch" in mesh.a.log_tail(400)

@@ -9,6 +9,7 @@ proven equal to the engine's by tests/engines/test_hash_parity.py).
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,7 @@ import msgpack
 import pytest
 import torch
 
+from kvmesh.benchmarks import bench_connector
 from kvmesh.connector.block_path import BlockPath, KVLayers, PendingSave
 from kvmesh.connector.blocks import (
     SEAL_BYTES,
@@ -569,3 +571,17 @@ def test_an_arena_with_another_token_or_size_is_refused(shm_store: EngineStore) 
         ArenaLayout.from_wire({"path": layout.path})
     with pytest.raises(ConfigError, match="--no-shm"):
         EngineStore(page_bytes=KV_PAGE, block_size=B, shm_dir="/nonexistent/kvmesh")
+
+
+def test_the_connector_benchmark_moves_the_same_blocks_both_ways_in_one_run() -> None:
+    parser = argparse.ArgumentParser()
+    bench_connector.configure(parser)
+    flags = "--blocks 4 --repeats 2 --warmup 1 --layers 2 --kv-heads 2 --head-dim 16"
+    args = parser.parse_args([*flags.split(), "--dtype", "float32"])
+    result = bench_connector.measure(args)  # raises if a load did not bring the saved bytes
+    assert result["block_bytes"] == 2 * 2 * B * 2 * 16 * 4
+    for part in ("stage", "send", "save", "load"):
+        assert result[f"shm_{part}_ms"] > 0 and result[f"grpc_{part}_ms"] > 0
+        assert result[f"grpc_over_shm_{part}"] == pytest.approx(
+            result[f"grpc_{part}_ms"] / result[f"shm_{part}_ms"]
+        )
