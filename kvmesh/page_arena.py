@@ -23,7 +23,9 @@ host or in another container, or the file of a store that has since
 restarted, holds another token (or none), and `open_arena` refuses it with
 `ArenaUnavailable` (the connector then moves pages over gRPC). A store
 killed before it could unlink its file leaves it behind; the next store on
-the host removes files whose creator is gone (`sweep_stale`).
+the host removes files whose creator is gone (`sweep_stale`): the creator
+holds an exclusive `flock` on its file while it lives, which the kernel
+drops when the process dies, whatever PID namespace it ran in.
 
 Pure: os, mmap and secrets only (no torch, no gRPC); importable in the
 engine's venv.
@@ -32,6 +34,7 @@ engine's venv.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -120,16 +123,24 @@ class Arena:
     it can and leaves the rest to the views' owners.
     """
 
-    def __init__(self, layout: ArenaLayout, pages: mmap.mmap, staging: mmap.mmap, *, owner: bool):
+    def __init__(
+        self, layout: ArenaLayout, pages: mmap.mmap, staging: mmap.mmap, *, owner_fd: int = -1
+    ):
         self.layout = layout
         self.pages = pages
         self.staging = staging
-        self.owner = owner
+        self._owner_fd = owner_fd  # the creator's open, flocked file: it says "alive"
+
+    @property
+    def owner(self) -> bool:
+        return self._owner_fd >= 0
 
     def close(self) -> None:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.layout.path)
+            os.close(self._owner_fd)
+            self._owner_fd = -1
         for buffer in (self.pages, self.staging):
             with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
                 buffer.close()
@@ -169,23 +180,28 @@ def create_arena(
     token = secrets.token_bytes(TOKEN_BYTES)
     path = Path(directory) / f"{FILE_PREFIX}{os.getpid()}-{token.hex()[:12]}"
     layout = ArenaLayout(str(path), token, page_bytes, pages, staging)
+    # created under a name the sweep does not match, locked, then named: a sweep never
+    # sees a file before its store holds the lock
+    making = path.with_name(f".{path.name}")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
         raise ConfigError(
             f"cannot create the store's shared-memory arena {path}: {exc}; give the store a "
             "writable --shm-dir (tmpfs) or --no-shm"
         ) from None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, layout.size)
         os.pwrite(fd, _HEADER.pack(MAGIC, token), 0)
         pages_map, staging_map = _map(fd, layout, pages_writable=True)
+        os.rename(making, path)
     except OSError as exc:
-        os.unlink(path)
-        raise ConfigError(f"cannot size the arena {path} to {layout.size} bytes: {exc}") from None
-    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(making)
         os.close(fd)
-    return Arena(layout, pages_map, staging_map, owner=True)
+        raise ConfigError(f"cannot size the arena {path} to {layout.size} bytes: {exc}") from None
+    return Arena(layout, pages_map, staging_map, owner_fd=fd)
 
 
 def open_arena(layout: ArenaLayout) -> Arena:
@@ -212,28 +228,30 @@ def open_arena(layout: ArenaLayout) -> Arena:
         raise ArenaUnavailable(f"cannot map the store's arena {layout.path}: {exc}") from None
     finally:
         os.close(fd)
-    return Arena(layout, pages_map, staging_map, owner=False)
+    return Arena(layout, pages_map, staging_map)
 
 
 def sweep_stale(directory: str | Path = SHM_DIR) -> list[Path]:
-    """Remove arena files whose creating process is gone (a store killed); the removed paths."""
+    """Remove arena files no live store holds (its creator was killed); the removed paths.
+
+    A file whose lock can be taken has no owner left; one that cannot be
+    opened (another user's) is not ours to judge and stays.
+    """
     removed: list[Path] = []
     with contextlib.suppress(OSError):
-        for path in Path(directory).glob(f"{FILE_PREFIX}*-*"):
-            pid_text = path.name[len(FILE_PREFIX) :].split("-", 1)[0]
-            if not pid_text.isdigit() or _alive(int(pid_text)):
+        for path in Path(directory).glob(f"{FILE_PREFIX}*"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
                 continue
-            with contextlib.suppress(OSError):
-                path.unlink()
-                removed.append(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its store is alive
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed.append(path)
+            finally:
+                os.close(fd)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive, and not ours to judge
-        return True
-    return True

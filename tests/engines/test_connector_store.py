@@ -47,7 +47,7 @@ from kvmesh.errors import (
     TransportError,
 )
 from kvmesh.metrics import counter_value
-from kvmesh.page_arena import ArenaLayout, open_arena
+from kvmesh.page_arena import ArenaLayout, open_arena, sweep_stale
 from kvmesh.worker.engine_store import EngineStore
 
 B = 32
@@ -585,3 +585,10 @@ def test_the_connector_benchmark_moves_the_same_blocks_both_ways_in_one_run() ->
         assert result[f"grpc_over_shm_{part}"] == pytest.approx(
             result[f"grpc_{part}_ms"] / result[f"shm_{part}_ms"]
         )
+
+
+def test_a_live_stores_arena_is_never_swept(shm_store: EngineStore) -> None:
+    arena = shm_store.arena
+    assert arena is not None
+    assert Path(arena.layout.path) not in sweep_stale()
+    assert Path(arena.layout.path).exists()
