@@ -24,9 +24,13 @@ client and the gRPC API use it unchanged:
   snapshots when Ray restarts it;
 - a route asks its own replica's shards, in parallel, and decides with
   `shards.ShardRouter` (random choices seeded per request, so replicas
-  decide alike). A shard that fails or has not answered within its hedge
-  delay (`HedgeDelay`: four times its usual answer time, 50-250 ms) is asked
-  in the other replicas too; the first answer wins;
+  decide alike). Routes that arrive while a fan-out is in flight go out
+  together when it ends, one `view_many` call per shard (`RouterActor.view`),
+  and a shard sends its loads only when their version changed since this
+  router last held them (`Coordinator.loads_version`). A shard that fails or
+  has not answered within its hedge delay (`HedgeDelay`: four times its
+  usual answer time, 50-250 ms) is asked in the other replicas too; the
+  first answer wins;
 - a new replica (`create_layout` again with a larger `router_replicas`)
   catches up before it routes: each of its shards registers the workers its
   sibling shards know and asks them for snapshots (`RouterActor.wait_ready`);
