@@ -11,8 +11,8 @@ out of the slice:
   requests whose prompt does not fit the engines' context;
 - ``fitting-conversations`` (this benchmark's slice before): the same, but a
   conversation with any prompt too long is left out whole;
-- ``whole-conversations``: every turn of the first such conversations, in
-  trace order, until `n` requests.
+- ``whole-conversations``: every turn of the first such conversations
+  whose every prompt fits, in trace order, until `n` requests.
 
 and in how long a prompt is (`prompt_tokens`): every trace block a full
 block of `block_tokens` ids (``full_blocks``), or the trace's own length
