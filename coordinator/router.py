@@ -500,8 +500,8 @@ class RouterActor:
             self._fanning_out = False
 
     async def _answers(self, queries: Sequence[RouteQuery]) -> list[RouteView | BaseException]:
-        """Each query's merged view, or the error that stopped it: one query's fault (a bad
-        hash a shard refuses) fails that query alone, asked again one by one."""
+        """Each query's merged view, or the error that stopped it: a batch a shard refuses is
+        asked again one query at a time, so that one query's fault fails that query alone."""
         try:
             return list(await self._views(queries))
         except TransportError as exc:  # no replica of a shard answered: no view can come
