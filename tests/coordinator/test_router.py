@@ -449,6 +449,26 @@ def test_a_bad_route_among_routes_arriving_together_fails_alone(ray_cluster: Non
         check(d, q.hashes, held)
 
 
+def test_routes_cancelled_while_they_wait_for_a_batch_leave_the_others_answered(
+    ray_cluster: None,
+) -> None:
+    cfg = layout(shards=2, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    workers = start_workers(cfg, router, 3)
+    held = truth(workers)
+    looks = [RouteQuery(p, len(p) * PAGE, PAGE, True) for p in PROMPTS * 16]
+    refs = [router.route.remote(q) for q in looks]
+    gone = {3, 40, 41, 97}
+    for i in gone:
+        ray.cancel(refs[i])
+    for i, (ref, q) in enumerate(zip(refs, looks, strict=True)):
+        try:
+            check(ray.get(ref, timeout=60), q.hashes, held)
+        except ray.exceptions.TaskCancelledError:
+            assert i in gone
+    check(ray.get(router.route.remote(looks[0]), timeout=60), looks[0].hashes, held)
+
+
 def test_a_router_routes_on_each_shards_loads_as_they_change(ray_cluster: None) -> None:
     """The router keeps each shard's loads while their version holds; every report that
     moves them reaches the next route."""
