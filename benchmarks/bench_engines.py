@@ -174,6 +174,9 @@ class PolicyResult:
     engine_requests: dict[str, int] = field(default_factory=dict)
     connector: bool = False
     engine_external_hit_rate: float = 0.0
+    computed_tokens_per_request: float = 0.0
+    """Prompt tokens the engines computed (neither cached nor loaded), per request: the
+    prefill work a policy left, which the machine's load does not change as it does TTFT."""
 
     @property
     def label(self) -> str:
@@ -564,6 +567,7 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
         dict(sorted(m.replay.by_engine.items())),
         connector,
         external / queries if queries else 0.0,
+        (queries - hits - external) / n if n else 0.0,
     )
 
 
@@ -598,7 +602,11 @@ def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_inf
         for other in ("round_robin", "approx_prefix"):
             if other in by:
                 ratio = by[other].ttft_mean_ms / kv.ttft_mean_ms
-                print(f"mean TTFT {other} / kv_aware = {ratio:.2f}x")
+                line = f"mean TTFT {other} / kv_aware = {ratio:.2f}x"
+                if kv.computed_tokens_per_request > 0:
+                    work = by[other].computed_tokens_per_request / kv.computed_tokens_per_request
+                    line += f" (prompt tokens computed per request: {work:.2f}x)"
+                print(line)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kvmesh.app.cli import main
-from kvmesh.benchmarks.bench_engines import metric_sum, policy_setting, to_turns
+from kvmesh.benchmarks.bench_engines import (
+    Measured,
+    Replay,
+    metric_sum,
+    policy_setting,
+    print_table,
+    summarize,
+    to_turns,
+)
 from kvmesh.benchmarks.engine_slices import (
     SLICES,
     LRUBlockPool,
@@ -249,3 +259,23 @@ def test_bench_engines_refuses_an_unknown_slice_before_starting_engines(
     with pytest.raises(SystemExit):
         main(["bench", "engines", "--slice", "first-requests"])
     assert "invalid choice: 'first-requests'" in capsys.readouterr().err
+
+
+def test_the_table_sets_ttft_beside_the_prefill_work_each_policy_left(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def measured(ttft_s: float, hits: float, queries: float) -> Measured:
+        m = Measured(Replay(ttfts=[ttft_s] * 4), wall_s=1.0, rounds=1)
+        m.hits, m.queries, m.external = {"engine-0": hits}, {"engine-0": queries}, {"engine-0": 0.0}
+        return m
+
+    kv = summarize("kv_aware", measured(0.1, hits=600, queries=1000), bound=0.7)
+    rr = summarize("round_robin", measured(0.3, hits=200, queries=1000), bound=0.7)
+    assert kv.computed_tokens_per_request == 100  # (1000 - 600) tokens over 4 requests
+    assert rr.computed_tokens_per_request == 200
+    print_table([kv, rr], argparse.Namespace(), "slice")
+    out = capsys.readouterr().out
+    assert (
+        "mean TTFT round_robin / kv_aware = 3.00x (prompt tokens computed per request: 2.00x)"
+        in out
+    )
