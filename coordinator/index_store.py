@@ -45,7 +45,7 @@ import array
 import itertools
 import mmap
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -150,6 +150,18 @@ class PromptKeys:
     width: int
     mixed: npt.NDArray[np.uint64]
     ends: list[int]
+    _homes: dict[int, npt.NDArray[np.int64]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def homes(self, shift: int) -> npt.NDArray[np.int64]:
+        """Each digest's home slot in a table of `64 - shift` bits: shards of one size share
+        it, so a route pays the shift and the cast once, not once per shard."""
+        home = self._homes.get(shift)
+        if home is None:
+            # the shift leaves the top bit clear: a view as int64 is exact and copies nothing
+            home = self._homes[shift] = (self.mixed >> np.uint64(shift)).view(np.int64)
+        return home
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[PageHash]]) -> PromptKeys:
@@ -649,8 +661,9 @@ class PageStore:
         # The hot path (a prompt of one hash width): take each page's home slot's
         # row, compare all those digests with the prompt's bytes at once, and
         # probe on only where a home slot held another page. The first page
-        # found nowhere ends the walk, as a page nobody holds would.
-        home = (keys.mixed >> self._table_shift).astype(np.int64)
+        # found nowhere ends the walk, as a page nobody holds would, and so does
+        # an empty home slot at once (linear probing: nowhere), with no probe.
+        home = keys.homes(self._table_shift_int)
         rows = self._table.take(home)
         stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
         n = len(hashes)
@@ -667,8 +680,10 @@ class PageStore:
                 else:
                     hi = mid - 1
             done = lo
+            if rows.item(done) == _EMPTY:
+                break
             at = done * width
-            row = self._probe_one(int(home[done]), joined[at : at + width])
+            row = self._probe_one(home.item(done), joined[at : at + width])
             if row < 0:
                 break
             rows[done] = row
@@ -695,7 +710,7 @@ class PageStore:
             return [self.holder_ids(p) for p in prompts]
         flat, joined = keys.flat, keys.joined
         keys_of = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
-        rows_home = (keys.mixed >> self._table_shift).astype(np.int64)
+        rows_home = keys.homes(self._table_shift_int)
         rows = self._table.take(rows_home)
         stored = self._digest.take(rows, axis=0, mode="clip")
         ends = keys.ends

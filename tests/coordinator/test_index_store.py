@@ -8,6 +8,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.types import PageHash
@@ -130,3 +132,58 @@ def test_prompt_keys_send_other_widths_and_zero_digests_down_the_general_path() 
     assert PromptKeys.of([chain]).width == 32
     # the widths must match the store's: 8-byte keys look a 32-byte store up the general way
     assert store.holder_ids(chain, PromptKeys.of([chain])) == store.holder_ids(chain)
+
+
+def _holder_ids_by_find(store: PageStore, prompt: list[PageHash]) -> list[int]:
+    """The holder ids a lookup must give, by the store's general path (`find`, row by row)."""
+    out: list[int] = []
+    for row in store.find(prompt).tolist() if prompt else []:
+        if row < 0:
+            break
+        out.append(int(store._holders[row]))
+        if not out[-1]:
+            break
+    return out
+
+
+def _trimmed(ids: list[int]) -> list[int]:
+    """Holder ids up to their first 0 (callers stop there)."""
+    return ids[: ids.index(0) + 1] if 0 in ids else ids
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    chains=st.integers(1, 80),
+    kept=st.lists(st.tuples(st.integers(0, 79), st.integers(0, 40), st.integers(0, 4)), max_size=6),
+    removed=st.lists(st.tuples(st.integers(0, 79), st.integers(0, 39)), max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path(
+    chains: int,
+    kept: list[tuple[int, int, int]],
+    removed: list[tuple[int, int]],
+    seed: int,
+) -> None:
+    """The hot path (home slots taken at once, an empty home slot ending the walk without a
+    probe) gives what `find` gives, with one `PromptKeys` shared by stores whose tables differ
+    in size (its home slots are kept per table size)."""
+    rng = random.Random(seed)
+    small, large = PageStore(min_slots=16), PageStore(min_slots=1 << 14)
+    for store in (small, large):
+        store.ensure_slot(0)
+        store.ensure_slot(1)
+    all_chains = [_chain(k * 100, 40) for k in range(chains)]
+    for c in all_chains:
+        store = rng.choice((small, large))
+        store.store([(c, None)], rng.randrange(2), 1 << rng.randrange(4))
+    for k, start in removed:  # holes and tombstones
+        for store in (small, large):
+            store.remove(all_chains[k % chains][start : start + 3], 0, 0b1111)
+    prompts = [
+        all_chains[k % chains][:n] + _chain(10**6 + 100 * i, fresh)
+        for i, (k, n, fresh) in enumerate(kept)
+    ]
+    for prompt in prompts:
+        keys = PromptKeys.of([prompt])
+        for store in (small, large, small):
+            assert _trimmed(store.holder_ids(prompt, keys)) == _holder_ids_by_find(store, prompt)
