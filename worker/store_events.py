@@ -30,6 +30,13 @@ replay cannot cover, drops the old life's blocks and rebuilds from the new
 replay buffer, instead of taking the new life's batches for the old one's
 next ones. (A subscriber that joins late is healed the same way.)
 
+A subscriber that joins (a gateway starting, or reconnecting) misses what
+was sent before, and a lone lost batch shows no gap. So the PUB socket is
+an XPUB that sees each subscription arrive and answers it with an empty
+batch: the next seq, which tells the new subscriber where the stream is
+(it then replays what it lacks). Other subscribers just apply an empty
+batch.
+
 A batch gets its seq when it is published, in the order the store drained
 its events, and goes into the replay buffer at once; only then is it queued
 for the socket thread. A batch the queue has no room for is therefore a gap
@@ -215,6 +222,9 @@ class StoreEventPublisher:
         the network: callers publish in the order their events happened."""
         if not events:
             return None
+        return self._publish(events)
+
+    def _publish(self, events: Sequence[KVEvent]) -> int:
         payload = encode_store_batch(
             events, self._clock(), medium=STORE_MEDIUM, int_hashes=self.int_hashes
         )
@@ -237,9 +247,10 @@ class StoreEventPublisher:
 
     def _open(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
         assert self._ctx is not None
-        pub = self._ctx.socket(zmq.PUB)
+        pub = self._ctx.socket(zmq.XPUB)  # a PUB that sees subscriptions arrive
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's, not only a topic's first
         replay: zmq.Socket[bytes] | None = None
         try:
             if engine_binds(self.endpoint):
@@ -267,6 +278,9 @@ class StoreEventPublisher:
         self._ready.set()
         try:
             while True:
+                while pub.poll(0):
+                    if pub.recv()[:1] == b"\x01":  # a subscriber joined: tell it the seq
+                        self._publish(())
                 if replay is not None and replay.poll(0):
                     self._answer(replay)
                 try:

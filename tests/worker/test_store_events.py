@@ -232,6 +232,22 @@ def test_a_gateway_that_joins_late_replays_what_the_store_published_before() -> 
     follow(scenario)
 
 
+def test_a_subscriber_that_joins_after_a_lone_batch_is_told_where_the_stream_is() -> None:
+    async def scenario(
+        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
+    ) -> None:
+        await sub.stop()
+        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
+            publish_store_events(store, publisher)
+            a, a_names = prompt(1, 3)
+            save(store, a)  # sent to no one: the store publishes nothing after it
+            await sub.start()  # its subscription gets an empty batch, the gap shows, replay heals
+            await until(lambda: held(index) == frozenset(a_names), "the lone batch, replayed")
+            assert len(publisher.buffered()) >= 2  # the batch and the join marker
+
+    follow(scenario)
+
+
 def test_a_restarted_store_drops_the_old_lifes_blocks_though_its_first_batches_were_lost() -> None:
     async def scenario(
         store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
