@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgpack
@@ -106,6 +106,9 @@ class MatchResult:
     pages: dict[WorkerId, int]
     tiers: dict[WorkerId, tuple[str, ...]]
     num_hashes: int
+    device_only: bool = field(default=False, compare=False)
+    """True when every matched page is on the device tier alone (what `GlobalIndex.match`
+    knows from its walk): `GlobalIndex.tier_pages` then has nothing to count."""
 
     def longest(self) -> tuple[WorkerId | None, int]:
         """The worker with the longest prefix (smallest id on ties) and its length."""
@@ -588,18 +591,18 @@ class GlobalIndex:
         if alive and n:
             dropped.append((alive, n))
         pages: dict[WorkerId, int] = {}
-        tier_names: dict[WorkerId, tuple[str, ...]] = {}
+        wids_of = self._wids_of
         for bits, length in dropped:
-            wids = self._wids_of.get(bits)
+            wids = wids_of.get(bits)
             if wids is None:
                 wids = self._workers_of(bits)
             pages.update(dict.fromkeys(wids, length))
-            if not tiers & bits * 0b1110:  # all of them on the device only: the common case
-                tier_names.update(dict.fromkeys(wids, _GPU_ONLY))
-                continue
-            for wid in wids:
-                pos = self._workers[wid].shift
-                tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
+        if not tiers & self._ones * 0b1110:  # every page on the device only: the common case
+            return MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), num_hashes, True)
+        tier_names: dict[WorkerId, tuple[str, ...]] = {}
+        for wid in pages:
+            pos = self._workers[wid].shift
+            tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
         return MatchResult(pages, tier_names, num_hashes)
 
     def _workers_of(self, bits: int) -> tuple[WorkerId, ...]:
@@ -628,8 +631,10 @@ class GlobalIndex:
         lower tiers pays nothing beyond `match`; otherwise one pass over the longest such
         prefix, a Python step per run of pages with the same holders per tiered worker.
         """
+        if matched.device_only:  # the walk saw no page off the device: the common case
+            return {}
         names = matched.tiers
-        if list(names.values()).count(_GPU_ONLY) == len(names):  # one C pass: the common case
+        if list(names.values()).count(_GPU_ONLY) == len(names):  # one C pass
             return {}
         tiered = [
             (wid, n)

@@ -190,7 +190,8 @@ def merge_matches(results: Sequence[MatchResult]) -> MatchResult:
     for r in results:
         pages.update(r.pages)
         tiers.update(r.tiers)
-    return MatchResult(pages, tiers, results[0].num_hashes if results else 0)
+    device_only = bool(results) and all(r.device_only for r in results)
+    return MatchResult(pages, tiers, results[0].num_hashes if results else 0, device_only)
 
 
 def request_seed(seed: int, request: RouteRequest) -> int:

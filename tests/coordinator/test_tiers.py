@@ -147,7 +147,16 @@ def test_the_index_knows_each_pages_tier_through_random_stores_moves_and_removal
         for prompt in PROMPTS:
             for h in prompt:
                 assert index.holders(h) == ref.holders(h)
-            assert index.tier_pages(prompt, index.match(prompt)) == ref.tier_pages(prompt)
+            matched = index.match(prompt)
+            assert index.tier_pages(prompt, matched) == ref.tier_pages(prompt)
+            # each matched worker's tiers over its prefix, and the walk's "all on the device"
+            # (which lets tier_pages skip its count) only when it is so
+            tiers = {
+                wid: tuple(t for t in TIERS if any(t in ref.held[wid][h] for h in prompt[:n]))
+                for wid, n in matched.pages.items()
+            }
+            assert matched.tiers == tiers
+            assert matched.device_only == all(t == ("gpu",) for t in tiers.values())
 
 
 def test_a_worker_whose_prefix_is_all_on_the_device_is_left_out_of_tier_pages() -> None:
