@@ -560,9 +560,50 @@ class GlobalIndex:
             for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
         ]
 
+    def overlaps(
+        self, hashes: Sequence[PageHash], keys: PromptKeys | None = None
+    ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]:
+        """`match(hashes).pages` and their `tier_pages`: what a route's view needs, without
+        the `MatchResult` and its tiers dict in the common case (every page on the device),
+        a share of each shard's fixed cost per route."""
+        return self._overlaps(self._store.holder_ids(hashes, keys), hashes)
+
+    def overlaps_many(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
+    ) -> list[tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]]:
+        """`overlaps` of each prompt, their pages looked up together (as `match_many`)."""
+        return [
+            self._overlaps(ids, p)
+            for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
+        ]
+
+    def _overlaps(
+        self, holder_ids: Sequence[int], hashes: Sequence[PageHash]
+    ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]:
+        pages, tiers = self._prefixes(holder_ids)
+        if not tiers & self._ones * 0b1110:
+            return pages, {}
+        return pages, self.tier_pages(hashes, self._result(pages, tiers, len(hashes)))
+
     def _walk(self, holder_ids: Sequence[int], num_hashes: int) -> MatchResult:
         """The match of a prompt whose pages' holder-mask ids (up to its first page not
         indexed) are `holder_ids`."""
+        pages, tiers = self._prefixes(holder_ids)
+        return self._result(pages, tiers, num_hashes)
+
+    def _result(self, pages: dict[WorkerId, int], tiers: int, num_hashes: int) -> MatchResult:
+        """The `MatchResult` of `_prefixes`' answer."""
+        if not tiers & self._ones * 0b1110:  # every page on the device only: the common case
+            return MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), num_hashes, True)
+        tier_names: dict[WorkerId, tuple[str, ...]] = {}
+        for wid in pages:
+            pos = self._workers[wid].shift
+            tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
+        return MatchResult(pages, tier_names, num_hashes)
+
+    def _prefixes(self, holder_ids: Sequence[int]) -> tuple[dict[WorkerId, int], int]:
+        """Each worker's held prefix length for these holder-mask ids, and the tier bits of
+        every page in some worker's prefix (each at its worker's nibble)."""
         masks = self._store.masks
         alive = self._ones
         tiers = 0
@@ -597,13 +638,7 @@ class GlobalIndex:
             if wids is None:
                 wids = self._workers_of(bits)
             pages.update(dict.fromkeys(wids, length))
-        if not tiers & self._ones * 0b1110:  # every page on the device only: the common case
-            return MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), num_hashes, True)
-        tier_names: dict[WorkerId, tuple[str, ...]] = {}
-        for wid in pages:
-            pos = self._workers[wid].shift
-            tier_names[wid] = _TIERS_OF_BITS[tiers >> pos & _WORKER_BITS]
-        return MatchResult(pages, tier_names, num_hashes)
+        return pages, tiers
 
     def _workers_of(self, bits: int) -> tuple[WorkerId, ...]:
         """The workers whose nibble's low bit `bits` sets, in slot order (cached)."""

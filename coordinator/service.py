@@ -496,7 +496,7 @@ class Coordinator:
         a router asking several shards in one process.
         """
         with self._lock:
-            return self._view(query, self.index.match(query.hashes, keys), known_loads_version)
+            return self._view(query, self.index.overlaps(query.hashes, keys), known_loads_version)
 
     def view_many(
         self,
@@ -509,23 +509,26 @@ class Coordinator:
         role share one loads tuple, so a router merges it once per batch. `keys`:
         `PromptKeys.of` the queries' hashes."""
         with self._lock:
-            matched = self.index.match_many([query.hashes for query in queries], keys)
+            matched = self.index.overlaps_many([query.hashes for query in queries], keys)
             return [
                 self._view(query, match, known_loads_version)
                 for query, match in zip(queries, matched, strict=True)
             ]
 
     def _view(
-        self, query: RouteQuery, match: MatchResult, known_loads_version: int | None
+        self,
+        query: RouteQuery,
+        overlaps: tuple[dict[WorkerId, int], dict[WorkerId, TierPages]],
+        known_loads_version: int | None,
     ) -> RouteView:
-        """One query's view from its match (under the lock)."""
+        """One query's view from its `GlobalIndex.overlaps` (under the lock)."""
         version = self.loads_version
         loads = () if known_loads_version == version else self._current_loads(query.role)
-        tiers = self.index.tier_pages(query.hashes, match)
+        pages, tiers = overlaps
         if query.tenant is not None and self.config.tenant_share_weight > 0:
-            totals, pages = self._tenant_counts(query.tenant)
-            return RouteView(match.pages, loads, tiers, totals, pages, version)
-        return RouteView(match.pages, loads, tiers, loads_version=version)
+            totals, tenant_pages = self._tenant_counts(query.tenant)
+            return RouteView(pages, loads, tiers, totals, tenant_pages, version)
+        return RouteView(pages, loads, tiers, {}, {}, version)
 
     def _tenant_counts(self, tenant: str) -> tuple[dict[str, int], dict[WorkerId, int]]:
         """Every tenant's pages here, and `tenant`'s per worker (under the lock; O(workers))."""

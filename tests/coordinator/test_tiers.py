@@ -157,6 +157,12 @@ def test_the_index_knows_each_pages_tier_through_random_stores_moves_and_removal
             }
             assert matched.tiers == tiers
             assert matched.device_only == all(t == ("gpu",) for t in tiers.values())
+            # a view's shortcut (no MatchResult) gives the same overlaps and tier counts
+            assert index.overlaps(prompt) == (matched.pages, ref.tier_pages(prompt))
+            assert index.overlaps_many([prompt, prompt[:3]]) == [
+                index.overlaps(prompt),
+                index.overlaps(prompt[:3]),
+            ]
 
 
 def test_a_worker_whose_prefix_is_all_on_the_device_is_left_out_of_tier_pages() -> None:
