@@ -32,13 +32,11 @@ one shared pool of both engines' blocks.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvmesh.errors import ConfigError
 from kvmesh.trace import TRACE_BLOCK_TOKENS, TraceRequest
-
-SLICES = ("fitting-requests", "fitting-conversations", "whole-conversations")
 
 
 def conversations(reqs: Sequence[TraceRequest]) -> list[int]:
@@ -62,42 +60,72 @@ def conversations(reqs: Sequence[TraceRequest]) -> list[int]:
     return out
 
 
+Picked = list[tuple[int, TraceRequest]]
+"""Requests in trace order, each with its conversation."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The requests of conversations of >= `min_turns` turns, in trace order, and what a
+    reading needs to pick among them."""
+
+    requests: Picked
+    turns: Mapping[int, int]  # a conversation's turns in the whole trace
+    longest: Mapping[int, int]  # its longest prompt, in blocks
+    max_blocks: int  # the longest prompt the engines take
+
+
+def _fitting_requests(c: Candidates, n: int) -> Picked:
+    return [(k, r) for k, r in c.requests if len(r.hash_ids) <= c.max_blocks][:n]
+
+
+def _fitting_conversations(c: Candidates, n: int) -> Picked:
+    return [(k, r) for k, r in c.requests if c.longest[k] <= c.max_blocks][:n]
+
+
+def _whole_conversations(c: Candidates, n: int) -> Picked:
+    fitting = [(k, r) for k, r in c.requests if c.longest[k] <= c.max_blocks]
+    chosen: set[int] = set()
+    total = 0
+    for k in dict.fromkeys(k for k, _ in fitting):
+        if total >= n:
+            break
+        chosen.add(k)
+        total += c.turns[k]
+    return [(k, r) for k, r in fitting if k in chosen][:n]
+
+
+READINGS: dict[str, Callable[[Candidates, int], Picked]] = {
+    "fitting-requests": _fitting_requests,
+    "fitting-conversations": _fitting_conversations,
+    "whole-conversations": _whole_conversations,
+}
+SLICES = tuple(READINGS)
+
+
 def trace_slice(
     reqs: Sequence[TraceRequest],
     n: int,
     min_turns: int,
     max_blocks: int,
     kind: str = "fitting-conversations",
-) -> list[tuple[int, TraceRequest]]:
+) -> Picked:
     """`n` requests, in trace order, of conversations of >= `min_turns` turns, as `kind` reads
     it (see the module docstring); a prompt fits when it has at most `max_blocks` blocks.
 
     Trace order interleaves many conversations, as a chat service sees them.
     `ConfigError` when the trace holds fewer than `n` such requests.
     """
-    if kind not in SLICES:
+    reading = READINGS.get(kind)
+    if reading is None:
         raise ConfigError(f"unknown slice {kind!r}; choose one of {', '.join(SLICES)}")
     conv_of = conversations(reqs)
     turns = Counter(conv_of)
     longest: dict[int, int] = {}
     for c, r in zip(conv_of, reqs, strict=True):
         longest[c] = max(longest.get(c, 0), len(r.hash_ids))
-    long_enough = [(c, r) for c, r in zip(conv_of, reqs, strict=True) if turns[c] >= min_turns]
-    if kind == "fitting-requests":
-        picked = [(c, r) for c, r in long_enough if len(r.hash_ids) <= max_blocks][:n]
-    else:
-        fitting = [(c, r) for c, r in long_enough if longest[c] <= max_blocks]
-        if kind == "fitting-conversations":
-            picked = fitting[:n]
-        else:
-            chosen: set[int] = set()
-            total = 0
-            for c in dict.fromkeys(c for c, _ in fitting):
-                if total >= n:
-                    break
-                chosen.add(c)
-                total += turns[c]
-            picked = [(c, r) for c, r in fitting if c in chosen][:n]
+    requests = [(c, r) for c, r in zip(conv_of, reqs, strict=True) if turns[c] >= min_turns]
+    picked = reading(Candidates(requests, turns, longest, max_blocks), n)
     if len(picked) < n:
         raise ConfigError(
             f"the trace has only {len(picked)} requests in conversations of >= {min_turns} "
@@ -125,9 +153,7 @@ class SlicePrompt:
     tokens: int
 
 
-def slice_prompts(
-    picked: Sequence[tuple[int, TraceRequest]], block_tokens: int, full_blocks: bool
-) -> list[SlicePrompt]:
+def slice_prompts(picked: Picked, block_tokens: int, full_blocks: bool) -> list[SlicePrompt]:
     return [
         SlicePrompt(c, r.hash_ids, prompt_tokens(r, block_tokens, full_blocks)) for c, r in picked
     ]
