@@ -131,7 +131,7 @@ _MIN_SLOTS = 1 << 12
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PromptKeys:
     """Prompts' hashes as a lookup reads them, made once for every store that looks them up.
 
@@ -142,7 +142,9 @@ class PromptKeys:
     when they share one (a multiple of 8, no all-zero digest), else 0: stores
     take their general path. `mixed` holds, for that width, each digest's first
     8 bytes as a uint64 times the constant (a table's home slot is its top
-    bits); `ends`, where each prompt ends in `flat`.
+    bits); `ends`, where each prompt ends in `flat`. Not frozen (a frozen init costs
+    a route a few tenths of a µs), but never changed after `of`: only its cache of
+    home slots per table size fills.
     """
 
     flat: Sequence[PageHash]
