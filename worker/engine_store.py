@@ -222,6 +222,7 @@ class EngineStore:
         self.page_delay_s = page_delay_s
         self.name = name
         self.peers = tuple(peers)
+        prover = EngineBlockProver(block_size, algo, seed)  # refuses a bad hash before any file
         self.pool = PagePool(num_pages, page_size=block_size, event_token_ids=False)
         self.arena: Arena | None = None
         self._staging: np.ndarray | None = None
@@ -238,9 +239,7 @@ class EngineStore:
         self.kv = KVStore(
             num_pages, 1, 1, page_bytes // (2 * block_size), block_size, "uint8", memory=memory
         )
-        self.service = PageService(
-            self.pool, self.kv, EngineBlockProver(block_size, algo, seed), name=name
-        )
+        self.service = PageService(self.pool, self.kv, prover, name=name)
         self.config = TransferConfig(host=host, port=port)
         # page_delay_s: the transfer server's slow-peer test hook (a store killed mid-load)
         self._pages = ServerThread(self.service, self.config, page_delay_s=page_delay_s)

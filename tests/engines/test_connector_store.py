@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -592,3 +593,11 @@ def test_a_live_stores_arena_is_never_swept(shm_store: EngineStore) -> None:
     assert arena is not None
     assert Path(arena.layout.path) not in sweep_stale()
     assert Path(arena.layout.path).exists()
+
+
+def test_a_store_refused_at_start_leaves_no_arena_behind() -> None:
+    ours = f"kvmesh-store-{os.getpid()}-*"
+    before = set(Path("/dev/shm").glob(ours))
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        EngineStore(page_bytes=PAGE, block_size=B, algo="xxhash")
+    assert set(Path("/dev/shm").glob(ours)) == before
