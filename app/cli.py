@@ -37,7 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvmesh.app.config_table",
         "the settings in force and where each came from; --table writes docs/configuration.md",
     ),
-    "bench": ("kvmesh.benchmarks.cli", "benchmarks: pool, router, transfer, load"),
+    "bench": (
+        "kvmesh.benchmarks.cli",
+        "benchmarks: pool, router, transfer, load, tiers, capacity, connector, engines",
+    ),
     "gateway": (
         "kvmesh.gateway.command",
         "OpenAI-compatible gateway in front of vLLM engines, routing on their KV events",
