@@ -18,8 +18,7 @@ gateway; tests/engines/ run real vLLM engines).
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from kvmesh.load import WorkerLoad
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.engine_store import BlockRun, EngineStore
 from kvmesh.worker.store_events import StoreEventPublisher, publish_store_events
+from tests.async_kit import until
 
 A, B = WorkerId("engine-a"), WorkerId("engine-b")
 STORES = {A: store_worker_id(A), B: store_worker_id(B)}
@@ -182,14 +182,6 @@ def save_prompt(store: EngineStore, gateway: Gateway, tokens: list[int]) -> list
     run = BlockRun(None, digests, tuple(tokens[: n * BLOCK]), (None,) * n)
     store.save(run, [bytes([i]) * (2 * BLOCK * 8) for i in range(n)])
     return list(hashed.page_hashes)
-
-
-async def until(check: Callable[[], bool], what: str, bound_s: float = 10.0) -> None:
-    deadline = time.monotonic() + bound_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @asynccontextmanager

@@ -35,6 +35,7 @@ from kvmesh.engine_subscriber import (
 )
 from kvmesh.errors import ConfigError, InvalidInput
 from kvmesh.types import PageHash, WorkerId
+from tests.async_kit import until
 
 BOUND_S = 10.0
 
@@ -158,14 +159,6 @@ class Publisher:
 
 def counter(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name + "_total", labels) or 0.0
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 Scenario = Callable[[GlobalIndex, EngineSubscriber, Publisher], Awaitable[None]]

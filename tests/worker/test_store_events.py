@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,7 @@ from kvmesh.worker.store_events import (
     encode_store_batch,
     publish_store_events,
 )
+from tests.async_kit import until
 
 B = 4
 PAGE_BYTES = 2 * B * 8
@@ -63,14 +64,6 @@ def held(index: GlobalIndex, wid: WorkerId = STORE) -> frozenset[PageHash]:
     return index.worker_pages(wid) if wid in index.workers() else frozenset()
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def joined(publisher: StoreEventPublisher, sub: EngineSubscriber) -> None:
     """Until a batch crossed the wire: a ZMQ subscriber misses what is sent while it joins
     (the next batch's seq shows that gap, and replay heals it; a test waits instead).
@@ -80,27 +73,41 @@ async def joined(publisher: StoreEventPublisher, sub: EngineSubscriber) -> None:
         await asyncio.sleep(0.05)
 
 
+def loopback_endpoints() -> tuple[str, str]:
+    """Fresh loopback addresses for a store's events and its replay socket."""
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+@asynccontextmanager
+async def subscribed(
+    index: GlobalIndex, endpoint: str, replay: str | None = None
+) -> AsyncIterator[EngineSubscriber]:
+    """A started subscriber feeding `index` from the store's stream, stopped on the way out
+    (short replay bounds: a test's gaps are healed or given up on within its bound)."""
+    sub = EngineSubscriber(
+        index,
+        [EngineEventsEndpoint(str(STORE), endpoint, replay)],
+        config=SubscriberConfig(replay_timeout_s=2.0, replay_idle_s=0.2),
+    )
+    await sub.start()
+    try:
+        yield sub
+    finally:
+        await sub.stop()
+
+
 Scenario = Callable[[EngineStore, GlobalIndex, EngineSubscriber, str, str], Awaitable[None]]
 
 
 def follow(scenario: Scenario, *, pages: int = 16) -> None:
     """A store publishing to a subscriber bound on a fresh loopback port, with replay."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    replay = f"tcp://127.0.0.1:{free_port()}"
+    endpoint, replay = loopback_endpoints()
     index = GlobalIndex()
     store = EngineStore(page_bytes=PAGE_BYTES, block_size=B, num_pages=pages, name="store-0")
 
     async def main() -> None:
-        sub = EngineSubscriber(
-            index,
-            [EngineEventsEndpoint(str(STORE), endpoint, replay)],
-            config=SubscriberConfig(replay_timeout_s=2.0, replay_idle_s=0.2),
-        )
-        await sub.start()
-        try:
+        async with subscribed(index, endpoint, replay) as sub:
             await scenario(store, index, sub, endpoint, replay)
-        finally:
-            await sub.stop()
 
     asyncio.run(asyncio.wait_for(main(), 3 * BOUND_S))
 
@@ -285,15 +292,11 @@ def test_a_store_publishes_on_ipc_where_it_binds_and_the_subscriber_connects(
     async def main() -> None:
         with StoreEventPublisher(endpoint, name="store-ipc") as publisher:
             publish_store_events(store, publisher)
-            sub = EngineSubscriber(index, [EngineEventsEndpoint(str(STORE), endpoint)])
-            await sub.start()
-            try:
+            async with subscribed(index, endpoint) as sub:
                 await joined(publisher, sub)
                 a, a_names = prompt(3, 2)
                 save(store, a)
                 await until(lambda: held(index) == frozenset(a_names), "the ipc stream")
-            finally:
-                await sub.stop()
 
     asyncio.run(asyncio.wait_for(main(), 3 * BOUND_S))
 
@@ -301,8 +304,7 @@ def test_a_store_publishes_on_ipc_where_it_binds_and_the_subscriber_connects(
 def test_a_store_process_started_with_events_flags_publishes_what_its_engine_saves() -> None:
     """The store as engines get it (`StoreProcess`, ``--events``/``--events-replay``): blocks
     saved through its control API reach the index; a restart (empty) takes them out."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    replay = f"tcp://127.0.0.1:{free_port()}"
+    endpoint, replay = loopback_endpoints()
     index = GlobalIndex()
     process = StoreProcess(block_nbytes=64, block_size=B, pages=16, name="store-proc",
                            events=endpoint, events_replay=replay)  # fmt: skip
@@ -315,33 +317,27 @@ def test_a_store_process_started_with_events_flags_publishes_what_its_engine_sav
         return names
 
     async def main() -> None:
-        sub = EngineSubscriber(
-            index,
-            [EngineEventsEndpoint(str(STORE), endpoint, replay)],
-            config=SubscriberConfig(replay_timeout_s=2.0, replay_idle_s=0.2),
-        )
-        await sub.start()
-        try:
-            process.start()
-            client = StoreClient(process.page_address, process.control_address)
-            first = save_through(client, 1)
-            while sub.stream_state(STORE).last_seq < 0:  # the PUB socket's first batch is
-                client.forget([bytes(d) for d in prompt(1, 2)[0].digests])  # lost while it
-                first = save_through(client, 1)  # connects: go on until one arrives
-                await asyncio.sleep(0.05)
-            await until(lambda: held(index) == frozenset(first), "the saved blocks")
-            client.close()
-            process.restart()
-            client = StoreClient(process.page_address, process.control_address)
-            second = save_through(client, 2)
-            while first[0] in held(index):
-                client.forget([bytes(d) for d in prompt(2, 2)[0].digests])
+        async with subscribed(index, endpoint, replay) as sub:
+            try:
+                process.start()
+                client = StoreClient(process.page_address, process.control_address)
+                first = save_through(client, 1)
+                while sub.stream_state(STORE).last_seq < 0:  # the PUB socket's first batch is
+                    client.forget([bytes(d) for d in prompt(1, 2)[0].digests])  # lost while it
+                    first = save_through(client, 1)  # connects: go on until one arrives
+                    await asyncio.sleep(0.05)
+                await until(lambda: held(index) == frozenset(first), "the saved blocks")
+                client.close()
+                process.restart()
+                client = StoreClient(process.page_address, process.control_address)
                 second = save_through(client, 2)
-                await asyncio.sleep(0.05)
-            await until(lambda: held(index) == frozenset(second), "the new life's blocks")
-            client.close()
-        finally:
-            process.stop()
-            await sub.stop()
+                while first[0] in held(index):
+                    client.forget([bytes(d) for d in prompt(2, 2)[0].digests])
+                    second = save_through(client, 2)
+                    await asyncio.sleep(0.05)
+                await until(lambda: held(index) == frozenset(second), "the new life's blocks")
+                client.close()
+            finally:
+                process.stop()
 
     asyncio.run(asyncio.wait_for(main(), 6 * BOUND_S))
