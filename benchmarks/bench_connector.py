@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.arguments import positive_int
+from kvmesh.arguments import non_negative_int, positive_int
 from kvmesh.connector.block_path import BlockPath, KVLayers
 from kvmesh.connector.blocks import BlockRun, block_run
 from kvmesh.connector.store_client import StoreClient
@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=15, help="runs per figure")
     parser.add_argument(
         "--warmup",
-        type=int,
+        type=non_negative_int,
         default=2,
         help="untimed runs first (the first touch of the arena's pages faults them in)",
     )
