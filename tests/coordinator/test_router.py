@@ -137,6 +137,30 @@ def truth(workers: Sequence[Any]) -> dict[str, set[PageHash]]:
     return {f"w{i}": ray.get(w.cached.remote()) for i, w in enumerate(workers)}
 
 
+@dataclasses.dataclass(frozen=True)
+class OneRouter:
+    """A router replica, its config, the workers it registered (held here: Ray collects
+    actors no one holds) and what each worker's pool holds."""
+
+    cfg: CoordinatorConfig
+    router: Any
+    workers: list[Any]
+    held: dict[str, set[PageHash]]
+
+    def shard(self, s: int) -> Any:
+        return ray.get_actor(shard_actor_name(self.cfg, 0, s), namespace=self.cfg.namespace)
+
+
+def one_router(shards: int, n_workers: int) -> OneRouter:
+    """A ready router (one replica) over `shards` index shards, with `n_workers` workers
+    registered through it, each holding a different prefix of each of `PROMPTS`."""
+    cfg = layout(shards=shards, replicas=1)
+    router = get_or_create_coordinator(cfg)
+    assert ray.get(router.wait_ready.remote(60), timeout=90)
+    workers = start_workers(cfg, router, n_workers)
+    return OneRouter(cfg, router, workers, truth(workers))
+
+
 def held_prefix(held: set[PageHash], hashes: Sequence[PageHash]) -> int:
     n = 0
     for h in hashes:
@@ -155,36 +179,28 @@ def check(decision: Any, hashes: Sequence[PageHash], held: dict[str, set[PageHas
 
 
 def test_a_sharded_coordinator_routes_on_every_shards_workers(ray_cluster: None) -> None:
-    cfg = layout(shards=3, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    assert ray.get(router.wait_ready.remote(60), timeout=90)
-    workers = start_workers(cfg, router, 6)
-    held = truth(workers)
+    mesh = one_router(shards=3, n_workers=6)
     for p in PROMPTS:
-        d = ray.get(router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True)))
-        check(d, p, held)
-        best = max(held_prefix(h, p) for h in held.values())
+        d = ray.get(mesh.router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True)))
+        check(d, p, mesh.held)
+        best = max(held_prefix(h, p) for h in mesh.held.values())
         assert d.local_pages + d.peer_pages == best  # the longest prefix anywhere is found
     per_shard = []
     for s in range(3):
-        shard = ray.get_actor(shard_actor_name(cfg, 0, s), namespace=cfg.namespace)
-        per_shard.append({i.worker_id for i in ray.get(shard.workers.remote())})
+        per_shard.append({i.worker_id for i in ray.get(mesh.shard(s).workers.remote())})
     assert set().union(*per_shard) == {f"w{i}" for i in range(6)}
     assert sum(len(p) for p in per_shard) == 6  # each worker in exactly one shard
     for s, ids in enumerate(per_shard):
         assert all(shard_of(w, 3) == s for w in ids)
-    stats = ray.get(router.stats.remote())
+    stats = ray.get(mesh.router.stats.remote())
     assert (stats["workers"], stats["routes"], stats["shards"]) == (6, len(PROMPTS), 3)
 
 
 def test_a_shard_killed_mid_load_is_rebuilt_and_routing_resumes_with_no_wrong_answer(
     ray_cluster: None,
 ) -> None:
-    cfg = layout(shards=2, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    workers = start_workers(cfg, router, 4)
-    held = truth(workers)
-    victim = ray.get_actor(shard_actor_name(cfg, 0, 1), namespace=cfg.namespace)
+    mesh = one_router(shards=2, n_workers=4)
+    victim = mesh.shard(1)
     old_pid = ray.get(victim.pid.remote())
     answers: list[tuple[Any, list[PageHash]]] = []
     failures: list[BaseException] = []
@@ -196,7 +212,7 @@ def test_a_shard_killed_mid_load_is_rebuilt_and_routing_resumes_with_no_wrong_an
             p = PROMPTS[rng.randrange(len(PROMPTS))]
             try:
                 answers.append(
-                    (ray.get(router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True))), p)
+                    (ray.get(mesh.router.route.remote(RouteQuery(p, len(p) * PAGE, PAGE, True))), p)
                 )
             except Exception as exc:  # counted: the test wants none
                 failures.append(exc)
@@ -219,7 +235,7 @@ def test_a_shard_killed_mid_load_is_rebuilt_and_routing_resumes_with_no_wrong_an
     assert not failures
     assert len(answers) > before  # routing resumed after the kill
     for d, p in answers:
-        check(d, p, held)
+        check(d, p, mesh.held)
 
 
 def test_two_replicas_fed_the_same_events_decide_alike(ray_cluster: None) -> None:
@@ -409,78 +425,66 @@ def test_the_single_coordinator_actor_serves_the_grpc_api_too(ray_cluster: None)
 def test_routes_arriving_together_go_to_each_shard_in_one_call_and_decide_as_one_by_one(
     ray_cluster: None,
 ) -> None:
-    cfg = layout(shards=3, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    assert ray.get(router.wait_ready.remote(60), timeout=90)
-    workers = start_workers(cfg, router, 6)
-    held = truth(workers)
+    mesh = one_router(shards=3, n_workers=6)
     rng = random.Random(5)
     looks = []
     for _ in range(300):
         p = PROMPTS[rng.randrange(len(PROMPTS))][: rng.randint(1, 12)]
         policy = rng.choice([None, "least_loaded", "cache_aware"])
         looks.append(RouteQuery(p, len(p) * PAGE + rng.randrange(PAGE), PAGE, True, None, policy))
-    one_by_one = [ray.get(router.route.remote(q)) for q in looks]
-    shards = [ray.get_actor(shard_actor_name(cfg, 0, s), namespace=cfg.namespace) for s in range(3)]
+    one_by_one = [ray.get(mesh.router.route.remote(q)) for q in looks]
+    shards = [mesh.shard(s) for s in range(3)]
     before = [ray.get(s.calls.remote()).get("view_many", 0) for s in shards]
-    together = ray.get([router.route.remote(q) for q in looks])
+    together = ray.get([mesh.router.route.remote(q) for q in looks])
     after = [ray.get(s.calls.remote()).get("view_many", 0) for s in shards]
     calls = [a - b for a, b in zip(after, before, strict=True)]
     assert together == one_by_one  # looks change no load: arriving together changes nothing
     for d, q in zip(together, looks, strict=True):
-        check(d, q.hashes, held)
+        check(d, q.hashes, mesh.held)
     assert all(0 < n < len(looks) for n in calls), calls  # batched: fewer calls than routes
 
 
 def test_a_bad_route_among_routes_arriving_together_fails_alone(ray_cluster: None) -> None:
-    cfg = layout(shards=2, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    workers = start_workers(cfg, router, 3)
-    held = truth(workers)
+    mesh = one_router(shards=2, n_workers=3)
     good = [RouteQuery(p, len(p) * PAGE, PAGE, True) for p in PROMPTS * 4]
     bad = dataclasses.replace(good[0])
     object.__setattr__(bad, "hashes", [*good[0].hashes[:2], "not bytes"])  # past its checks
-    refs = [router.route.remote(q) for q in good[:10]]
-    bad_ref = router.route.remote(bad)
-    refs += [router.route.remote(q) for q in good[10:]]
+    refs = [mesh.router.route.remote(q) for q in good[:10]]
+    bad_ref = mesh.router.route.remote(bad)
+    refs += [mesh.router.route.remote(q) for q in good[10:]]
     with pytest.raises(InvalidInput, match="page hash must be 1-64 bytes"):
         ray.get(bad_ref)
     for d, q in zip(ray.get(refs), good, strict=True):
-        check(d, q.hashes, held)
+        check(d, q.hashes, mesh.held)
 
 
 def test_routes_cancelled_while_they_wait_for_a_batch_leave_the_others_answered(
     ray_cluster: None,
 ) -> None:
-    cfg = layout(shards=2, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    workers = start_workers(cfg, router, 3)
-    held = truth(workers)
+    mesh = one_router(shards=2, n_workers=3)
     looks = [RouteQuery(p, len(p) * PAGE, PAGE, True) for p in PROMPTS * 16]
-    refs = [router.route.remote(q) for q in looks]
+    refs = [mesh.router.route.remote(q) for q in looks]
     gone = {3, 40, 41, 97}
     for i in gone:
         ray.cancel(refs[i])
     for i, (ref, q) in enumerate(zip(refs, looks, strict=True)):
         try:
-            check(ray.get(ref, timeout=60), q.hashes, held)
+            check(ray.get(ref, timeout=60), q.hashes, mesh.held)
         except ray.exceptions.TaskCancelledError:
             assert i in gone
-    check(ray.get(router.route.remote(looks[0]), timeout=60), looks[0].hashes, held)
+    check(ray.get(mesh.router.route.remote(looks[0]), timeout=60), looks[0].hashes, mesh.held)
 
 
 def test_a_router_routes_on_each_shards_loads_as_they_change(ray_cluster: None) -> None:
     """The router keeps each shard's loads while their version holds; every report that
     moves them reaches the next route."""
-    cfg = layout(shards=2, replicas=1)
-    router = get_or_create_coordinator(cfg)
-    workers = start_workers(cfg, router, 4)
+    mesh = one_router(shards=2, n_workers=4)
     look = RouteQuery(PROMPTS[0][:3], 3 * PAGE, PAGE, True, None, "least_loaded")
 
     def least_loaded_after(loads: list[int]) -> str:
-        ray.get([w.serve.remote([], load=n) for w, n in zip(workers, loads, strict=True)])
-        first = ray.get(router.route.remote(look))
-        assert ray.get(router.route.remote(look)) == first  # held loads: the same answer
+        ray.get([w.serve.remote([], load=n) for w, n in zip(mesh.workers, loads, strict=True)])
+        first = ray.get(mesh.router.route.remote(look))
+        assert ray.get(mesh.router.route.remote(look)) == first  # held loads: the same answer
         return str(first.worker_id)
 
     assert least_loaded_after([10, 20, 30, 40]) == "w0"
