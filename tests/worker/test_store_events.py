@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,27 @@ async def subscribed(
         await sub.stop()
 
 
-Scenario = Callable[[EngineStore, GlobalIndex, EngineSubscriber, str, str], Awaitable[None]]
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """A scenario's pieces: a store, the index its started subscriber feeds, and the
+    addresses the subscriber follows (events, replay)."""
+
+    store: EngineStore
+    index: GlobalIndex
+    sub: EngineSubscriber
+    endpoint: str
+    replay: str
+
+    @contextmanager
+    def publishing(self, store: EngineStore | None = None) -> Iterator[StoreEventPublisher]:
+        """A started publisher on the followed addresses, carrying `store`'s page events
+        (this scenario's store unless another is given: a restarted one)."""
+        with StoreEventPublisher(self.endpoint, self.replay, name="store-0") as publisher:
+            publish_store_events(store or self.store, publisher)
+            yield publisher
+
+
+Scenario = Callable[[Followed], Awaitable[None]]
 
 
 def follow(scenario: Scenario, *, pages: int = 16) -> None:
@@ -107,7 +128,7 @@ def follow(scenario: Scenario, *, pages: int = 16) -> None:
 
     async def main() -> None:
         async with subscribed(index, endpoint, replay) as sub:
-            await scenario(store, index, sub, endpoint, replay)
+            await scenario(Followed(store, index, sub, endpoint, replay))
 
     asyncio.run(asyncio.wait_for(main(), 3 * BOUND_S))
 
@@ -173,42 +194,36 @@ def test_bad_endpoints_and_flags_are_config_errors_naming_what_to_give() -> None
 
 
 def test_the_index_holds_what_the_store_saved_pulled_evicted_and_forgot() -> None:
-    async def scenario(
-        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
-    ) -> None:
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(store, publisher)
-            await joined(publisher, sub)
+    async def scenario(case: Followed) -> None:
+        with case.publishing() as publisher:
+            await joined(publisher, case.sub)
             a, a_names = prompt(1, 3)
-            save(store, a)
-            await until(lambda: held(index) == frozenset(a_names), "the first run")
-            match = index.match(a_names)
+            save(case.store, a)
+            await until(lambda: held(case.index) == frozenset(a_names), "the first run")
+            match = case.index.match(a_names)
             assert match.pages == {STORE: 3} and match.tiers[STORE] == ("cpu",)
             b, b_names = prompt(2, 3)
-            save(store, b)
-            await until(lambda: held(index) == frozenset(a_names + b_names), "the second run")
-            store.forget([b.digests[2]])
-            await until(lambda: b_names[2] not in held(index), "the forgotten block")
-            assert index.match(b_names).pages == {STORE: 2}
-            assert held(index) == frozenset(a_names + b_names[:2])
-        assert not index.is_stale(STORE)
+            save(case.store, b)
+            await until(lambda: held(case.index) == frozenset(a_names + b_names), "the second run")
+            case.store.forget([b.digests[2]])
+            await until(lambda: b_names[2] not in held(case.index), "the forgotten block")
+            assert case.index.match(b_names).pages == {STORE: 2}
+            assert held(case.index) == frozenset(a_names + b_names[:2])
+        assert not case.index.is_stale(STORE)
 
     follow(scenario)
 
 
 def test_blocks_the_store_evicts_leave_the_index() -> None:
-    async def scenario(
-        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
-    ) -> None:
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(store, publisher)
-            await joined(publisher, sub)
+    async def scenario(case: Followed) -> None:
+        with case.publishing() as publisher:
+            await joined(publisher, case.sub)
             a, a_names = prompt(1, 3)
             b, b_names = prompt(2, 3)
-            save(store, a)
-            save(store, b)  # 3 usable pages: a's blocks go
-            await until(lambda: held(index) == frozenset(b_names), "b replacing a")
-            assert index.match(a_names).pages == {}
+            save(case.store, a)
+            save(case.store, b)  # 3 usable pages: a's blocks go
+            await until(lambda: held(case.index) == frozenset(b_names), "b replacing a")
+            assert case.index.match(a_names).pages == {}
             assert counter_value("kvmesh_store_event_batches", store="store-0",
                                  outcome="published") >= 2  # fmt: skip
 
@@ -216,68 +231,59 @@ def test_blocks_the_store_evicts_leave_the_index() -> None:
 
 
 def test_a_gateway_that_joins_late_replays_what_the_store_published_before() -> None:
-    async def scenario(
-        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
-    ) -> None:
-        await sub.stop()  # not listening: the first batches are lost on the wire
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(store, publisher)
+    async def scenario(case: Followed) -> None:
+        await case.sub.stop()  # not listening: the first batches are lost on the wire
+        with case.publishing() as publisher:
             a, a_names = prompt(1, 3)
-            save(store, a)
+            save(case.store, a)
             await until(lambda: publisher.buffered() != [], "the first batch")
-            await sub.start()
+            await case.sub.start()
             b, b_names = prompt(2, 2)
-            while sub.stream_state(STORE).last_seq < 0:  # a live batch shows the gap
-                save(store, b)
-                store.forget(list(b.digests))
+            while case.sub.stream_state(STORE).last_seq < 0:  # a live batch shows the gap
+                save(case.store, b)
+                case.store.forget(list(b.digests))
                 await asyncio.sleep(0.05)
-            save(store, b)
+            save(case.store, b)
             want = frozenset(a_names + b_names)
-            await until(lambda: held(index) == want and not index.is_stale(STORE),
+            await until(lambda: held(case.index) == want and not case.index.is_stale(STORE),
                         "the replayed and live batches")  # fmt: skip
 
     follow(scenario)
 
 
 def test_a_subscriber_that_joins_after_a_lone_batch_is_told_where_the_stream_is() -> None:
-    async def scenario(
-        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
-    ) -> None:
-        await sub.stop()
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(store, publisher)
+    async def scenario(case: Followed) -> None:
+        await case.sub.stop()
+        with case.publishing() as publisher:
             a, a_names = prompt(1, 3)
-            save(store, a)  # sent to no one: the store publishes nothing after it
-            await sub.start()  # its subscription gets an empty batch, the gap shows, replay heals
-            await until(lambda: held(index) == frozenset(a_names), "the lone batch, replayed")
+            save(case.store, a)  # sent to no one: the store publishes nothing after it
+            await case.sub.start()  # its subscription gets an empty batch: the gap shows,
+            # and replay heals it
+            await until(lambda: held(case.index) == frozenset(a_names), "the lone batch, replayed")
             assert len(publisher.buffered()) >= 2  # the batch and the join marker
 
     follow(scenario)
 
 
 def test_a_restarted_store_drops_the_old_lifes_blocks_though_its_first_batches_were_lost() -> None:
-    async def scenario(
-        store: EngineStore, index: GlobalIndex, sub: EngineSubscriber, endpoint: str, replay: str
-    ) -> None:
+    async def scenario(case: Followed) -> None:
         a, a_names = prompt(1, 3)
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(store, publisher)
-            await joined(publisher, sub)
-            save(store, a)
-            await until(lambda: held(index) == frozenset(a_names), "the first life")
-            last = sub.stream_state(STORE).last_seq
+        with case.publishing() as publisher:
+            await joined(publisher, case.sub)
+            save(case.store, a)
+            await until(lambda: held(case.index) == frozenset(a_names), "the first life")
+            last = case.sub.stream_state(STORE).last_seq
         fresh = EngineStore(page_bytes=PAGE_BYTES, block_size=B, num_pages=16, name="store-0")
         b, b_names = prompt(2, 2)
-        with StoreEventPublisher(endpoint, replay, name="store-0") as publisher:
-            publish_store_events(fresh, publisher)
+        with case.publishing(fresh) as publisher:
             assert publisher.publish([AllPagesCleared()]) > last  # a new life counts on
             save(fresh, b)
-            while sub.stream_state(STORE).last_seq <= last:  # the first ones may be lost
+            while case.sub.stream_state(STORE).last_seq <= last:  # the first ones may be lost
                 fresh.forget(list(b.digests))
                 save(fresh, b)
                 await asyncio.sleep(0.05)
-            await until(lambda: held(index) == frozenset(b_names), "the second life only")
-            assert index.match(a_names).pages == {}
+            await until(lambda: held(case.index) == frozenset(b_names), "the second life only")
+            assert case.index.match(a_names).pages == {}
 
     follow(scenario)
 
