@@ -142,16 +142,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _counts(text: str) -> list[int]:
+def _comma_counts(text: str, what: str, example: str, least: int) -> list[int]:
+    """A comma list of `what` counts, each at least `least`; argparse's error otherwise."""
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected worker counts like 8,64,256, got {text!r}"
+            f"expected {what} counts like {example}, got {text!r}"
         ) from None
-    if not counts or min(counts) < 2:
-        raise argparse.ArgumentTypeError(f"each worker count must be at least 2, got {text!r}")
+    if not counts or min(counts) < least:
+        raise argparse.ArgumentTypeError(
+            f"each {what} count must be at least {least}, got {text!r}"
+        )
     return counts
+
+
+def _counts(text: str) -> list[int]:
+    return _comma_counts(text, "worker", "8,64,256", 2)
 
 
 def _h(i: int) -> PageHash:
@@ -535,15 +542,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _shard_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected shard counts like 1,2,4, got {text!r}"
-        ) from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"each shard count must be at least 1, got {text!r}")
-    return counts
+    return _comma_counts(text, "shard", "1,2,4", 1)
 
 
 def _ingested(wl: _Workload, shards: int, seed: int) -> tuple[ShardedCoordinator, float, float]:

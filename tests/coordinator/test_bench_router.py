@@ -67,6 +67,23 @@ def test_a_route_batch_below_one_is_refused() -> None:
         _args("--shards", "1,2", "--route-batch", "0")
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("--workers", "8,1"), "each worker count must be at least 2, got '8,1'"),
+        (("--workers", "8,many"), "expected worker counts like 8,64,256, got '8,many'"),
+        (("--shards", "0"), "each shard count must be at least 1, got '0'"),
+        (("--shards", "1,two"), "expected shard counts like 1,2,4, got '1,two'"),
+    ],
+)
+def test_a_bad_worker_or_shard_count_list_is_refused_naming_the_count(
+    argv: tuple[str, ...], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _args(*argv)
+    assert said in capsys.readouterr().err
+
+
 def test_index_ops_count_every_page_event_and_match() -> None:
     wl = bench_router._Workload(4, 2000, seed=0)
     prompts = wl.prompts(30, random.Random(1))
