@@ -136,13 +136,20 @@ def wait_until_ready(coordinator: Any, deadline_s: float = 90.0) -> None:
             time.sleep(0.5)
 
 
-def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_cluster: None) -> None:
-    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    cfg = CoordinatorConfig(
-        namespace=ns, heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0, max_restarts=2
-    )
+def ready_coordinator(**settings: Any) -> tuple[CoordinatorConfig, Any]:
+    """A coordinator actor in a namespace of its own (tests never see each other's
+    workers), with `settings`, once it is ready to route."""
+    cfg = CoordinatorConfig(namespace=f"kvmesh-test-{uuid.uuid4().hex[:8]}", **settings)
     coord = get_or_create_coordinator(cfg)
     wait_until_ready(coord)
+    return cfg, coord
+
+
+def test_a_killed_coordinator_is_restarted_and_rebuilds_the_same_index(ray_cluster: None) -> None:
+    cfg, coord = ready_coordinator(
+        heartbeat_interval_s=0.2, heartbeat_timeout_s=120.0, max_restarts=2
+    )
+    ns = cfg.namespace
     named = [
         RemoteWorker.options(name=f"w{i}", namespace=ns).remote(f"w{i}", coord, f"w{i}", ns)
         for i in range(2)
@@ -201,13 +208,10 @@ def test_a_route_waits_for_the_report_its_client_read_the_answer_of(
     """A worker answers before its report reaches the coordinator; the client's next route
     names that report (`RouteQuery.after`) and is decided only once it is applied. The
     heartbeat interval is long, so the route cannot give up waiting within this test."""
-    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    cfg = CoordinatorConfig(
-        namespace=ns, heartbeat_interval_s=60.0, heartbeat_timeout_s=600.0, index_shards=shards
+    cfg, coord = ready_coordinator(
+        heartbeat_interval_s=60.0, heartbeat_timeout_s=600.0, index_shards=shards
     )
-    coord = get_or_create_coordinator(cfg)
-    wait_until_ready(coord)
-    workers = [RemoteWorker.remote(f"w{i}", coord, None, ns) for i in range(3)]
+    workers = [RemoteWorker.remote(f"w{i}", coord, None, cfg.namespace) for i in range(3)]
     ray.get([w.register.remote() for w in workers])
     ray.get([w.send_snapshot.remote() for w in workers])  # seq 0 each
     held = prompt(5, 11)
@@ -230,11 +234,8 @@ def test_a_route_waits_for_the_report_its_client_read_the_answer_of(
 def test_a_route_following_a_lost_report_waits_one_heartbeat_interval_at_most(
     ray_cluster: None,
 ) -> None:
-    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    cfg = CoordinatorConfig(namespace=ns, heartbeat_interval_s=0.2, heartbeat_timeout_s=600.0)
-    coord = get_or_create_coordinator(cfg)
-    wait_until_ready(coord)
-    worker = RemoteWorker.remote("w0", coord, None, ns)
+    cfg, coord = ready_coordinator(heartbeat_interval_s=0.2, heartbeat_timeout_s=600.0)
+    worker = RemoteWorker.remote("w0", coord, None, cfg.namespace)
     ray.get(worker.register.remote())
     ray.get(worker.serve.remote([prompt(3, 12)]))  # seq 0
     lost = (ReportMark(WorkerId("w0"), ray.get(worker.incarnation_of.remote()), 7),)
@@ -247,11 +248,8 @@ def test_a_route_following_a_lost_report_waits_one_heartbeat_interval_at_most(
 def test_a_worker_that_stops_heartbeating_is_dropped_by_the_background_loop(
     ray_cluster: None,
 ) -> None:
-    ns = f"kvmesh-test-{uuid.uuid4().hex[:8]}"
-    cfg = CoordinatorConfig(namespace=ns, heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
-    coord = get_or_create_coordinator(cfg)
-    wait_until_ready(coord)
-    worker = RemoteWorker.remote("silent", coord, None, ns)
+    cfg, coord = ready_coordinator(heartbeat_interval_s=0.1, heartbeat_timeout_s=3.0)
+    worker = RemoteWorker.remote("silent", coord, None, cfg.namespace)
     ray.get(worker.register.remote())
     ray.get(worker.serve.remote([prompt(3, 9)]))
     assert index_of(coord).match(prompt(3, 9)).pages == {"silent": 3}
