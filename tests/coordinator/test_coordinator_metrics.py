@@ -11,7 +11,8 @@ from kvmesh.config import CoordinatorConfig
 from kvmesh.coordination import RouteQuery, WorkerReport
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.errors import EventDecodeError
-from tests.coordinator.test_service import PoolWorker, prompt
+from tests.coordinator.pool_worker_kit import PoolWorker
+from tests.coordinator.test_service import prompt
 
 
 def served(coord: Coordinator, worker: PoolWorker, tag: int, pages: int = 3) -> None:

@@ -9,17 +9,16 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh.config import CoordinatorConfig
-from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
+from kvmesh.coordination import RouteQuery, WorkerReport
 from kvmesh.coordinator.index import ApplyResult
 from kvmesh.coordinator.policies import WorkerLoad
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.coordinator.shards import ShardedCoordinator
 from kvmesh.errors import ConfigError, EventDecodeError, InvalidInput, NoWorkers, UnknownWorker
-from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import PageHasher
 from kvmesh.requests import RouteOutcome
 from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.page_pool import PagePool
+from tests.coordinator.pool_worker_kit import PoolWorker
 
 PAGE = 4
 HASHER = PageHasher(PAGE)
@@ -27,58 +26,6 @@ HASHER = PageHasher(PAGE)
 
 def prompt(n_pages: int, tag: int) -> list[PageHash]:
     return HASHER.hash_prompt([tag * 1000 + i for i in range(n_pages * PAGE)])
-
-
-class PoolWorker:
-    """The worker side of the contract: a real pool, one seq counter, snapshots take the next seq."""
-
-    def __init__(self, worker_id: str, num_pages: int = 64, incarnation: str = "inc-1") -> None:
-        self.worker_id = WorkerId(worker_id)
-        self.incarnation = incarnation
-        self.pool = PagePool(num_pages, page_size=PAGE)
-        self.seq = 0
-
-    def serve(self, hashes: Sequence[PageHash]) -> int:
-        """Run one request through the pool (hit, allocate, cache, free); returns pages hit."""
-        hit = self.pool.match_prefix(hashes, len(hashes))
-        self.pool.touch(hit)
-        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
-        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
-        self.pool.free_pages(list(reversed(pages)))
-        return len(hit)
-
-    def batch(self) -> bytes:
-        data = encode_batch(
-            make_batch(self.pool.take_events(), self.worker_id, self.incarnation, self.seq)
-        )
-        self.seq += 1
-        return data
-
-    def snapshot(self) -> bytes:
-        self.pool.take_events()
-        data = encode_batch(
-            make_batch(
-                self.pool.snapshot_events(),
-                self.worker_id,
-                self.incarnation,
-                self.seq,
-                snapshot=True,
-            )
-        )
-        self.seq += 1
-        return data
-
-    def register(self, coord: Coordinator, **kw: object) -> bool:
-        reg = coord.register_worker(
-            WorkerRegistration(
-                self.worker_id,
-                f"127.0.0.1:{5000 + len(self.worker_id)}",
-                self.pool.num_pages - 1,
-                self.incarnation,
-                **kw,
-            ),  # type: ignore[arg-type]
-        )
-        return reg.needs_snapshot
 
 
 class Clock:

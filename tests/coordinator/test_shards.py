@@ -27,10 +27,9 @@ from kvmesh.coordinator.shards import (
     shard_of,
 )
 from kvmesh.errors import InvalidInput, InvalidSetting, NoWorkers
-from kvmesh.events import encode_batch, make_batch
 from kvmesh.trace import load_trace
 from kvmesh.types import PageHash, WorkerId
-from kvmesh.worker.page_pool import PagePool
+from tests.coordinator.pool_worker_kit import PoolWorker
 
 MAX_PAGES = 48
 POOL_PAGES = 96
@@ -42,47 +41,9 @@ def trace() -> PreparedTrace:
     return prepare_trace(load_trace(limit=400))
 
 
-class TraceWorker:
-    """A worker's side: a real page pool, its seq counter, its incarnation."""
-
-    def __init__(self, worker_id: str, incarnation: str = "inc-0") -> None:
-        self.worker_id = WorkerId(worker_id)
-        self.incarnation = incarnation
-        self.pool = PagePool(POOL_PAGES, page_size=16)
-        self.seq = 0
-
-    def serve(self, hashes: Sequence[PageHash]) -> None:
-        hit = self.pool.match_prefix(hashes, len(hashes))
-        self.pool.touch(hit)
-        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
-        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
-        self.pool.free_pages(list(reversed(pages)))
-
-    def batch(self) -> bytes:
-        data = encode_batch(
-            make_batch(self.pool.take_events(), self.worker_id, self.incarnation, self.seq)
-        )
-        self.seq += 1
-        return data
-
-    def snapshot(self) -> bytes:
-        self.pool.take_events()
-        data = encode_batch(
-            make_batch(
-                self.pool.snapshot_events(),
-                self.worker_id,
-                self.incarnation,
-                self.seq,
-                snapshot=True,
-            )
-        )
-        self.seq += 1
-        return data
-
-    def restart(self, incarnation: str) -> None:
-        self.incarnation = incarnation
-        self.pool = PagePool(POOL_PAGES, page_size=16)
-        self.seq = 0
+def trace_worker(worker_id: str) -> PoolWorker:
+    """A worker's side on the trace's pages (16 tokens each)."""
+    return PoolWorker(worker_id, POOL_PAGES, "inc-0", page_size=16)
 
 
 def replay(
@@ -97,9 +58,9 @@ def replay(
     """Route trace requests through every coordinator alike; assert they agree; returns routes."""
     rng = random.Random(seed)
     reqs = trace().requests[start : start + requests]
-    pool = [TraceWorker(f"w{i}") for i in range(workers)]
+    pool = [trace_worker(f"w{i}") for i in range(workers)]
 
-    def register(w: TraceWorker) -> None:
+    def register(w: PoolWorker) -> None:
         for c in coordinators:
             c.register_worker(
                 WorkerRegistration(
@@ -107,7 +68,7 @@ def replay(
                 )
             )
 
-    def report(w: TraceWorker, data: bytes, load: WorkerLoad | None = None) -> None:
+    def report(w: PoolWorker, data: bytes, load: WorkerLoad | None = None) -> None:
         replies = [c.report(WorkerReport(w.worker_id, [data], load)) for c in coordinators]
         assert all(r == replies[0] for r in replies)
 
@@ -310,7 +271,7 @@ def test_replicas_fed_the_same_events_decide_alike_on_10000_random_requests() ->
     a = ShardedCoordinator(config, clock=lambda: 0.0, per_request_rng=True)
     b = ShardedCoordinator(config, clock=lambda: 0.0, per_request_rng=True)
     rng = random.Random(5)
-    pool = [TraceWorker(f"w{i}") for i in range(6)]
+    pool = [trace_worker(f"w{i}") for i in range(6)]
     for w in pool:
         for c in (a, b):
             c.register_worker(WorkerRegistration(w.worker_id, "h", POOL_PAGES - 1, w.incarnation))
