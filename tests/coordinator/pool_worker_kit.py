@@ -16,6 +16,17 @@ from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.page_pool import PagePool
 
 
+def serve_request(pool: PagePool, hashes: Sequence[PageHash]) -> int:
+    """Run one request through `pool` as a worker does (hit, allocate, cache, free), so the
+    pool's events are a worker's; returns the pages hit."""
+    hit = pool.match_prefix(hashes, len(hashes))
+    pool.touch(hit)
+    pages = hit + pool.get_new_pages(len(hashes) - len(hit))
+    pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
+    pool.free_pages(list(reversed(pages)))
+    return len(hit)
+
+
 class PoolWorker:
     """A worker's side: a real pool, its seq counter, its incarnation."""
 
@@ -29,13 +40,7 @@ class PoolWorker:
         self.seq = 0
 
     def serve(self, hashes: Sequence[PageHash]) -> int:
-        """Run one request through the pool (hit, allocate, cache, free); returns pages hit."""
-        hit = self.pool.match_prefix(hashes, len(hashes))
-        self.pool.touch(hit)
-        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
-        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
-        self.pool.free_pages(list(reversed(pages)))
-        return len(hit)
+        return serve_request(self.pool, hashes)
 
     def batch(self) -> bytes:
         data = encode_batch(

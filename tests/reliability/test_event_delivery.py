@@ -29,6 +29,7 @@ from kvmesh.events import encode_batch, make_batch
 from kvmesh.hashing import PageHasher
 from kvmesh.types import PageHash, WorkerId
 from kvmesh.worker.page_pool import PagePool
+from tests.coordinator.pool_worker_kit import serve_request
 
 PAGE = 4
 HASHER = PageHasher(PAGE, algo="xxh3_128")
@@ -61,11 +62,7 @@ class PoolWorker:
     snapshots: int = 0
 
     def serve(self, hashes: list[PageHash]) -> None:
-        hit = self.pool.match_prefix(hashes, len(hashes))
-        self.pool.touch(hit)
-        pages = hit + self.pool.get_new_pages(len(hashes) - len(hit))
-        self.pool.cache_full_pages(pages, hashes, len(hit), len(hashes))
-        self.pool.free_pages(list(reversed(pages)))
+        serve_request(self.pool, hashes)
 
     def batch(self, snapshot: bool = False) -> bytes:
         events = list(self.pool.snapshot_events()) if snapshot else []
