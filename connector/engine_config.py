@@ -21,6 +21,23 @@ MODULE_PATH = "kvmesh.connector.vllm_connector"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
+PREPARE_WAIT_MS = 10.0
+"""How long the scheduler waits for a ``Prepare`` before it asks again next step
+(a store that holds everything answers in well under a millisecond on loopback)."""
+
+
+def prepare_wait_s(value: object) -> float:
+    """``prepare_wait_ms`` of ``kv_connector_extra_config`` (None: the default), in seconds."""
+    if value is None:
+        return PREPARE_WAIT_MS / 1000.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(
+            f"prepare_wait_ms in kv_connector_extra_config must be a number of milliseconds, "
+            f"0 or more (0: never wait, ask again next step), got {value!r}"
+        )
+    return float(value) / 1000.0
+
+
 def check_vllm_version(version: str) -> None:
     """Refuse a vLLM whose connector API the connector was not written and tested against."""
     if not version.startswith(SUPPORTED_VLLM):

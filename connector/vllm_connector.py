@@ -10,7 +10,9 @@ Load it with::
 (`kvmesh.connector.engine_config.connector_config` builds it). ``store`` /
 ``control`` are the page and control addresses of the engine's store
 (`kvmesh.worker.engine_store`); optional ``peers`` (page addresses of other
-stores the store may pull from for this engine), ``timeout_s`` and ``shm``
+stores the store may pull from for this engine), ``timeout_s``,
+``prepare_wait_ms`` (how long the scheduler waits for a ``Prepare`` before it
+asks again next step) and ``shm``
 (default true: move blocks through the store's shared-memory arena when it
 maps on this host; false: gRPC only).
 
@@ -18,7 +20,12 @@ Scheduler side (one decision per request, before it is scheduled):
 `get_num_new_matched_tokens` asks the store to hold the blocks past the
 engine's own prefix hit (``Prepare``: the store pulls from a peer what it
 lacks, proving every page from the request's tokens) and claims the
-leading blocks it holds; it never claims the prompt's last token. Each step
+leading blocks it holds; it never claims the prompt's last token. The ask
+runs on a small thread pool, so a pull never stalls the engine's other
+requests: an answer within ``prepare_wait_ms`` (default 10; the store holds
+everything) is used at once, a longer one is "not known yet" (``None``:
+vLLM skips the request this step and asks again next step) until it is done;
+one that fails, or outlasts ``timeout_s``, claims nothing. Each step
 `build_connector_meta` lists the blocks to load (claimed ones, with the
 engine blocks allocated for them) and the blocks to save (every full block
 the step computes, named by the engine's own digests, with the tokens and
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,9 +71,9 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvmesh.connector.block_path import BlockPath, KVLayers
 from kvmesh.connector.blocks import BlockRun, block_run
-from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version
+from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version, prepare_wait_s
 from kvmesh.connector.saver import BackgroundSaver
-from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.store_client import Prepared, StoreClient
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
 from kvmesh.metrics import CONNECTOR_BLOCKS, MetricChild
 
@@ -80,6 +88,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
+PREPARE_THREADS = 4  # concurrent Prepare calls of one engine (pulls of different requests)
 
 
 @dataclass(slots=True)
@@ -106,6 +115,16 @@ class KVMeshConnectorMetadata(KVConnectorMetadata):
 
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Asking:
+    """A `Prepare` under way for one request: from which block, since when."""
+
+    first: int
+    last: int
+    started: float
+    answer: Future[Prepared]
 
 
 class _Warnings:
@@ -148,8 +167,11 @@ class KVMeshConnector(KVConnectorBase_V1):
             float(extra.get("timeout_s", 5.0)),
         )
         self.shm = bool(extra.get("shm", True))
+        self.prepare_wait_s = prepare_wait_s(extra.get("prepare_wait_ms"))
         self._warnings = _Warnings()
         # scheduler side
+        self._asking: dict[str, _Asking] = {}
+        self._prepares: ThreadPoolExecutor | None = None
         self._requests: dict[str, Request] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
         self._loads: list[BlockLoad] = []
@@ -175,15 +197,46 @@ class KVMeshConnector(KVConnectorBase_V1):
         last = min(len(request.block_hashes), (request.num_tokens - 1) // size)
         if last <= first:
             return 0, False
-        run = self._run(request, first, last)
-        try:
-            held = self.client.prepare(run, self.peers).held
-        except KVMeshError as exc:
-            self._warnings.warn("prepare", exc)
+        asking = self._asking.get(request.request_id)
+        if asking is None:
+            asking = self._ask(request, first, last)
+            wait([asking.answer], timeout=self.prepare_wait_s)  # the common, local case
+        if not asking.answer.done():
+            if time.monotonic() - asking.started < self.client.timeout_s:
+                return None, False  # vLLM skips the request this step and asks again
+            self._asking.pop(request.request_id, None)
+            self._warnings.warn("prepare", TransportError("no answer within timeout_s"))
             return 0, False
-        held = max(0, min(held, last - first))
+        self._asking.pop(request.request_id, None)
+        held = self._held(asking, first, last)
         self._matched[request.request_id] = (first, held)
         return held * size, False
+
+    def _ask(self, request: Request, first: int, last: int) -> _Asking:
+        """Start the store's `Prepare` of blocks [first, last) on the pool (off the step)."""
+        if self._prepares is None:
+            self._prepares = ThreadPoolExecutor(PREPARE_THREADS, "kvmesh-prepare")
+        run = self._run(request, first, last)  # read here: the scheduler owns the request
+        answer = self._prepares.submit(self.client.prepare, run, self.peers)
+        asking = _Asking(first, last, time.monotonic(), answer)
+        self._asking[request.request_id] = asking
+        return asking
+
+    def _held(self, asking: _Asking, first: int, last: int) -> int:
+        """Blocks from `first` the store holds, by a finished `Prepare` (0 if it failed).
+
+        The engine's own hit may have grown since the ask (another request
+        computed the prefix meanwhile): the store's run still covers [first, end).
+        """
+        try:
+            held = asking.answer.result().held
+        except KVMeshError as exc:
+            self._warnings.warn("prepare", exc)
+            return 0
+        end = asking.first + max(0, min(held, asking.last - asking.first))
+        if first < asking.first:
+            return 0  # the engine lost part of its hit: the store was not asked for it
+        return max(0, min(end, last) - first)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -222,6 +275,9 @@ class KVMeshConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        asking = self._asking.pop(request.request_id, None)
+        if asking is not None:
+            asking.answer.cancel()  # a Prepare under way finishes; the store keeps its pages
         return False, None
 
     def _run(self, request: Request, first: int, last: int) -> BlockRun:
@@ -361,6 +417,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._prepares is not None:
+            self._prepares.shutdown(wait=False, cancel_futures=True)
         if self._saver is not None:
             self._saver.close()
         if self._path is not None:

@@ -32,7 +32,7 @@ from kvmesh.connector.blocks import (
     sealed_page_bytes,
     unseal,
 )
-from kvmesh.connector.engine_config import check_vllm_version, connector_config
+from kvmesh.connector.engine_config import check_vllm_version, connector_config, prepare_wait_s
 from kvmesh.connector.saver import BackgroundSaver
 from kvmesh.connector.store_client import Located, StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
@@ -324,6 +324,18 @@ def test_a_connector_without_its_stores_addresses_is_refused_by_name() -> None:
         StoreClient("", "127.0.0.1:2")
     with pytest.raises(InvalidInput, match="timeout_s"):
         StoreClient("127.0.0.1:1", "127.0.0.1:2", timeout_s=0)
+
+
+@pytest.mark.parametrize("wait", [-1, "10", True, float("nan")])
+def test_a_prepare_wait_that_is_not_milliseconds_is_refused_by_name(wait: object) -> None:
+    with pytest.raises(ConfigError, match="prepare_wait_ms"):
+        prepare_wait_s(wait)
+
+
+def test_a_prepare_wait_is_read_in_milliseconds_with_a_default() -> None:
+    assert prepare_wait_s(None) == 0.01
+    assert prepare_wait_s(0) == 0.0
+    assert prepare_wait_s(250) == 0.25
 
 
 # ------------------------------------------------------------------ the shared-memory path
