@@ -61,7 +61,14 @@ from kvmesh.benchmarks.engine_slices import (
 from kvmesh.config import CoordinatorConfig
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
-from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
+from kvmesh.engine_launcher import (
+    REPO_ROOT,
+    EngineSpec,
+    VLLMEngine,
+    engine_model,
+    free_port,
+    local_endpoint,
+)
 from kvmesh.errors import ConfigError, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
 from kvmesh.gateway.decisions import DECISION_HEADER
@@ -718,8 +725,8 @@ def run_connector(
         StoreProcess(
             block_nbytes=nbytes, block_size=args.block_tokens, pages=args.store_blocks,
             hash_algo=spec.hash_algo, seed=spec.seed, name=f"store-{i}",
-            events=f"tcp://127.0.0.1:{free_port()}",  # its page events, for the gateway
-            events_replay=f"tcp://127.0.0.1:{free_port()}",
+            events=local_endpoint(f"store-{i}-events"),  # its page events, for the gateway
+            events_replay=local_endpoint(f"store-{i}-replay"),
         )
         for i in range(2)
     ]  # fmt: skip

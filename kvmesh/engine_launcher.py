@@ -67,6 +67,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def local_endpoint(name: str) -> str:
+    """A ZMQ ``ipc://`` endpoint in a fresh private folder, for event streams on one host.
+
+    A publisher binds an ``ipc://`` endpoint and its subscriber connects
+    (vLLM's rule, `kvmesh.engine_subscriber.engine_binds`), so, unlike a TCP
+    port picked free and bound later, nothing else on the machine can take it
+    in between, and a publisher never retries a connect against a port that
+    is not bound yet.
+    """
+    folder = tempfile.mkdtemp(prefix="kvmesh-ep-")
+    return f"ipc://{folder}/{name}"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """How to start one vLLM engine; the defaults fit a 2-core, CPU-only machine.

@@ -24,7 +24,14 @@ import pytest
 from kvmesh.connector.blocks import sealed_page_bytes
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.store_launcher import engine_block_nbytes
-from kvmesh.engine_launcher import REPO_ROOT, EngineSpec, VLLMEngine, engine_model, free_port
+from kvmesh.engine_launcher import (
+    REPO_ROOT,
+    EngineSpec,
+    VLLMEngine,
+    engine_model,
+    free_port,
+    local_endpoint,
+)
 from kvmesh.worker.engine_store import EngineStore
 from kvmesh.worker.store_events import StoreEventPublisher, publish_store_events
 from tests.engines.connector_kit import (
@@ -65,8 +72,8 @@ def front(start_engine) -> Iterator[Front]:  # type: ignore[no-untyped-def]
     with ExitStack() as stack:
         stores, flags = [], []
         for name in ("sa", "sb"):
-            events = f"tcp://127.0.0.1:{free_port()}"
-            replay = f"tcp://127.0.0.1:{free_port()}"
+            events = local_endpoint(f"{name}-events")
+            replay = local_endpoint(f"{name}-replay")
             store = stack.enter_context(
                 EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=128, name=name)
             )

@@ -31,7 +31,7 @@ from kvmesh.app.cli import build_parser
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest
-from kvmesh.engine_launcher import free_port
+from kvmesh.engine_launcher import local_endpoint
 from kvmesh.engine_subscriber import EngineSubscriber
 from kvmesh.errors import ConfigError
 from kvmesh.events import AllPagesCleared, PagesStored, make_batch
@@ -196,8 +196,8 @@ async def mesh_gateway(tokenizer_dir: Path) -> AsyncIterator[MeshSetup]:
             engine = FakeEngine(name, cached=0)
             served = await serve(engine.app())
             stack.push_async_callback(served.stop)
-            events = f"tcp://127.0.0.1:{free_port()}"
-            replay = f"tcp://127.0.0.1:{free_port()}"
+            events = local_endpoint(f"{name}-events")
+            replay = local_endpoint(f"{name}-replay")
             store = EngineStore(page_bytes=2 * BLOCK * 8, block_size=BLOCK, name=f"{name}-store")
             publisher = stack.enter_context(StoreEventPublisher(events, replay, name=name))
             publish_store_events(store, publisher)
