@@ -82,6 +82,21 @@ Called with (store, rank, size, timeout, host): gloo listens for its peers on
 bootstrap picks its own interface (``NCCL_SOCKET_IFNAME``)."""
 
 
+JOINED_KEY = "kvmesh-joined/"
+
+
+def _all_joined(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Return once every rank's group object exists (each says so in the store).
+
+    A backend may finish its side of the connection before the peer has
+    finished its own (gloo's full mesh): a rank that closed its group at
+    once would then fail the peer's join. Waiting for every rank's mark
+    makes `DistGroup.init` return only when the whole group is up.
+    """
+    store.set(f"{JOINED_KEY}{rank}", b"1")
+    store.wait([f"{JOINED_KEY}{r}" for r in range(world_size)], timeout)
+
+
 class DistGroup:
     """One torch.distributed process group of this process, with timeouts on every send and recv.
 
@@ -186,6 +201,7 @@ class DistGroup:
             )
             scoped = dist.PrefixStore(prefix, store) if prefix else store
             pg = factory(scoped, rank, world_size, timeout, host)
+            _all_joined(scoped, rank, world_size, timeout)
         except (RuntimeError, ValueError, OSError) as exc:
             raise TransportError(
                 f"torch.distributed rendezvous at {master_addr}:{master_port} failed for rank "

@@ -589,7 +589,19 @@ def test_a_peer_that_never_answers_raises_transport_error_after_the_timeout(
     assert got["cached"] == 0
 
 
-def _join_and_leave(port: int) -> None:
+def _join_slowly_and_leave(port: int, joined: Any) -> None:
+    """Rank 1, whose group object takes a second longer to exist than its connection."""
+    from kvmesh.worker import dist_group
+
+    gloo = dist_group.GROUP_FACTORIES["gloo"]
+
+    def slow(*args: Any) -> Any:
+        pg = gloo(*args)
+        time.sleep(1.0)
+        joined.set()
+        return pg
+
+    dist_group.GROUP_FACTORIES["gloo"] = slow
     DistGroup.init(1, 2, "127.0.0.1", port, timeout_s=90).close()
 
 
@@ -597,12 +609,15 @@ def test_a_failed_rendezvous_does_not_spoil_the_next_one() -> None:
     with pytest.raises(TransportError, match="rendezvous"):
         DistGroup.init(0, 2, "127.0.0.1", free_port(), timeout_s=0.5)  # nobody comes
     port = free_port()
-    peer = multiprocessing.get_context("spawn").Process(
-        target=_join_and_leave, args=(port,), daemon=True
-    )
+    spawn = multiprocessing.get_context("spawn")
+    joined = spawn.Event()
+    peer = spawn.Process(target=_join_slowly_and_leave, args=(port, joined), daemon=True)
     peer.start()
     try:
         group = DistGroup.init(0, 2, "127.0.0.1", port, timeout_s=90)
+        # init returns only once the peer's group exists too, so closing at
+        # once cannot break the peer's half-finished join (a CI run saw it)
+        assert joined.is_set()
         group.close()
     finally:
         peer.join(90)
