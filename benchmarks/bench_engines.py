@@ -69,7 +69,7 @@ from kvmesh.engine_launcher import (
     free_port,
     local_endpoint,
 )
-from kvmesh.errors import ConfigError, TransportError
+from kvmesh.errors import ConfigError, DeadlineExceeded, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
 from kvmesh.gateway.decisions import DECISION_HEADER
 from kvmesh.gateway.tokenizer import PromptTokenizer
@@ -268,40 +268,102 @@ async def cache_counters(
     )
 
 
-async def reset_cache(client: httpx.AsyncClient, engine: VLLMEngine) -> None:
-    for _ in range(50):
+async def reset_cache(
+    client: httpx.AsyncClient, engine: VLLMEngine, timeout_s: float = 30.0, every_s: float = 0.2
+) -> None:
+    """Empty the engine's prefix cache (``POST /reset_prefix_cache``), then make it publish so.
+
+    vLLM answers ``{"success": false}`` while blocks are still in use (a
+    request finishing, a transfer), so the call is repeated every `every_s`
+    until it succeeds; past `timeout_s` `DeadlineExceeded` says what the
+    engine kept answering. An engine without the route (404: started
+    without ``VLLM_SERVER_DEV_MODE=1``) is a `ConfigError` at once.
+
+    An idle engine queues its ``AllBlocksCleared`` event until its next
+    step, and a gateway started meanwhile replays the engine's event history
+    without it: its index would hold the previous policy's blocks until the
+    engine next steps (its first routed request). One request of fewer
+    tokens than a block (it stores no block, so publishes nothing else)
+    makes the engine step and publish the clear before any gateway starts.
+    """
+    deadline = time.monotonic() + timeout_s
+    answer = ""
+    while True:
         resp = await client.post(engine.url + "/reset_prefix_cache")
-        if resp.status_code == 200 and resp.json().get("success"):
-            return
-        await asyncio.sleep(0.2)
-    raise TransportError(f"engine {engine.name} did not reset its prefix cache")
+        if resp.status_code == 404:
+            raise ConfigError(
+                f"engine {engine.name} has no POST /reset_prefix_cache (404): start it with "
+                "VLLM_SERVER_DEV_MODE=1, which the benchmark needs to empty its cache between "
+                "policies"
+            )
+        try:
+            success = resp.status_code == 200 and resp.json().get("success") is True
+        except ValueError:
+            success = False
+        if success:
+            break
+        answer = f"{resp.status_code} {resp.text[:200]!r}"
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(
+                f"engine {engine.name} did not reset its prefix cache in {timeout_s:g} s: it "
+                f"kept answering {answer} (vLLM says success false while blocks are in use: "
+                "is a request still running on it?)"
+            )
+        await asyncio.sleep(every_s)
+    body = {"model": engine.spec.served_model_name, "prompt": [3, 4], "max_tokens": 1}
+    resp = await client.post(engine.url + "/v1/completions", json=body)
+    if resp.status_code != 200:
+        raise TransportError(
+            f"engine {engine.name} reset its prefix cache but failed the request that makes it "
+            f"publish so: {resp.status_code} {resp.text[:200]!r}"
+        )
 
 
 # ----------------------------------------------------------------------------- gateway
 
 
-def policy_setting(label: str) -> tuple[str, dict[str, str]]:
-    """``NAME[field=value;...]`` -> the policy's name and the gateway's environment for it
-    (``KVMESH_<FIELD>``, as `CoordinatorConfig` reads it); a plain name has none."""
+GATEWAY_SETTINGS = {"shared_prefix_blocks": "--shared-prefix-blocks"}
+"""Routing settings of the gateway itself (not `CoordinatorConfig` fields), as its flags."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySetting:
+    """A ``--policies`` entry: the policy, and the gateway's environment and flags for it."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+
+
+def policy_setting(label: str) -> PolicySetting:
+    """``NAME[field=value;...]`` -> the policy's name, the gateway's environment for its
+    `CoordinatorConfig` fields (``KVMESH_<FIELD>``, as it reads them) and its flags for the
+    gateway's own settings (`GATEWAY_SETTINGS`); a plain name has none."""
     name, bracket, rest = label.partition("[")
     if not bracket:
-        return label, {}
+        return PolicySetting(label)
     if not rest.endswith("]"):
         raise ConfigError(
             f"--policies {label!r}: write NAME[field=value] (e.g. kv_aware[queue_weight=0.5])"
         )
     env: dict[str, str] = {}
+    flags: list[str] = []
     for item in rest[:-1].split(";"):
         field_, eq, value = item.partition("=")
-        if not eq or not field_.strip():
+        key = field_.strip()
+        if not eq or not key:
             raise ConfigError(f"--policies {label!r}: {item!r} is not field=value")
-        if field_.strip() not in {f.name for f in fields(CoordinatorConfig)}:
+        if key in GATEWAY_SETTINGS:
+            flags += [GATEWAY_SETTINGS[key], value.strip()]
+        elif key in {f.name for f in fields(CoordinatorConfig)}:
+            env[f"KVMESH_{key.upper()}"] = value.strip()
+        else:
             raise ConfigError(
-                f"--policies {label!r}: {field_.strip()!r} is no CoordinatorConfig field "
-                "(queue_weight, overlap_weight, max_load_ratio, ...)"
+                f"--policies {label!r}: {key!r} is no CoordinatorConfig field "
+                f"(queue_weight, overlap_weight, max_load_ratio, ...) nor a gateway setting "
+                f"({', '.join(GATEWAY_SETTINGS)})"
             )
-        env[f"KVMESH_{field_.strip().upper()}"] = value.strip()
-    return name, env
+    return PolicySetting(name, env, tuple(flags))
 
 
 def start_gateway(
@@ -313,12 +375,13 @@ def start_gateway(
     stores: dict[str, StoreProcess] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`stores`: each engine's kvmesh store, whose page events the gateway follows."""
-    policy, env = policy_setting(label)
+    setting = policy_setting(label)
     cmd = [
         sys.executable, "-m", "kvmesh.app.cli", "gateway",
         "--tokenizer", str(engine_model()),
         "--block-size", str(block_tokens),
-        "--policy", policy,
+        "--policy", setting.name,
+        *setting.flags,
         "--history-blocks", str(engine_blocks),
         "--events-topic", engines[0].spec.topic,
         "--port", str(port),
@@ -331,7 +394,7 @@ def start_gateway(
         store = (stores or {}).get(e.name)
         if store is not None and store.events and store.events_replay:
             cmd += ["--store-events", store.events, "--store-replay", store.events_replay]
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, **env})
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, **setting.env})
 
 
 async def wait_healthy(client: httpx.AsyncClient, url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -504,7 +567,7 @@ async def measure(
         proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port, stores)
         try:
             await wait_healthy(client, url, proc)
-            reads_events = policy_setting(policy)[0] != HISTORY_POLICY
+            reads_events = policy_setting(policy).name != HISTORY_POLICY
             if reads_events and all(e.events_endpoint for e in engines):
                 await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
@@ -604,12 +667,13 @@ def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_inf
                 line += f", mean TTFT round_robin / {r.label} = {ratio:.2f}x"
             print(line)
     by = {r.policy: r for r in results if not r.connector}
-    kv = by.get("kv_aware")
-    if kv is not None and kv.ttft_mean_ms > 0:
+    for name, kv in by.items():  # kv_aware and its variants (kv_aware[field=value])
+        if policy_setting(name).name != "kv_aware" or kv.ttft_mean_ms <= 0:
+            continue
         for other in ("round_robin", "approx_prefix"):
             if other in by:
                 ratio = by[other].ttft_mean_ms / kv.ttft_mean_ms
-                line = f"mean TTFT {other} / kv_aware = {ratio:.2f}x"
+                line = f"mean TTFT {other} / {name} = {ratio:.2f}x"
                 if kv.computed_tokens_per_request > 0:
                     work = by[other].computed_tokens_per_request / kv.computed_tokens_per_request
                     line += f" (prompt tokens computed per request: {work:.2f}x)"

@@ -137,7 +137,12 @@ class Gateway:
             WorkerId(e.name): store_worker_id(e.name) for e in config.engines if e.store_events
         }
         self.router: Router = make_router(
-            config.policy, self.index, config.coordinator, config.history_blocks, stores
+            config.policy,
+            self.index,
+            config.coordinator,
+            config.history_blocks,
+            stores,
+            config.shared_prefix_blocks,
         )
         self.pool = EnginePool(config.engines, config.health_failures)
         self.decisions = DecisionLog(config.decision_log)

@@ -112,6 +112,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="approx_prefix: blocks it assumes each engine keeps (0: unbounded)",
     )
     r.add_argument(
+        "--shared-prefix-blocks",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="kv_aware, approx_prefix: leading blocks every conversation shares (a system "
+        "prompt); a request no engine holds more of goes to the engine that computed the "
+        "fewest blocks (default 0: the policy's cost alone)",
+    )
+    r.add_argument(
         "--decision-log",
         type=non_negative_int,
         default=4096,
@@ -179,6 +188,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         health_interval_s=args.health_interval,
         history_blocks=args.history_blocks,
+        shared_prefix_blocks=args.shared_prefix_blocks,
         served_model=args.served_model_name,
         decision_log=args.decision_log,
     )

@@ -84,6 +84,10 @@ class GatewayConfig:
     cost over the gateway's own routing history, no events).
     `history_blocks`: how many blocks ``approx_prefix`` assumes each engine
     keeps (least recently routed first out); 0: unbounded.
+    `shared_prefix_blocks`: leading blocks every conversation shares (a
+    system prompt); a request no engine holds more of is placed on the
+    engine that computed the fewest blocks (`routing.BalancedPlacement`,
+    ``kv_aware`` and ``approx_prefix``); 0: the policy's cost alone.
     """
 
     engines: tuple[EngineTarget, ...]
@@ -96,6 +100,7 @@ class GatewayConfig:
     health_failures: int = 2  # slow or non-200 /health answers in a row before an engine is down
     max_body_bytes: int = 8 * 1024 * 1024
     history_blocks: int = 0
+    shared_prefix_blocks: int = 0
     served_model: str | None = None  # default: the model the first engine serves
     decision_log: int = 4096  # routing decisions kept for GET /kvmesh/decisions (0: none)
 
@@ -116,5 +121,7 @@ class GatewayConfig:
             raise ConfigError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.history_blocks < 0:
             raise ConfigError(f"history_blocks must be >= 0, got {self.history_blocks}")
+        if self.shared_prefix_blocks < 0:
+            raise ConfigError(f"shared_prefix_blocks must be >= 0, got {self.shared_prefix_blocks}")
         if self.decision_log < 0:
             raise ConfigError(f"decision_log must be >= 0 records, got {self.decision_log}")

@@ -9,6 +9,7 @@ import pytest
 from kvmesh.app.cli import main
 from kvmesh.benchmarks.bench_engines import (
     Measured,
+    PolicySetting,
     Replay,
     metric_sum,
     policy_setting,
@@ -95,14 +96,16 @@ def test_engine_counters_can_be_picked_by_label() -> None:
 
 
 def test_a_policy_can_run_with_a_coordinator_setting_changed_for_its_gateway() -> None:
-    assert policy_setting("kv_aware") == ("kv_aware", {})
-    assert policy_setting("approx_prefix[queue_weight=0.5; max_load_ratio=2]") == (
-        "approx_prefix",
-        {"KVMESH_QUEUE_WEIGHT": "0.5", "KVMESH_MAX_LOAD_RATIO": "2"},
+    assert policy_setting("kv_aware") == PolicySetting("kv_aware")
+    assert policy_setting("approx_prefix[queue_weight=0.5; max_load_ratio=2]") == PolicySetting(
+        "approx_prefix", {"KVMESH_QUEUE_WEIGHT": "0.5", "KVMESH_MAX_LOAD_RATIO": "2"}
+    )
+    assert policy_setting("kv_aware[shared_prefix_blocks=1;queue_weight=0.5]") == PolicySetting(
+        "kv_aware", {"KVMESH_QUEUE_WEIGHT": "0.5"}, ("--shared-prefix-blocks", "1")
     )
     with pytest.raises(ConfigError, match="NAME\\[field=value\\]"):
         policy_setting("kv_aware[queue_weight=0.5")
-    with pytest.raises(ConfigError, match="'qw' is no CoordinatorConfig field"):
+    with pytest.raises(ConfigError, match=r"'qw' is no CoordinatorConfig field .* gateway setting"):
         policy_setting("kv_aware[qw=1]")
     with pytest.raises(ConfigError, match="is not field=value"):
         policy_setting("kv_aware[queue_weight]")
