@@ -53,9 +53,11 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.coordinator.tiers import TierPages
@@ -118,6 +120,35 @@ class MatchResult:
             if n > best_n or (n == best_n and best is not None and wid < best):
                 best, best_n = wid, n
         return best, best_n
+
+
+Overlaps = tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]
+"""`GlobalIndex.overlaps`: each worker's held prefix, and the tiers of those held off the device."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixTable:
+    """`GlobalIndex.overlaps_many` as arrays: each worker's held prefix of each prompt of a
+    batch, a row per prompt and a column per worker slot (`workers`; None: a free slot,
+    whose column is 0).
+
+    A prompt with a page held off the device has its `overlaps` in `tiered` (its row
+    still holds its prefixes), so its tiers are counted as one prompt's are.
+    """
+
+    workers: tuple[WorkerId | None, ...]
+    lengths: npt.NDArray[np.int64]
+    tiered: dict[int, Overlaps]
+
+    def overlaps(self, i: int) -> Overlaps:
+        """Prompt `i`'s `GlobalIndex.overlaps`."""
+        exact = self.tiered.get(i)
+        if exact is not None:
+            return exact
+        row = self.lengths[i]
+        held = np.flatnonzero(row)
+        workers = cast(tuple[WorkerId, ...], self.workers)  # a free slot's column is 0
+        return dict(zip([workers[j] for j in held.tolist()], row[held].tolist(), strict=True)), {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,6 +607,23 @@ class GlobalIndex:
             self._overlaps(ids, p)
             for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
         ]
+
+    def prefix_table(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
+    ) -> PrefixTable:
+        """`overlaps_many` as a `PrefixTable`: the batch's pages looked up and every worker's
+        prefix of every prompt found in one round of numpy calls, with no Python step per
+        prompt (but for the prompts with pages off the device, counted as `overlaps`
+        counts them). What a sharded router asks each shard for a batch of routes."""
+        store = self._store
+        grid = store.holder_grid(prompts, keys)
+        lengths = store.prefix_lengths(grid)[:, : len(self._by_slot)]
+        tiered: dict[int, Overlaps] = {}
+        if self._ones:  # a prompt with a page off the device counts its tiers
+            off = store.off_device(grid)
+            for i in np.flatnonzero(off).tolist():
+                tiered[i] = self._overlaps(grid[i].tolist(), prompts[i])
+        return PrefixTable(tuple(self._by_slot), lengths, tiered)
 
     def _overlaps(
         self, holder_ids: Sequence[int], hashes: Sequence[PageHash]

@@ -59,6 +59,7 @@ Rows = npt.NDArray[np.int64]
 
 _BITS = 4
 _WORKER_BITS = 0b1111
+_OFF_DEVICE_BITS = 0b11101110  # of a byte of a mask: two slots' cpu, disk and other bits
 _MIN_ROWS = 1024
 _NO_ROWS: Rows = np.empty(0, np.int64)
 
@@ -115,6 +116,26 @@ def _mapped(array: npt.NDArray[Any]) -> bool:
     return isinstance(base, mmap.mmap)
 
 
+def _positions(n: int) -> Rows:
+    """0, 1, ..., n - 1 (a read-only view of one cached range)."""
+    global _POSITIONS
+    if n > len(_POSITIONS):
+        _POSITIONS = np.arange(max(n, 2 * len(_POSITIONS)))
+        _POSITIONS.flags.writeable = False
+    return _POSITIONS[:n]
+
+
+_POSITIONS: Rows = np.arange(4096)
+_POSITIONS.flags.writeable = False
+
+
+def _resized(table: npt.NDArray[Any], rows: int, columns: int) -> npt.NDArray[Any]:
+    """`table` (2-d) with `rows` rows and `columns` columns, zeros where it had none."""
+    out = np.zeros((rows, columns), table.dtype)
+    out[: len(table), : table.shape[1]] = table
+    return out
+
+
 def _grown(column: npt.NDArray[Any], rows: int) -> npt.NDArray[Any]:
     """`column` with `rows` rows, its rows first and zeros after (see `_zeros`)."""
     out = _zeros((rows, *column.shape[1:]) if column.ndim == 2 else rows, column.dtype.type)
@@ -128,6 +149,8 @@ _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
 _NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
 _MIN_SLOTS = 1 << 12
+_PROBE_WINDOW = 8  # slots past a home slot that a batch's probe reads at once
+_PROBE_STEPS = np.arange(1, _PROBE_WINDOW + 1)
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
@@ -155,6 +178,23 @@ class PromptKeys:
     _homes: dict[int, npt.NDArray[np.int64]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _grid: tuple[Rows, Rows, Rows, Rows, int] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def grid(self) -> tuple[Rows, Rows, Rows, Rows, int]:
+        """Where each page of `flat` sits in a grid of a row per prompt: (row, column, each
+        prompt's start in `flat` and length, columns); made once, shared by the shards.
+        The grid has a column more than the longest prompt, so every row ends in a 0."""
+        if self._grid is None:
+            ends = np.asarray(self.ends, np.int64)
+            sizes = np.diff(ends, prepend=0)
+            starts = ends - sizes
+            owner = np.repeat(np.arange(len(ends)), sizes)
+            column = np.arange(len(self.flat)) - np.repeat(starts, sizes)
+            columns = int(sizes.max()) + 1 if len(sizes) else 1
+            self._grid = (owner, column, starts, sizes, columns)
+        return self._grid
 
     def homes(self, shift: int) -> npt.NDArray[np.int64]:
         """Each digest's home slot in a table of `64 - shift` bits: shards of one size share
@@ -204,6 +244,12 @@ class PageStore:
         self._slots_used = 0  # live and deleted slots
         self._new_table(min_slots)
         self.masks: list[int] = [0]
+        # Per mask id, beside `masks`: which worker slots it names (a bit each, packed,
+        # slot 0 first) and whether it has a page off the device, so a batch of prompts
+        # finds every worker's prefix in a few numpy calls (`prefix_lengths`).
+        self._present = np.zeros((1, 64), np.uint8)  # [byte of slots, mask id]
+        self._off_device = np.zeros(64, bool)
+        self._undescribed: set[int] = set()  # mask ids whose rows of those two are not made
         self._mask_ids: dict[int, int] = {0: 0}
         self._mask_rows: list[int] = [0]  # rows per mask id; id 0 (nobody) is not counted
         self._free_mask_ids: list[int] = []
@@ -460,7 +506,36 @@ class PageStore:
                 self.masks.append(mask)
                 self._mask_rows.append(0)
             self._mask_ids[mask] = mid
+            self._undescribed.add(mid)
         return mid
+
+    def _describe(self) -> None:
+        """The rows of `_present` and `_off_device` of the masks interned since the last
+        lookup, all at once: ingest churns through many short-lived masks, and describing
+        each as it is made cost ingest a sixth of its time."""
+        mids = sorted(self._undescribed)
+        self._undescribed.clear()
+        if mids[-1] >= len(self._off_device):
+            rows = max(mids[-1] + 1, 2 * len(self._off_device))
+            self._present = _resized(self._present, len(self._present), rows)
+            self._off_device = np.concatenate(
+                [self._off_device, np.zeros(rows - len(self._off_device), bool)]
+            )
+        masks = [self.masks[mid] for mid in mids]
+        size = max(1, (max(masks).bit_length() + 7) // 8)
+        nibbles = np.frombuffer(
+            b"".join(m.to_bytes(size, "little") for m in masks), np.uint8
+        ).reshape(len(mids), size)
+        slots = np.empty((len(mids), 2 * size), bool)  # two slots (nibbles) a byte, low first
+        np.not_equal(nibbles & _WORKER_BITS, 0, out=slots[:, 0::2])
+        np.not_equal(nibbles >> _BITS, 0, out=slots[:, 1::2])
+        packed = np.packbits(slots, axis=1, bitorder="little")
+        if packed.shape[1] > len(self._present):
+            self._present = _resized(self._present, packed.shape[1], self._present.shape[1])
+        at = np.asarray(mids)
+        self._present[:, at] = 0
+        self._present[: packed.shape[1], at] = packed.T
+        self._off_device[at] = (nibbles & _OFF_DEVICE_BITS).any(axis=1)
 
     def _recount(self, mid: int, delta: int) -> None:
         if mid:
@@ -518,6 +593,8 @@ class PageStore:
     def ensure_slot(self, slot: int) -> None:
         while len(self._slots) <= slot:
             self._slots.append(BitMap())
+        if slot >= 8 * len(self._present):  # a bit per slot for `prefix_lengths`
+            self._present = _resized(self._present, slot // 8 + 1, self._present.shape[1])
 
     def store(
         self, events: Sequence[tuple[Sequence[PageHash], PageHash | None]], slot: int, bit: int
@@ -710,7 +787,104 @@ class PageStore:
             keys = PromptKeys.of(prompts)
         if self._narrow or keys.width != width:
             return [self.holder_ids(p) for p in prompts]
-        flat, joined = keys.flat, keys.joined
+        rows, cuts = self._rows_many(keys)
+        held: list[int] = self._holders.take(rows, mode="clip").tolist()
+        return [held[start:cut] for start, cut in zip([0, *keys.ends[:-1]], cuts, strict=True)]
+
+    def holder_grid(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
+    ) -> npt.NDArray[np.int64]:
+        """`holder_ids` of each prompt as a row of a grid (`PromptKeys.grid`), 0 from the
+        prompt's first page not indexed on: the input of `prefix_lengths`, in one round of
+        numpy calls for the whole batch."""
+        if keys is None:
+            keys = PromptKeys.of(prompts)
+        owner, column, starts, sizes, columns = keys.grid()
+        grid = np.zeros((len(prompts), columns), np.int64)
+        if not self._top or not len(owner):
+            return grid
+        if self._narrow or keys.width != self._words * 8:
+            for k, held in enumerate(self.holder_ids(p) for p in prompts):
+                grid[k, : len(held)] = held
+            return grid
+        width = keys.width
+        home = keys.homes(self._table_shift_int)
+        rows = self._table.take(home)
+        stored = self._digest.take(rows, axis=0, mode="clip")
+        if stored.tobytes() == keys.joined:  # every page at home: the walks need no probe
+            grid[owner, column] = self._holders.take(rows)
+            return grid
+        keys_of = np.frombuffer(keys.joined, np.uint64).reshape(-1, width // 8)
+        found = self._same(stored, keys_of)
+        ids = np.where(found, self._holders.take(rows, mode="clip"), 0)
+        # A page whose home slot holds another page may sit further on (linear probing);
+        # one whose home slot is empty is nowhere, and ends its prompt's walk. The pages
+        # before such an end are probed for, all in one round of numpy calls.
+        empty = rows == _EMPTY
+        maybe = np.flatnonzero(~found & ~empty)
+        if len(maybe):
+            if empty.any() and sizes.all():  # each prompt's first page found nowhere
+                gone_at = np.where(empty, _positions(len(empty)), len(empty))
+                maybe = maybe[maybe < np.minimum.reduceat(gone_at, starts)[owner[maybe]]]
+            placed = self._probe_many(home[maybe], keys_of[maybe])
+            ids[maybe] = np.where(placed >= 0, self._holders.take(placed, mode="clip"), 0)
+        grid[owner, column] = ids
+        return grid
+
+    def _probe_many(self, home: Rows, digests: npt.NDArray[np.uint64]) -> Rows:
+        """The rows of a few full-width digests whose home slots hold other pages, or -1:
+        the next `_PROBE_WINDOW` slots of each read at once, scalar probes past them."""
+        slots = (home[:, None] + _PROBE_STEPS) & self._table_mask
+        rows = self._table.take(slots)
+        same = self._same(self._digest.take(rows, axis=0, mode="clip"), digests[:, None, :])
+        same &= rows >= 0
+        ended = rows == _EMPTY
+        ended |= same
+        first = ended.argmax(axis=1)  # the digest, or an empty slot, whichever comes first
+        picked = _positions(len(rows))
+        out: Rows = np.where(same[picked, first], rows[picked, first], -1)
+        if ended[picked, first].all():
+            return out
+        for k in np.flatnonzero(~ended[picked, first]).tolist():  # a long run of full slots
+            out[k] = self._probe_one(
+                (int(home[k]) + _PROBE_WINDOW + 1) & self._table_mask, digests[k].tobytes()
+            )
+        return out
+
+    def _same(
+        self, stored: npt.NDArray[np.uint64], digests: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.bool_]:
+        """Whether each row of `stored` (digests taken from the store) is the digest beside
+        it in `digests` (full width, the store's)."""
+        eq = stored == digests
+        same = eq[..., 0]
+        for word in range(1, self._words):  # a reduction over the last axis costs 3x these
+            same = same & eq[..., word]
+        return same
+
+    def prefix_lengths(self, grid: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Each worker slot's held prefix of each row of `holder_grid` (a row per prompt, a
+        column per slot, at least as many columns as slots): how many pages from the
+        first its slot holds, the first page it misses found by one `argmin`."""
+        if self._undescribed:
+            self._describe()
+        # [slot, prompt, page]: the pages of a prompt side by side, so the search runs along
+        # the last axis (several times faster than along the middle one)
+        held = np.unpackbits(self._present.take(grid, axis=1), axis=0, bitorder="little")
+        lengths: npt.NDArray[np.int64] = held.view(bool).argmin(axis=2).T
+        return lengths
+
+    def off_device(self, grid: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """For each row of `holder_grid`: whether some page of it is held off the device
+        by someone (so its tiers must be counted, `GlobalIndex.tier_pages`)."""
+        if self._undescribed:
+            self._describe()
+        return np.asarray(self._off_device[grid].any(axis=1))
+
+    def _rows_many(self, keys: PromptKeys) -> tuple[Rows, list[int]]:
+        """The rows of `keys`' pages (one width, the store's), and where each prompt's run of
+        indexed pages ends (`cuts`); a row from a prompt's cut on means nothing."""
+        flat, joined, width = keys.flat, keys.joined, keys.width
         keys_of = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
         rows_home = keys.homes(self._table_shift_int)
         rows = self._table.take(rows_home)
@@ -746,8 +920,7 @@ class PageStore:
                         cuts[k] = i
                     else:
                         rows[i] = row
-        held: list[int] = self._holders.take(rows, mode="clip").tolist()
-        return [held[start:cut] for start, cut in zip([0, *ends[:-1]], cuts, strict=True)]
+        return rows, cuts
 
     def _probe_one(self, pos: int, digest: bytes) -> int:
         """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""

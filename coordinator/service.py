@@ -26,6 +26,7 @@ Only two things, both in `kvmesh` types:
 
 from __future__ import annotations
 
+import operator
 import random
 import threading
 import time
@@ -35,7 +36,7 @@ from typing import Any, Protocol
 
 from kvmesh.config import CoordinatorConfig
 from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, WorkerReport
-from kvmesh.coordinator.index import GlobalIndex, MatchResult
+from kvmesh.coordinator.index import GlobalIndex, MatchResult, PrefixTable
 from kvmesh.coordinator.index_store import PromptKeys
 from kvmesh.coordinator.policies import (
     REGISTRY,
@@ -160,6 +161,20 @@ class RouteView:
     the loads of that version reuses them (and a shard may then leave `loads` empty)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ViewTable:
+    """`Coordinator.view_many` as a router in the same process merges it
+    (`kvmesh.coordinator.shards.merge_view_tables`): the batch's `PrefixTable`, the loads
+    of each role its queries name, and the whole `RouteView` of the queries a table row
+    does not say enough about (a tenant's counts, or pages held off the device), so the
+    shard pays no Python step per route for the others."""
+
+    prefixes: PrefixTable
+    loads: dict[Role | None, tuple[WorkerLoad, ...]]
+    views: dict[int, RouteView]
+    loads_version: int
+
+
 def policy_request(
     query: RouteQuery, tenant_pages: Mapping[WorkerId, int] | None = None
 ) -> RouteRequest:
@@ -204,6 +219,9 @@ def over_share_pages(
     if not held or not held > weights.shares(counts, sum(counts.values()))[tenant]:
         return None
     return {w: n for w, n in sorted(tenant_pages.items()) if n}
+
+
+_ROLE = operator.attrgetter("role")
 
 
 def _random_version() -> int:
@@ -514,6 +532,23 @@ class Coordinator:
                 self._view(query, match, known_loads_version)
                 for query, match in zip(queries, matched, strict=True)
             ]
+
+    def view_table(
+        self, queries: Sequence[RouteQuery], keys: PromptKeys | None = None
+    ) -> ViewTable:
+        """`view_many` as a `ViewTable`: every query's overlaps found in one round of numpy
+        calls (`GlobalIndex.prefix_table`), so a batch of routes costs a shard the same few
+        calls whatever its size. `keys`: `PromptKeys.of` the queries' hashes."""
+        with self._lock:
+            table = self.index.prefix_table([query.hashes for query in queries], keys)
+            loads = {role: self._current_loads(role) for role in set(map(_ROLE, queries))}
+            whole: dict[int, RouteView] = {}
+            tenants = self.config.tenant_share_weight > 0
+            if table.tiered or tenants:
+                for i, query in enumerate(queries):
+                    if i in table.tiered or (tenants and query.tenant is not None):
+                        whole[i] = self._view(query, table.overlaps(i), None)
+            return ViewTable(table, loads, whole, self.loads_version)
 
     def _view(
         self,

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvmesh.config import CoordinatorConfig
@@ -65,6 +66,7 @@ from kvmesh.coordinator.service import (
     Registration,
     ReportResult,
     RouteView,
+    ViewTable,
     count_decision,
     over_share_pages,
     policy_request,
@@ -124,7 +126,10 @@ class MergedLoads:
 
     def of(self, views: Sequence[RouteView]) -> tuple[WorkerLoad, ...]:
         """The loads of `views` (one per shard, disjoint workers) in worker-id order."""
-        parts = tuple(map(_LOADS, views))
+        return self.of_parts(tuple(map(_LOADS, views)))
+
+    def of_parts(self, parts: tuple[tuple[WorkerLoad, ...], ...]) -> tuple[WorkerLoad, ...]:
+        """The shards' loads `parts` (disjoint workers) in worker-id order."""
         key = tuple(map(id, parts))
         hit = self._merged.get(key)
         if hit is not None:
@@ -165,6 +170,54 @@ def merge_view_batches(
         return list(per_shard[0])
     merger = loads or MergedLoads()
     return [_merged(views, merger.of(views)) for views in zip(*per_shard, strict=True)]
+
+
+def merge_view_tables(
+    queries: Sequence[RouteQuery], tables: Sequence[ViewTable], loads: MergedLoads | None = None
+) -> list[RouteView]:
+    """`merge_view_batches` of each shard's `Coordinator.view_table` of `queries`, in query
+    order: the shards' prefix tables side by side (their workers are disjoint), and each
+    route's overlaps read off the merged table, so a batch costs a Python step per route
+    and per worker it names, not per route and shard."""
+    merger = loads or MergedLoads()
+    if len(tables) == 1:
+        lengths = tables[0].prefixes.lengths
+        workers = tables[0].prefixes.workers
+    else:
+        lengths = np.hstack([t.prefixes.lengths for t in tables])
+        workers = tuple(itertools.chain.from_iterable(t.prefixes.workers for t in tables))
+    merged = {
+        role: merger.of_parts(tuple(t.loads[role] for t in tables)) for role in tables[0].loads
+    }
+    held_rows, held_cols = np.nonzero(lengths)
+    names = [workers[j] for j in held_cols.tolist()]
+    values = lengths[held_rows, held_cols].tolist()
+    counts = np.bincount(held_rows, minlength=len(queries)).tolist()
+    whole = set(itertools.chain.from_iterable(t.views for t in tables))
+    out: list[RouteView] = []
+    at = 0
+    for i, (query, n) in enumerate(zip(queries, counts, strict=True)):
+        if i in whole:
+            out.append(_merged_whole(i, query, tables, merger))
+        else:
+            overlaps = dict(zip(names[at : at + n], values[at : at + n], strict=True))
+            out.append(RouteView(overlaps, merged[query.role], {}, {}, {}))  # type: ignore[arg-type]
+        at += n
+    return out
+
+
+def _merged_whole(
+    i: int, query: RouteQuery, tables: Sequence[ViewTable], merger: MergedLoads
+) -> RouteView:
+    """Route `i`'s merged view from the shards' tables, where some shard sent its whole view."""
+    views = []
+    for t in tables:
+        view = t.views.get(i)
+        if view is None:
+            pages, tiers = t.prefixes.overlaps(i)
+            view = RouteView(pages, t.loads[query.role], tiers, {}, {}, t.loads_version)
+        views.append(view)
+    return views[0] if len(views) == 1 else _merged(views, merger.of(views))
 
 
 def _merged(views: Sequence[RouteView], loads: tuple[WorkerLoad, ...]) -> RouteView:
@@ -400,12 +453,13 @@ class ShardedCoordinator:
         return merge_views([s.view(query, None, keys) for s in self.shards], self._loads)
 
     def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
-        """`view` of each query, with one call per shard for them all (`merge_view_batches`)."""
-        if len(self.shards) == 1:
-            return self.shards[0].view_many(queries)
+        """`view` of each query, with one call per shard for them all, each a round of numpy
+        calls over the whole batch (`Coordinator.view_table`, `merge_view_tables`)."""
+        if not queries:
+            return []
         keys = PromptKeys.of([query.hashes for query in queries])
-        return merge_view_batches(
-            [s.view_many(queries, None, keys) for s in self.shards], self._loads
+        return merge_view_tables(
+            queries, [s.view_table(queries, keys) for s in self.shards], self._loads
         )
 
     def route(self, query: RouteQuery) -> RouteDecision:

@@ -187,3 +187,84 @@ def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path
         keys = PromptKeys.of([prompt])
         for store in (small, large, small):
             assert _trimmed(store.holder_ids(prompt, keys)) == _holder_ids_by_find(store, prompt)
+
+
+_OFF_DEVICE = int("e" * 12, 16)  # the cpu, disk and other bits of 12 slots
+
+
+def _prefix_by_find(store: PageStore, prompt: list[PageHash], slot: int) -> int:
+    """How many pages from the first `slot` holds, by the general path (`find`, masks)."""
+    n = 0
+    for mid in _holder_ids_by_find(store, prompt):
+        if not store.masks[mid] >> (4 * slot) & 0b1111:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    slots=st.integers(1, 12),
+    chains=st.integers(1, 60),
+    stored=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 11), st.integers(0, 3)), max_size=40),
+    removed=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 39), st.integers(0, 11)), max_size=10),
+    kept=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=20),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_batchs_prefix_lengths_are_each_slots_walk_by_the_general_path(
+    slots: int,
+    chains: int,
+    stored: list[tuple[int, int, int]],
+    removed: list[tuple[int, int, int]],
+    kept: list[tuple[int, int, int]],
+    seed: int,
+) -> None:
+    """`holder_grid` + `prefix_lengths` (a batch's lookup in rounds of numpy calls, probing
+    a small, crowded table) give every slot's prefix of every prompt as `find` does, with
+    masks interned between lookups described before the next; `off_device` flags every
+    prompt whose walked pages have a holder off the device."""
+    rng = random.Random(seed)
+    store = PageStore(min_slots=16)
+    for slot in range(slots):
+        store.ensure_slot(slot)
+    all_chains = [_chain(k * 100, 40) for k in range(chains)]
+    for k, slot, tier in stored:
+        chain = all_chains[k % chains]
+        store.store([(chain[: rng.randint(1, 40)], None)], slot % slots, 1 << tier)
+    for k, start, slot in removed:  # holes, ghosts and tombstones
+        store.remove(all_chains[k % chains][start : start + 3], slot % slots, 0b1111)
+    prompts = [
+        all_chains[k % chains][:n] + _chain(10**6 + 100 * i, fresh)
+        for i, (k, n, fresh) in enumerate(kept)
+    ]
+    for _ in range(2):  # a second lookup after more masks were interned
+        grid = store.holder_grid(prompts)
+        lengths = store.prefix_lengths(grid)
+        off = store.off_device(grid)
+        for i, prompt in enumerate(prompts):
+            assert _trimmed(grid[i].tolist()) == _trimmed([*_holder_ids_by_find(store, prompt), 0])
+            assert [int(n) for n in lengths[i, :slots]] == [
+                _prefix_by_find(store, prompt, slot) for slot in range(slots)
+            ]
+            walked = _holder_ids_by_find(store, prompt)
+            if any(store.masks[mid] & _OFF_DEVICE for mid in walked):
+                assert off[i]
+        chain = all_chains[rng.randrange(chains)]
+        store.store([(chain[:5], None)], rng.randrange(slots), 0b0010)  # new masks, off device
+
+
+def test_a_batchs_lookup_probes_past_a_long_run_of_full_slots() -> None:
+    """Digests sharing their first 8 bytes share a home slot: the later ones sit in a run
+    longer than a batch's probe window, and are found (or not) all the same."""
+    store = PageStore(min_slots=64)
+    store.ensure_slot(0)
+    crowd = [PageHash(b"samekey!" + k.to_bytes(24, "little")) for k in range(1, 20)]
+    store.store([(crowd, None)], 0, 1)
+    assert _displaced(store, crowd) >= 12
+    missing = PageHash(b"samekey!" + (99).to_bytes(24, "little"))
+    prompts = [crowd, [*crowd[:3], missing], [missing], crowd[::-1]]
+    grid = store.holder_grid(prompts)
+    lengths = store.prefix_lengths(grid)
+    assert lengths[:, 0].tolist() == [19, 3, 0, 19]
+    for i, prompt in enumerate(prompts):
+        assert _trimmed(grid[i].tolist()) == _trimmed([*_holder_ids_by_find(store, prompt), 0])

@@ -27,6 +27,7 @@ from kvmesh.coordinator.shards import (
     shard_of,
 )
 from kvmesh.errors import InvalidInput, InvalidSetting, NoWorkers
+from kvmesh.events import PagesRemoved, PagesStored, encode_batch, make_batch
 from kvmesh.trace import load_trace
 from kvmesh.types import PageHash, WorkerId
 from tests.coordinator.pool_worker_kit import PoolWorker
@@ -211,6 +212,81 @@ def test_routes_asked_together_decide_as_the_single_index_routing_them_one_by_on
     )
     queries = _looks(start, 40, POLICIES, seed)
     assert any(v.overlaps for v in single.view_many(queries))  # the looks hit
+    assert sharded.view_many(queries) == [single.view(q) for q in queries]
+    assert sharded.route_many(queries) == [single.route(q) for q in queries]
+
+
+def _random_index(
+    coordinators: Sequence[Coordinator | ShardedCoordinator],
+    rng: random.Random,
+    workers: int,
+    chains: list[list[PageHash]],
+    events: int,
+) -> None:
+    """The same random index in every coordinator: chains stored (whole or in part, in any
+    tier) and removed by random workers, with random loads."""
+    ids = [WorkerId(f"w{i:02d}") for i in range(workers)]
+    seq = dict.fromkeys(ids, 0)
+    for c in coordinators:
+        for w in ids:
+            c.register_worker(WorkerRegistration(w, f"host:{w}", 1_000, "inc-0"))
+    for _ in range(events):
+        w = rng.choice(ids)
+        chain = rng.choice(chains)
+        cut = rng.randint(1, len(chain))
+        if rng.random() < 0.8:
+            medium = rng.choice(("gpu", "gpu", "gpu", "cpu", "disk"))
+            event: PagesStored | PagesRemoved = PagesStored(
+                tuple(chain[:cut]), None, (), 16, None, medium
+            )
+        else:
+            event = PagesRemoved(tuple(chain[rng.randrange(cut) : cut]), None)
+        data = encode_batch(make_batch([event], w, "inc-0", seq[w]))
+        seq[w] += 1
+        load = WorkerLoad(w, rng.randrange(0, 4000), rng.randrange(0, 50), 500, 1_000)
+        for c in coordinators:
+            c.report(WorkerReport(w, [data], load))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shards=st.integers(1, 5),
+    workers=st.integers(1, 20),
+    width=st.sampled_from((8, 32)),
+    events=st.integers(0, 120),
+    batch=st.integers(1, 24),
+    seed=st.integers(0, 2**32),
+)
+def test_a_batch_of_routes_over_shards_picks_what_the_single_index_picks_on_a_random_index(
+    shards: int, workers: int, width: int, events: int, batch: int, seed: int
+) -> None:
+    """`route_many` over N shards (each shard's share of the batch in one vectorized pass:
+    `Coordinator.view_table`) decides what the single index decides route by route, for
+    random indexes (tiers, removals, pages held by workers of several shards) and prompts
+    (held chains cut anywhere, fresh pages after them, several lengths)."""
+    rng = random.Random(seed)
+    chains = [
+        [PageHash(rng.randbytes(width)) for _ in range(rng.randint(1, 24))] for _ in range(12)
+    ]
+    single = Coordinator(CoordinatorConfig(seed=seed, policy="kv_aware"), clock=lambda: 0.0)
+    sharded = ShardedCoordinator(
+        CoordinatorConfig(seed=seed, policy="kv_aware", index_shards=shards), clock=lambda: 0.0
+    )
+    _random_index([single, sharded], rng, workers, chains, events)
+    queries = []
+    for _ in range(batch):
+        chain = rng.choice(chains)
+        hashes = chain[: rng.randint(0, len(chain))]
+        hashes += [PageHash(rng.randbytes(width)) for _ in range(rng.randint(0, 3))]
+        hashes = hashes or chain[:1]
+        queries.append(
+            RouteQuery(
+                hashes,
+                16 * len(hashes),
+                allow_pull=rng.random() < 0.5,
+                policy=rng.choice(POLICIES[:4]),
+            )
+        )
     assert sharded.view_many(queries) == [single.view(q) for q in queries]
     assert sharded.route_many(queries) == [single.route(q) for q in queries]
 
