@@ -62,9 +62,10 @@ import multiprocessing
 import os
 import random
 import statistics
+import sys
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvmesh.arguments import non_negative_int, positive_int
@@ -513,12 +514,31 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [measure_one(workers, args) for workers in args.workers]
 
 
+@contextlib.contextmanager
+def _stdout_on_stderr() -> Iterator[None]:
+    """Everything written to stdout meanwhile goes to stderr: Python's prints, and what
+    Ray's processes (started meanwhile, so inheriting the descriptor) and its log threads
+    write there, such as its "(raylet)" lines; ``--json`` keeps stdout for the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run(args: argparse.Namespace) -> int:
-    results = measure_sharded(args) if args.shards else measure(args)
     if args.json:
+        with _stdout_on_stderr():
+            results = measure_sharded(args) if args.shards else measure(args)
         for result in results:
             print(json.dumps(result))
         return 0
+    results = measure_sharded(args) if args.shards else measure(args)
     from rich.console import Console
     from rich.table import Table
 

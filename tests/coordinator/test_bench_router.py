@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
@@ -90,3 +94,54 @@ def test_index_ops_count_every_page_event_and_match() -> None:
     out = bench_router._index_ops(wl, prompts)
     assert out["index_ops"] == wl.stored_events + wl.removed_events + 30
     assert out["index_ops_per_cpu_s"] > 0
+
+
+def test_json_keeps_stdout_for_the_json_whatever_is_printed_while_it_measures(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's "(raylet)" lines, a library's print and a child process writing to descriptor 1
+    while the bench measures all land on stderr: stdout is one JSON object per line."""
+    measured = bench_router._sharded_in_process
+
+    def noisy(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        print("(raylet) a line from Ray's log thread")
+        os.write(1, b"(raylet) straight to descriptor 1\n")
+        subprocess.run([sys.executable, "-c", "print('(raylet) from a child process')"], check=True)
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(bench_router, "_sharded_in_process", noisy)
+    args = _args(
+        "--workers", "4", "--pages", "1000", "--routes", "20", "--shards", "1,2", "--no-ray",
+        "--no-memory", "--json",
+    )  # fmt: skip
+    assert bench_router.run(args) == 0
+    out, err = capfd.readouterr()
+    assert [json.loads(line)["shards"] for line in out.splitlines()] == [1, 2]
+    assert err.count("(raylet)") == 6
+    print("after the run, stdout is stdout again")
+    assert capfd.readouterr().out == "after the run, stdout is stdout again\n"
+
+
+def test_json_of_a_small_run_on_ray_is_pure_json_on_stdout() -> None:
+    """The whole bench with its Ray layout, in a process of its own: every line on stdout
+    parses as JSON, with the figures measured through Ray."""
+    argv = [
+        "bench", "router", "--workers", "4", "--pages", "600", "--routes", "30",
+        "--ray-pages", "600", "--shards", "1,2", "--no-memory", "--json",
+    ]  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvmesh.app.cli import main; sys.exit(main())",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["shards"] for r in results] == [1, 2]
+    assert all(r["ray_route_p50_ms"] > 0 for r in results)
