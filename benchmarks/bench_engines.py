@@ -802,7 +802,10 @@ def run_connector(
         for i, store in enumerate(stores):
             other = stores[1 - i]
             config = connector_config(
-                store.page_address, store.control_address, peers=[other.page_address]
+                store.page_address,
+                store.control_address,
+                peers=[other.page_address],
+                peer_controls=[other.control_address],  # what the peer holds, read by the engine
             )
             engine_spec = replace(
                 spec,

@@ -6,14 +6,15 @@ drives it with plain tensors). On `connect` it asks the store for its arena
 one this host cannot map (another host, another container), is reached over
 gRPC, counted in ``kvmesh_connector_shm_unmapped``.
 
-Load, shared memory: ``Locate`` answers the arena slots of the leading pages
-the store holds; each block is copied straight from the mapping into the KV
+Load, shared memory, with no call to the store: the arena's directory
+(`kvmesh.page_arena.PageDirectory`) names the pages of the leading blocks the
+store holds; each block is copied straight from the mapping into the KV
 cache (one copy per layer), then its seal is checked over the bytes now in
 the KV cache (`check_seal`), with the seal read from the arena. Nothing is
-pinned in the store: a page evicted and reused while it was copied fails the
-check, and it and every later block are recomputed. A ``Locate`` answer for
-another arena (the store restarted) remaps first. gRPC: ``FetchPages``, then
-`unseal` and the same copy.
+pinned in the store: a page evicted and reused while it was copied (or a
+directory entry a moment stale) fails the check, and it and every later
+block are recomputed. An arena whose file is gone (the store restarted) is
+mapped anew first. gRPC: ``FetchPages``, then `unseal` and the same copy.
 
 Save: `stage` runs in the engine's step and copies the step's blocks out of
 the KV cache (the engine may reuse them once the request ends): into staging
@@ -46,7 +47,7 @@ from kvmesh.connector.blocks import (
     unseal,
 )
 from kvmesh.connector.store_client import StoreClient, StoreInfo
-from kvmesh.errors import ArenaUnavailable, ConfigError, KVMeshError, TransportError
+from kvmesh.errors import ArenaUnavailable, ConfigError, KVMeshError
 from kvmesh.metrics import CONNECTOR_SHM_UNMAPPED
 from kvmesh.page_arena import Arena, open_arena
 
@@ -202,15 +203,15 @@ class BlockPath:
             CONNECTOR_SHM_UNMAPPED.labels(store, "unmappable").inc()
             log.warning("kvmesh connector: %s; blocks move over gRPC", exc)
 
-    def _remap(self, token: bytes) -> Mapped | None:
-        """The mapping of arena `token`, mapping the store's current arena if it is that one."""
+    def current(self) -> Mapped | None:
+        """The store's arena, mapped anew if the one mapped is gone (the store restarted);
+        None: gRPC. `KVMeshError` when the store cannot be described."""
         with self._lock:
             mapped = self._mapped
-            if mapped is not None and mapped.token == token:
+            if mapped is not None and not mapped.arena.gone():
                 return mapped
             self._map(self.client.describe())
-            mapped = self._mapped
-            return mapped if mapped is not None and mapped.token == token else None
+            return self._mapped
 
     # ------------------------------------------------------------------ load
 
@@ -222,13 +223,10 @@ class BlockPath:
         """
         try:
             if self.shm and self._arena_seen:
-                located = self.client.locate(digests)
-                mapped = None if located.arena is None else self._remap(located.arena)
+                mapped = self.current()
                 if mapped is not None:
-                    pages = mapped.arena.layout.pages
-                    if not all(0 <= s < pages for s in located.slots):
-                        raise TransportError(f"store located pages outside its {pages} slots")
-                    return self._copy_from_arena(mapped, digests, block_ids, located.slots)
+                    slots = mapped.arena.directory.leading(digests)
+                    return self._copy_from_arena(mapped, digests, block_ids, slots)
             return self._copy_from_fetch(digests, block_ids)
         except KVMeshError as exc:
             return Loaded(0, error=exc)

@@ -54,12 +54,16 @@ def connector_config(
     *,
     role: str = "kv_both",
     peers: Sequence[str] = (),
+    peer_controls: Sequence[str] = (),
     timeout_s: float = 5.0,
 ) -> str:
     """The ``--kv-transfer-config`` JSON that loads the connector against a store.
 
     `store` / `control`: the store's page and control addresses; `peers`: page
-    addresses of other stores the store may pull from for this engine; `role`:
+    addresses of other stores the store may pull from for this engine;
+    `peer_controls`: their control addresses, in the same order (optional: on
+    one host the engine then reads what each peer holds from its arena's
+    directory and asks its store to pull only when a peer holds more); `role`:
     ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only)
     for prefill/decode.
     """
@@ -69,6 +73,11 @@ def connector_config(
         raise ConfigError("the connector needs the store's page and control addresses")
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+    if peer_controls and len(peer_controls) != len(peers):
+        raise ConfigError(
+            f"{len(peers)} peers but {len(peer_controls)} peer_controls: give each peer's "
+            "control address, in the order of peers, or none"
+        )
     return json.dumps(
         {
             "kv_connector": CONNECTOR_NAME,
@@ -79,6 +88,7 @@ def connector_config(
                 "store": store,
                 "control": control,
                 "peers": list(peers),
+                "peer_controls": list(peer_controls),
                 "timeout_s": timeout_s,
             },
         }

@@ -51,6 +51,7 @@ class StoreInfo:
     algo: str
     root_hash: bytes
     arena: ArenaLayout | None = None
+    peers: tuple[str, ...] = ()  # the store's own peers (it pulls from them when asked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,7 @@ class StoreClient:
             a["algo"],
             a["root_hash"],
             None if arena is None else ArenaLayout.from_wire(arena),
+            tuple(str(p) for p in a.get("peers") or ()),
         )
 
     def save(self, run: BlockRun, pages: Sequence[bytes]) -> list[bool]:

@@ -10,17 +10,22 @@ Load it with::
 (`kvmesh.connector.engine_config.connector_config` builds it). ``store`` /
 ``control`` are the page and control addresses of the engine's store
 (`kvmesh.worker.engine_store`); optional ``peers`` (page addresses of other
-stores the store may pull from for this engine), ``timeout_s``,
+stores the store may pull from for this engine), ``peer_controls`` (their
+control addresses, same order: the engine then reads what they hold from
+their arenas' directories), ``timeout_s``,
 ``prepare_wait_ms`` (how long the scheduler waits for a ``Prepare`` before it
 asks again next step) and ``shm``
 (default true: move blocks through the store's shared-memory arena when it
 maps on this host; false: gRPC only).
 
 Scheduler side (one decision per request, before it is scheduled):
-`get_num_new_matched_tokens` asks the store to hold the blocks past the
-engine's own prefix hit (``Prepare``: the store pulls from a peer what it
-lacks, proving every page from the request's tokens) and claims the
-leading blocks it holds; it never claims the prompt's last token. The ask
+`get_num_new_matched_tokens` claims the leading blocks past the engine's own
+prefix hit that its store holds; it never claims the prompt's last token.
+On one host it reads them from the store's shared-memory directory, with no
+call (`kvmesh.connector.directories`), unless a peer store holds the next
+block (or what the peers hold is unknown): then it asks the store to pull
+them (``Prepare``: the store pulls from a peer what it lacks, proving every
+page from the request's tokens) and claims what it holds after. The ask
 runs on a small thread pool, so a pull never stalls the engine's other
 requests: an answer within ``prepare_wait_ms`` (default 10; the store holds
 everything) is used at once, a longer one is "not known yet" (``None``:
@@ -69,13 +74,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvmesh.connector.block_path import BlockPath, KVLayers
+from kvmesh.connector.block_path import BlockPath, KVLayers, PendingSave
 from kvmesh.connector.blocks import BlockRun, block_run
+from kvmesh.connector.directories import StoreDirectories
 from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version, prepare_wait_s
+from kvmesh.connector.hook_timings import HookTimer, write_timings_if_asked
 from kvmesh.connector.saver import BackgroundSaver
 from kvmesh.connector.store_client import Prepared, StoreClient
 from kvmesh.errors import ConfigError, KVMeshError, TransportError
-from kvmesh.metrics import CONNECTOR_BLOCKS, MetricChild
+from kvmesh.metrics import CONNECTOR_BLOCKS, CONNECTOR_PREPARE_ANSWERS, MetricChild
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -161,6 +168,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.saves = transfer.is_kv_producer
         self.loads = transfer.is_kv_consumer
         self.peers: list[str] = list(extra.get("peers") or ())
+        self.peer_controls: list[str] = list(extra.get("peer_controls") or ())
+        if self.peer_controls and len(self.peer_controls) != len(self.peers):
+            raise ConfigError(
+                f"kv_connector_extra_config names {len(self.peers)} peers but "
+                f"{len(self.peer_controls)} peer_controls; give each peer store's control "
+                "address in the order of peers (or none)"
+            )
         self.client = StoreClient(
             str(extra.get("store") or ""),
             str(extra.get("control") or ""),
@@ -169,8 +183,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.shm = bool(extra.get("shm", True))
         self.prepare_wait_s = prepare_wait_s(extra.get("prepare_wait_ms"))
         self._warnings = _Warnings()
+        self._timer = HookTimer(self.client.page_address)
+        write_timings_if_asked("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         # scheduler side
         self._asking: dict[str, _Asking] = {}
+        self._directories: StoreDirectories | None = None
         self._prepares: ThreadPoolExecutor | None = None
         self._requests: dict[str, Request] = {}
         self._matched: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
@@ -188,39 +205,90 @@ class KVMeshConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        with self._timer.timed("get_num_new_matched_tokens"):
+            tokens = self._matched_tokens(request, num_computed_tokens)
+        return tokens, False
+
+    def _answered(self, answer: str) -> None:
+        CONNECTOR_PREPARE_ANSWERS.labels(self.client.page_address, answer).inc()
+
+    def _matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens past the engine's own hit the store holds; None: not known yet (pending)."""
         self._requests[request.request_id] = request
         if not self.loads:
-            return 0, False
+            return 0
         size = self.block_size
         first = num_computed_tokens // size
         # never the last token: the engine computes at least one to sample from
         last = min(len(request.block_hashes), (request.num_tokens - 1) // size)
         if last <= first:
-            return 0, False
+            self._answered("direct")
+            return 0
         asking = self._asking.get(request.request_id)
+        if asking is None:
+            read = self._held_without_asking(request, first, last)
+            if read is not None:
+                self._answered("read")
+                self._matched[request.request_id] = (first, read)
+                return read * size
+        fresh = asking is None
         if asking is None:
             asking = self._ask(request, first, last)
             wait([asking.answer], timeout=self.prepare_wait_s)  # the common, local case
         if not asking.answer.done():
             if time.monotonic() - asking.started < self.client.timeout_s:
-                return None, False  # vLLM skips the request this step and asks again
+                self._answered("pending")
+                return None  # vLLM skips the request this step and asks again
             self._asking.pop(request.request_id, None)
+            self._answered("timed_out")
             self._warnings.warn("prepare", TransportError("no answer within timeout_s"))
-            return 0, False
+            return 0
         self._asking.pop(request.request_id, None)
         held = self._held(asking, first, last)
+        if asking.answer.exception() is not None:
+            self._answered("failed")
+        else:
+            self._answered("in_time" if fresh else "late")
         self._matched[request.request_id] = (first, held)
-        return held * size, False
+        return held * size
+
+    def _held_without_asking(self, request: Request, first: int, last: int) -> int | None:
+        """Blocks from `first` the store holds, read from the stores' directories, when no
+        pull could add any (its store holds them all, it has no peers, or no peer holds the
+        next block); None: ask the store (`Prepare`)."""
+        if not self.shm:
+            return None
+        if self._directories is None:
+            peers = [  # peer_controls are all the peers' or none (checked at start)
+                StoreClient(page, control, self.client.timeout_s)
+                for page, control in zip(self.peers, self.peer_controls, strict=False)
+            ]
+            self._directories = StoreDirectories(self.client, peers)
+        directories = self._directories
+        digests = [bytes(h) for h in request.block_hashes[first:last]]
+        held = directories.held(digests)
+        if held is None:
+            return None
+        if held == len(digests) or not directories.pulls_possible(self.peers):
+            return held
+        if directories.peer_holds(digests[held]) is False:
+            return held
+        return None
 
     def _ask(self, request: Request, first: int, last: int) -> _Asking:
         """Start the store's `Prepare` of blocks [first, last) on the pool (off the step)."""
         if self._prepares is None:
             self._prepares = ThreadPoolExecutor(PREPARE_THREADS, "kvmesh-prepare")
         run = self._run(request, first, last)  # read here: the scheduler owns the request
-        answer = self._prepares.submit(self.client.prepare, run, self.peers)
+        answer = self._prepares.submit(self._prepare, run)
         asking = _Asking(first, last, time.monotonic(), answer)
         self._asking[request.request_id] = asking
         return asking
+
+    def _prepare(self, run: BlockRun) -> Prepared:
+        """The store's `Prepare` (on the pool's thread), timed: how long a request may wait."""
+        with self._timer.timed("prepare"):
+            return self.client.prepare(run, self.peers)
 
     def _held(self, asking: _Asking, first: int, last: int) -> int:
         """Blocks from `first` the store holds, by a finished `Prepare` (0 if it failed).
@@ -251,6 +319,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._loads.append(BlockLoad(request.request_id, list(block_ids), digests))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        with self._timer.timed("build_connector_meta"):
+            return self._step_meta(scheduler_output)
+
+    def _step_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (claimed blocks) and saves (every full block it computes)."""
         meta = KVMeshConnectorMetadata(loads=self._loads)
         self._loads = []
         if not self.saves or self._kv_cache_manager is None:
@@ -313,8 +386,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         self.page_bytes = path.page_bytes
         self._check_store(path)
         if self.saves:
+            timer = self._timer
+
+            def send(pending: PendingSave) -> list[bool]:
+                with timer.timed("send"):  # the saver thread's share of the worker's core
+                    return path.send(pending)
+
             self._saver = BackgroundSaver(
-                path.send,
+                send,
                 release=path.release,
                 store=self.client.page_address,
                 on_error=lambda exc: self._warnings.warn("save", exc),
@@ -346,6 +425,11 @@ class KVMeshConnector(KVConnectorBase_V1):
             )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        with self._timer.timed("start_load_kv"):
+            self._load_all()
+
+    def _load_all(self) -> None:
+        """Load every block this step claimed; failed ones are reported for recompute."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVMeshConnectorMetadata)
         self._failed_requests = set()
@@ -394,6 +478,11 @@ class KVMeshConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
             return
+        with self._timer.timed("wait_for_save"):
+            self._stage_all()
+
+    def _stage_all(self) -> None:
+        """Stage the step's computed blocks for the saver (a producer waits for them)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVMeshConnectorMetadata)
         saver, path = self._saver, self._path
@@ -417,6 +506,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._directories is not None:
+            self._directories.close()
         if self._prepares is not None:
             self._prepares.shutdown(wait=False, cancel_futures=True)
         if self._saver is not None:

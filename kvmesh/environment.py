@@ -34,6 +34,8 @@ OTHER_VARIABLES: Mapping[str, str] = MappingProxyType(
         "benchmarks start (default `.venv-engine/bin/python`, scripts/setup-engine-venv.sh)",
         "KVMESH_ENGINE_MODEL": "the model folder those engines serve (default `.engine-model`)",
         "KVMESH_SOAK_S": "how long tests/reliability/test_soak.py runs, seconds (default 60)",
+        "KVMESH_CONNECTOR_TIMINGS": "a folder where each vLLM process running kvmesh's KV "
+        "connector writes its metrics (hook wall times) for benchmarks/connector_overhead.py",
     }
 )
 """The ``KVMESH_*`` variables that are not config fields -> what each is for."""

@@ -577,6 +577,26 @@ CONNECTOR_BLOCKS = Counter(
     "save_failed",
     ["store", "outcome"],
 )
+CONNECTOR_HOOK_SECONDS = Histogram(
+    "kvmesh_connector_hook_seconds",
+    "Wall time of kvmesh's KV connector in each vLLM hook, waits included (`hook`: "
+    "get_num_new_matched_tokens with its Prepare wait, build_connector_meta, start_load_kv "
+    "with its copies and seal checks, wait_for_save with its stage; send: the saver thread's "
+    "save, off the "
+    "step; prepare: a store's Prepare on the connector's thread pool, which a request waits "
+    "for), in the engine's scheduler or worker process",
+    ["store", "hook"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+CONNECTOR_PREPARE_ANSWERS = Counter(
+    "kvmesh_connector_prepare_answers",
+    "How kvmesh's KV connector answered vLLM's get_num_new_matched_tokens, by answer: "
+    "direct (nothing to ask: the engine's own hit covers the prompt), read (from the stores' "
+    "shared-memory directories, no call), in_time (the store's Prepare answered within "
+    "prepare_wait_ms), pending (None: vLLM skips the request this step and asks again), late "
+    "(answered on a later ask), timed_out, failed",
+    ["store", "answer"],
+)
 CONNECTOR_SHM_UNMAPPED = Counter(
     "kvmesh_connector_shm_unmapped",
     "Times kvmesh's KV connector moved blocks over gRPC because it could not use its store's "

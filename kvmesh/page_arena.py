@@ -6,9 +6,18 @@ file under ``/dev/shm``; the engine's connector (`kvmesh.connector`) maps the
 same file. A load is then a copy out of the mapping and a save a copy into
 it; only small control calls (msgpack over gRPC) cross the socket::
 
-    0          4096 (pages_offset)                         staging_offset (4 KiB aligned)
-    ┌ header ┐┌──── pool: pages x page_bytes ────────────┐┌──── staging: staging x page_bytes ┐
+    0         4096        pages_offset                        staging_offset (4 KiB aligned)
+    ┌ header ┐┌ directory ┐┌── pool: pages x page_bytes ──────┐┌── staging: staging x page_bytes ┐
     header = b"KVMARENA" | token (16 random bytes)
+    directory = one little-endian u64 per pool page: the key of the block it holds, 0 if none
+
+The directory lets an engine find a block in its store with no call at all
+(`PageDirectory`): the store writes a page's key (`page_key`, 8 bytes of
+its digest) when the page is cached and clears it when the page is evicted;
+an engine reads it lock-free. A stale or torn entry only names a wrong
+page, which the block's seal (checked over the bytes copied, with the full
+digest) refuses, so a reader never needs a lock, only a recompute now and
+then.
 
 Why a named file mapped with `mmap` (and not `multiprocessing.shared_memory`):
 before Python 3.13 an attached `SharedMemory` registers with the attaching
@@ -27,7 +36,7 @@ the host removes files whose creator is gone (`sweep_stale`): the creator
 holds an exclusive `flock` on its file while it lives, which the kernel
 drops when the process dies, whatever PID namespace it ran in.
 
-Pure: os, mmap and secrets only (no torch, no gRPC); importable in the
+Pure: os, mmap, secrets and numpy (no torch, no gRPC); importable in the
 engine's venv.
 """
 
@@ -39,9 +48,12 @@ import mmap
 import os
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvmesh.errors import ArenaUnavailable, ConfigError
 
@@ -52,6 +64,60 @@ TOKEN_BYTES = 16
 HEADER_BYTES = 4096  # a page of its own: the pool's mapping starts on a page boundary
 _HEADER = struct.Struct(f"<8s{TOKEN_BYTES}s")
 _ALIGN = mmap.ALLOCATIONGRANULARITY
+KEY_BYTES = 8
+
+
+def page_key(digest: bytes) -> int:
+    """A block's name in the directory: its digest's last 8 bytes, little-endian (0: none).
+
+    A digest whose key is 0 is never found (computed instead); two digests
+    sharing a key are told apart by the seal's full digest on load.
+    """
+    return int.from_bytes(digest[-KEY_BYTES:], "little")
+
+
+class PageDirectory:
+    """Which block each pool page holds, over the arena's directory region.
+
+    The store (one writer, under its pool's lock) `put`s a page's key when
+    it caches the page and `drop`s it when the page goes; an engine reads
+    with `leading` and no lock. What a reader sees may be a moment old or
+    torn: it names a page to try, and the block's seal decides.
+    """
+
+    def __init__(self, buffer: mmap.mmap, pages: int) -> None:
+        self._keys = np.frombuffer(buffer, dtype="<u8", count=pages)
+
+    def put(self, page: int, digest: bytes) -> None:
+        self._keys[page] = page_key(digest)
+
+    def drop(self, digest: bytes) -> None:
+        """Clear every page named `digest` (a block cached twice leaves both)."""
+        key = page_key(digest)
+        if key:
+            self._keys[self._keys == key] = 0
+
+    def clear(self) -> None:
+        self._keys[:] = 0
+
+    def leading(self, digests: Sequence[bytes]) -> list[int]:
+        """The pages of the leading `digests` held, in order, up to the first one missing.
+
+        O(pages) per digest in numpy (a 4,096-page store: a few µs each).
+        """
+        keys = self._keys
+        pages: list[int] = []
+        for digest in digests:
+            key = page_key(digest)
+            found = np.flatnonzero(keys == key)
+            if not key or len(found) == 0:
+                break
+            pages.append(int(found[0]))
+        return pages
+
+    def release(self) -> None:
+        """Let go of the mapping (before the arena is unmapped)."""
+        self._keys = np.zeros(0, dtype="<u8")
 
 
 def _aligned(n: int) -> int:
@@ -72,8 +138,16 @@ class ArenaLayout:
     staging: int
 
     @property
-    def pages_offset(self) -> int:
+    def directory_offset(self) -> int:
         return HEADER_BYTES
+
+    @property
+    def directory_bytes(self) -> int:
+        return self.pages * KEY_BYTES
+
+    @property
+    def pages_offset(self) -> int:
+        return _aligned(HEADER_BYTES + self.directory_bytes)
 
     @property
     def staging_offset(self) -> int:
@@ -115,7 +189,7 @@ class ArenaLayout:
 
 
 class Arena:
-    """A mapped arena: `pages` (the pool) and `staging`, each an `mmap` over its region.
+    """A mapped arena: `pages` (the pool), `staging` and `directory`, each over its region.
 
     The creator (`create_arena`) owns the file and unlinks it in `close`; an
     engine (`open_arena`) only unmaps. Buffers handed out (torch or numpy
@@ -124,12 +198,25 @@ class Arena:
     """
 
     def __init__(
-        self, layout: ArenaLayout, pages: mmap.mmap, staging: mmap.mmap, *, owner_fd: int = -1
+        self,
+        layout: ArenaLayout,
+        pages: mmap.mmap,
+        staging: mmap.mmap,
+        directory: mmap.mmap,
+        *,
+        owner_fd: int = -1,
     ):
         self.layout = layout
         self.pages = pages
         self.staging = staging
+        self._directory_map = directory
+        self.directory = PageDirectory(directory, layout.pages)
         self._owner_fd = owner_fd  # the creator's open, flocked file: it says "alive"
+
+    def gone(self) -> bool:
+        """True once the store removed this arena's file (it stopped or restarted): what the
+        directory says no longer changes, and the store's pages are elsewhere now."""
+        return not os.path.exists(self.layout.path)
 
     @property
     def owner(self) -> bool:
@@ -141,9 +228,20 @@ class Arena:
                 os.unlink(self.layout.path)
             os.close(self._owner_fd)
             self._owner_fd = -1
-        for buffer in (self.pages, self.staging):
+        self.directory.release()
+        for buffer in (self.pages, self.staging, self._directory_map):
             with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
                 buffer.close()
+
+
+def _map_directory(fd: int, layout: ArenaLayout, *, writable: bool) -> mmap.mmap:
+    return mmap.mmap(
+        fd,
+        layout.directory_bytes,
+        flags=mmap.MAP_SHARED,
+        prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+        offset=layout.directory_offset,
+    )
 
 
 def _map(fd: int, layout: ArenaLayout, *, pages_writable: bool) -> tuple[mmap.mmap, mmap.mmap]:
@@ -195,13 +293,14 @@ def create_arena(
         os.ftruncate(fd, layout.size)
         os.pwrite(fd, _HEADER.pack(MAGIC, token), 0)
         pages_map, staging_map = _map(fd, layout, pages_writable=True)
+        directory_map = _map_directory(fd, layout, writable=True)
         os.rename(making, path)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(making)
         os.close(fd)
         raise ConfigError(f"cannot size the arena {path} to {layout.size} bytes: {exc}") from None
-    return Arena(layout, pages_map, staging_map, owner_fd=fd)
+    return Arena(layout, pages_map, staging_map, directory_map, owner_fd=fd)
 
 
 def open_arena(layout: ArenaLayout) -> Arena:
@@ -224,11 +323,64 @@ def open_arena(layout: ArenaLayout) -> Arena:
                 f"{layout.size}, or another token): the store runs elsewhere or restarted"
             )
         pages_map, staging_map = _map(fd, layout, pages_writable=False)
+        directory_map = _map_directory(fd, layout, writable=False)
     except OSError as exc:
         raise ArenaUnavailable(f"cannot map the store's arena {layout.path}: {exc}") from None
     finally:
         os.close(fd)
-    return Arena(layout, pages_map, staging_map)
+    return Arena(layout, pages_map, staging_map, directory_map)
+
+
+class DirectoryView:
+    """Another store's directory alone, mapped read-only: which blocks that store holds (a
+    peer this engine's store may pull from), without its pages."""
+
+    def __init__(self, layout: ArenaLayout, directory: mmap.mmap) -> None:
+        self.layout = layout
+        self._map = directory
+        self.directory = PageDirectory(directory, layout.pages)
+
+    def gone(self) -> bool:
+        return not os.path.exists(self.layout.path)
+
+    def close(self) -> None:
+        self.directory.release()
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def open_directory(layout: ArenaLayout) -> DirectoryView:
+    """Map only the directory of the arena `layout` describes, read-only, after the same
+    checks as `open_arena` (`ArenaUnavailable` when it is not that store's file)."""
+    fd = _open_checked(layout)
+    try:
+        directory_map = _map_directory(fd, layout, writable=False)
+    except OSError as exc:
+        raise ArenaUnavailable(f"cannot map the store's arena {layout.path}: {exc}") from None
+    finally:
+        os.close(fd)
+    return DirectoryView(layout, directory_map)
+
+
+def _open_checked(layout: ArenaLayout) -> int:
+    """An open descriptor of the arena file, checked against the layout's size and token."""
+    try:
+        fd = os.open(layout.path, os.O_RDONLY)
+    except OSError as exc:
+        raise ArenaUnavailable(f"cannot open the store's arena {layout.path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        header = os.pread(fd, _HEADER.size, 0)
+    except OSError as exc:
+        os.close(fd)
+        raise ArenaUnavailable(f"cannot read the store's arena {layout.path}: {exc}") from None
+    if size != layout.size or header != _HEADER.pack(MAGIC, layout.token):
+        os.close(fd)
+        raise ArenaUnavailable(
+            f"{layout.path} is not the arena the store described ({size} bytes, expected "
+            f"{layout.size}, or another token): the store runs elsewhere or restarted"
+        )
+    return fd
 
 
 def sweep_stale(directory: str | Path = SHM_DIR) -> list[Path]:

@@ -26,8 +26,10 @@ and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies):
 
 Same host, the page bytes never cross a socket: the pool and a staging area
 live in one file under /dev/shm (`kvmesh.page_arena`), which ``Describe``
-names and the engine maps; the store unlinks it when it stops. ``Locate``
-pins nothing: a page evicted and reused while the engine copies it fails the
+names and the engine maps; the store unlinks it when it stops. The arena's
+directory names the block each pool page holds (written here from the
+pool's events, in `_events_out`), so the engine finds its blocks with no
+call (``Locate`` remains for clients without it). Neither pins anything: a page evicted and reused while the engine copies it fails the
 seal the engine checks on the bytes it copied, and is recomputed. Without an
 arena (``--no-shm``, or an engine on another host) pages move over the page
 server's ``FetchPages`` and ``Save``'s bytes.
@@ -68,11 +70,11 @@ import torch
 from kvmesh.config import TransferConfig
 from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
 from kvmesh.errors import ArenaUnavailable, ConfigError, InvalidInput, KVMeshError
-from kvmesh.events import KVEvent
+from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.grpc_security import ERROR_METADATA_KEY
 from kvmesh.hashing import PageHasher
 from kvmesh.metrics import ENGINE_STORE_BLOCKS
-from kvmesh.page_arena import SHM_DIR, Arena, create_arena, sweep_stale
+from kvmesh.page_arena import SHM_DIR, Arena, PageDirectory, create_arena, sweep_stale
 from kvmesh.types import PageHash
 from kvmesh.worker import store_events
 from kvmesh.worker.kv_store import KVStore, PageBlob
@@ -373,11 +375,34 @@ class EngineStore:
         return held, pulled, source
 
     def _events_out(self) -> None:
-        """Drain the pool's events and hand them to `on_events` in the order they happened."""
+        """Drain the pool's events into the arena's directory and hand them to `on_events`,
+        in the order they happened."""
         with self._events_lock:
             events = self.service.take_events()
+            if events and self.arena is not None:
+                self._index(self.arena.directory, events)
             if events and self.on_events is not None:
                 self.on_events(events)
+
+    def _index(self, directory: PageDirectory, events: Sequence[KVEvent]) -> None:
+        """Mirror cached pages into the arena's directory (the engine looks blocks up there).
+
+        A page is named after its bytes were written and unnamed when its event
+        is drained, just after the bytes of its next block were: an engine that
+        reads it in between fails the block's seal and recomputes the block.
+        """
+        with self.service.lock:
+            for event in events:
+                if isinstance(event, PagesStored):
+                    for digest in event.page_hashes:
+                        page = self.pool.get_cached_page(digest)
+                        if page is not None:
+                            directory.put(page.page_id, digest)
+                elif isinstance(event, PagesRemoved):
+                    for digest in event.page_hashes:
+                        directory.drop(digest)
+                elif isinstance(event, AllPagesCleared):
+                    directory.clear()
 
     # ---------------------------------------------------------------- control server
 
@@ -455,6 +480,7 @@ class EngineStore:
             "algo": hasher.algo,
             "root_hash": bytes(hasher.root_hash),
             "arena": None if self.arena is None else self.arena.layout.wire(),
+            "peers": list(self.peers),
         }
 
     def _attach(self, _body: dict[str, Any]) -> dict[str, Any]:

@@ -147,7 +147,8 @@ def test_blocks_move_through_the_stores_shared_memory_not_the_socket(
 ) -> None:
     staged: list[int] = []
     located: list[int] = []
-    save_staged, locate = mesh.sa.save_staged, mesh.sa.locate
+    prepared: list[int] = []
+    save_staged, locate, prepare = mesh.sa.save_staged, mesh.sa.locate, mesh.sa.prepare
 
     def saving(run: StoreRun, lease: bytes, slots: Sequence[int]) -> list[bool]:
         staged.append(len(slots))
@@ -158,17 +159,25 @@ def test_blocks_move_through_the_stores_shared_memory_not_the_socket(
         located.append(len(slots))
         return slots
 
+    def preparing(run: StoreRun, peers: Sequence[str] = ()) -> tuple[int, int, str | None]:
+        prepared.append(len(run.digests))
+        return prepare(run, peers)
+
     monkeypatch.setattr(mesh.sa, "save_staged", saving)
     monkeypatch.setattr(mesh.sa, "locate", locating)
+    monkeypatch.setattr(mesh.sa, "prepare", preparing)
     prompt = prompt_of(7)
     expected = complete(mesh.a, prompt)
     saved(mesh.sa, prompt)
     assert sum(staged) >= 6  # saved from staging slots, not as bytes in the call
     reset_prefix_cache(mesh.a)
+    prepared.clear()  # saved() asks by Prepare; the engine should not
     before = external_hits(mesh.a)
     assert complete(mesh.a, prompt) == expected
     assert external_hits(mesh.a) - before == 6 * BLOCK
-    assert located == [6]  # loaded from the arena's slots (FetchPages is the fallback only)
+    # the store held every block: claimed and loaded from the arena's directory and pages,
+    # with no Prepare and no Locate (FetchPages is the fallback only)
+    assert prepared == [] and located == []
 
 
 def test_a_stored_page_reused_for_another_block_is_refused_and_recomputed(mesh: Mesh) -> None:

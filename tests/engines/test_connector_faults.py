@@ -2,7 +2,11 @@
 
 The store runs as its own process (`StoreProcess`) and streams pages slowly
 (its test hook), so it can be killed (SIGKILL) while the engine is loading
-a prefix from it.
+a prefix from it. It offers no shared memory (``--no-shm``): through an
+arena a load makes no call that a dying store could fail (the pages stay
+mapped, and each is checked by its seal; tests/engines/test_connector_store.py
+covers a restarted store's new arena), so the calls a store can die in are
+gRPC's.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def rig(start_engine, tmp_path_factory) -> Iterator[Rig]:  # type: ignore[no-unt
         pages=64,
         page_delay_s=PAGE_DELAY_S,
         log_dir=tmp_path_factory.mktemp("store"),
+        shm=False,
     ).start()
     try:
         config = connector_config(store.page_address, store.control_address, timeout_s=60.0)

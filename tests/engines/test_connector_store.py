@@ -32,9 +32,10 @@ from kvmesh.connector.blocks import (
     sealed_page_bytes,
     unseal,
 )
+from kvmesh.connector.directories import StoreDirectories
 from kvmesh.connector.engine_config import check_vllm_version, connector_config, prepare_wait_s
 from kvmesh.connector.saver import BackgroundSaver
-from kvmesh.connector.store_client import Located, StoreClient
+from kvmesh.connector.store_client import StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.errors import (
@@ -48,7 +49,7 @@ from kvmesh.errors import (
     TransportError,
 )
 from kvmesh.metrics import counter_value
-from kvmesh.page_arena import ArenaLayout, open_arena, sweep_stale
+from kvmesh.page_arena import ArenaLayout, PageDirectory, open_arena, page_key, sweep_stale
 from kvmesh.worker.engine_store import EngineStore
 
 B = 32
@@ -416,8 +417,105 @@ def test_a_load_stops_at_the_first_block_the_store_lacks(shm_store: EngineStore)
     assert same_blocks(source, [0], target, [4])
 
 
+def test_the_directory_names_exactly_the_pages_the_store_holds(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    store = stores[0]
+    assert store.arena is not None
+    directory = open_arena(store.arena.layout).directory  # what an engine reads
+    runs = [request(60 + i) for i in range(8)]  # 24 blocks through a 16-page store: evictions
+    for run, pages in runs:
+        client(store).save(run, pages)
+    every = [d for run, _ in runs for d in run.digests]
+    held = store.service.lookup(every)
+    assert 0 < sum(held) < len(every)  # the oldest were evicted
+    assert [bool(directory.leading([d])) for d in every] == held
+    last = runs[-1][0].digests
+    with store.service.pinned(last) as ids:
+        assert directory.leading(last) == ids
+    store.forget(last[1:2])
+    assert directory.leading(last) == directory.leading(last[:1])
+    assert len(directory.leading(last)) == 1
+
+
+def test_a_directory_key_is_never_zero_for_a_found_block() -> None:
+    assert page_key(bytes(24) + bytes(range(1, 9))) == int.from_bytes(bytes(range(1, 9)), "little")
+    keys = bytearray(16 * 8)
+    directory = PageDirectory(keys, 16)  # type: ignore[arg-type]
+    zero = bytes(32)  # a digest whose key is 0 reads as "no block": it is computed, never found
+    directory.put(3, zero)
+    assert directory.leading([zero]) == []
+
+
+def test_a_load_through_shared_memory_makes_no_call_to_the_store(
+    shm_store: EngineStore,
+) -> None:
+    source = kv_cache(seed=5)
+    path = engine_path(shm_store, source)
+    run, _ = request(45)
+    pending = path.stage(run, [0, 1, 2])
+    assert pending is not None
+    path.send(pending)
+    target = kv_cache()
+    loading = engine_path(shm_store, target)
+
+    def no_call(*args: object) -> object:
+        raise AssertionError("the load called the store")
+
+    for name in ("locate", "fetch", "describe", "prepare"):
+        setattr(loading.client, name, no_call)
+    loaded = loading.load(run.digests, [4, 5, 6])
+    assert (loaded.blocks, loaded.refused, loaded.error) == (3, None, None)
+    assert same_blocks(source, [0, 1, 2], target, [4, 5, 6])
+
+
+def test_store_directories_read_the_own_store_and_whether_a_peer_holds_more(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    own, peer = stores
+    run, pages = request(50, blocks=4)
+    client(own).save(*request(50, blocks=2))  # the same first two blocks
+    client(peer).save(run, pages)
+    directories = StoreDirectories(client(own), [client(peer)])
+    try:
+        assert directories.held(run.digests) == 2
+        assert directories.peer_holds(run.digests[2]) is True
+        other, _ = request(51)
+        assert directories.held(other.digests) == 0
+        assert directories.peer_holds(other.digests[0]) is False
+        assert not directories.pulls_possible([])  # neither the engine nor the store names one
+        assert directories.pulls_possible([peer.address])
+    finally:
+        directories.close()
+    unknown = StoreDirectories(client(own))  # peers named by page address only
+    try:
+        assert unknown.peer_holds(run.digests[2]) is None
+    finally:
+        unknown.close()
+
+
+def test_store_directories_of_a_store_without_shared_memory_are_unknown() -> None:
+    with EngineStore(page_bytes=PAGE, block_size=B, num_pages=16, shm_dir=None) as store:
+        run, pages = request(52)
+        client(store).save(run, pages)
+        directories = StoreDirectories(client(store))
+        try:
+            assert directories.held(run.digests) is None  # the connector asks by Prepare
+        finally:
+            directories.close()
+
+
+def test_peer_controls_must_pair_with_peers() -> None:
+    with pytest.raises(ConfigError, match="peer_controls"):
+        connector_config("127.0.0.1:1", "127.0.0.1:2", peers=["a:1"], peer_controls=["b:2", "c:3"])
+    config = json.loads(
+        connector_config("127.0.0.1:1", "127.0.0.1:2", peers=["a:1"], peer_controls=["b:2"])
+    )
+    assert config["kv_connector_extra_config"]["peer_controls"] == ["b:2"]
+
+
 @pytest.mark.parametrize("rewrite", ["another block's page", "bytes under the seal"])
-def test_a_page_rewritten_between_locate_and_the_copy_is_refused_never_used(
+def test_a_page_rewritten_between_the_directory_read_and_the_copy_is_refused_never_used(
     shm_store: EngineStore, rewrite: str
 ) -> None:
     source = kv_cache(seed=3)
@@ -430,12 +528,14 @@ def test_a_page_rewritten_between_locate_and_the_copy_is_refused_never_used(
         path.send(pending)
     target = kv_cache()
     loading = engine_path(shm_store, target)
-    locate = loading.client.locate
+    assert loading.mapped is not None
+    directory = loading.mapped.arena.directory
+    leading = directory.leading
 
-    def locate_then_reuse(digests: Sequence[bytes]) -> Located:
-        located = locate(digests)
-        # the store evicts block 1 and reuses its page, after answering where it lay
-        page = shm_store.kv.page_buffer(located.slots[1])
+    def leading_then_reuse(digests: Sequence[bytes]) -> list[int]:
+        slots = leading(digests)
+        # the store evicts block 1 and reuses its page, after the engine read where it lay
+        page = shm_store.kv.page_buffer(slots[1])
         assert page is not None
         if rewrite == "another block's page":
             with shm_store.service.pinned(other.digests[:1]) as (other_id,):
@@ -443,9 +543,9 @@ def test_a_page_rewritten_between_locate_and_the_copy_is_refused_never_used(
                 page[:] = shm_store.kv.page_bytes(other_id)
         else:
             page[:100] = bytes(100)
-        return located
+        return slots
 
-    loading.client.locate = locate_then_reuse  # type: ignore[method-assign]
+    directory.leading = leading_then_reuse  # type: ignore[method-assign]
     loaded = loading.load(run.digests, [7, 8, 9])
     assert loaded.blocks == 1 and loaded.refused == run.digests[1]
     wanted = HashMismatch if rewrite == "another block's page" else ChecksumMismatch
@@ -508,7 +608,7 @@ def test_a_restarted_store_has_a_new_arena_that_the_engine_maps(tmp_path: Path) 
         assert not Path(old.path).exists()  # a store removes its arena when it stops
         assert path.load(run.digests, [3, 4, 5]).blocks == 0  # the new store is empty
         mapped = path.mapped
-        assert mapped is not None and mapped.token != old.token  # Locate named a new arena
+        assert mapped is not None and mapped.token != old.token  # the old file gone: remapped
         pending = path.stage(run, [0, 1, 2])  # staged under the old lease...
         assert pending is not None
         proc.restart()
