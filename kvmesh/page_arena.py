@@ -151,7 +151,7 @@ class ArenaLayout:
 
     @property
     def staging_offset(self) -> int:
-        return _aligned(HEADER_BYTES + self.pages * self.page_bytes)
+        return _aligned(self.pages_offset + self.pages * self.page_bytes)
 
     @property
     def size(self) -> int:
