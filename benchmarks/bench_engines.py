@@ -256,6 +256,16 @@ def routing_view(text: str) -> str:
     )
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used so far, from /proc (0 elsewhere):
+    on a machine whose cores the engines share, what the gateway takes from them."""
+    try:
+        fields_ = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def cache_counters(
     client: httpx.AsyncClient, engine: VLLMEngine
 ) -> tuple[float, float, float]:
@@ -571,14 +581,21 @@ async def measure(
             if reads_events and all(e.events_endpoint for e in engines):
                 await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
+            cpu_before = process_cpu_s(proc.pid)
             this = Replay()
             wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
             into.replay.merge(this)
+            cpu = process_cpu_s(proc.pid) - cpu_before
             after = [await cache_counters(client, e) for e in engines]
             view = (await client.get(url + "/metrics")).text
             records = (await client.get(url + "/kvmesh/decisions")).json()["decisions"]
             into.decisions += joined(records, this, turns, into.rounds)
-            print(f"  {policy}: {routing_view(view)}", file=sys.stderr, flush=True)
+            print(
+                f"  {policy}: {routing_view(view)}; the gateway's CPU during the replay "
+                f"{cpu:.1f} s of {wall:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             proc.terminate()
             try:
