@@ -576,74 +576,97 @@ def _ingested(wl: _Workload, shards: int, seed: int) -> tuple[ShardedCoordinator
 
 
 def _sharded_in_process(
-    wl: _Workload, prompts: list[list[PageHash]], shards: int, seed: int, route_batch: int
-) -> dict[str, Any]:
-    """`ShardedCoordinator` in one process: its ingest and route cost, CPU per op.
+    wl: _Workload,
+    prompts: list[list[PageHash]],
+    shard_counts: Sequence[int],
+    seed: int,
+    route_batch: int,
+) -> list[dict[str, Any]]:
+    """`ShardedCoordinator` of each shard count in one process: its ingest and route cost,
+    CPU per op; one object per count, in order.
 
     The shards run one after another here, so this is the CPU the sharded
     design costs per operation (the fan-out and merge included), not the
     wall-clock gain of shards on separate cores. Routes are measured one call
     each (``cpu_s_per_million_ops``) and ``route_batch`` to a call
     (``batched_...``: `route_many`, what a router does with concurrent routes);
-    ingest and routes each count the least CPU of ``ROUTE_CPU_PASSES`` passes.
+    ingest and routes each count the least CPU of ``ROUTE_CPU_PASSES`` passes
+    (a shared machine's noise only ever adds), and each pass measures every
+    count in turn, so the counts compared meet the same moments of the machine:
+    measured one count after the other, the ingest's CPU moved by up to a tenth
+    between counts with the same code, as much as the gap between them.
     """
-    # Ingest CPU: the least of a few passes, each into a fresh coordinator (a shared
-    # machine's noise only ever adds, and moved the per-op ratios as much as the routes did).
-    coord, ingest_s, ingest_cpu = _ingested(wl, shards, seed)
-    for _ in range(ROUTE_CPU_PASSES - 1):
-        del coord
-        gc.collect()
-        coord, wall, cpu = _ingested(wl, shards, seed)
-        ingest_s, ingest_cpu = min(ingest_s, wall), min(ingest_cpu, cpu)
-    rng = random.Random(seed)
-    for w in wl.worker_ids:
-        coord.heartbeat(
-            w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
-        )
-    times: list[float] = []
-    cpu_times: list[float] = []
-    c0 = time.process_time()
-    for p in prompts:
-        c = time.thread_time_ns()
-        t = time.perf_counter_ns()
-        coord.route(RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE))
-        times.append((time.perf_counter_ns() - t) / 1e6)
-        cpu_times.append((time.thread_time_ns() - c) / 1e6)
-    route_cpu = time.process_time() - c0
-    # CPU per route: the least of a few passes, one call per route and `route_batch` routes
-    # per call (`route_many`: one call per shard per batch, as a router asks for the routes
-    # that arrive together) in turn, so both meet the same moments of a shared machine.
-    # Looks (no request id) change nothing, so every pass routes the same.
+    counts = list(shard_counts)
+    coords: list[ShardedCoordinator | None] = [None] * len(counts)
+    ingest_s = [math.inf] * len(counts)
+    ingest_cpu = [math.inf] * len(counts)
+    for _ in range(ROUTE_CPU_PASSES):  # each into a fresh coordinator
+        for k, shards in enumerate(counts):
+            coords[k] = None
+            gc.collect()
+            coord, wall, cpu = _ingested(wl, shards, seed)
+            coords[k] = coord
+            ingest_s[k], ingest_cpu[k] = min(ingest_s[k], wall), min(ingest_cpu[k], cpu)
+    built = [c for c in coords if c is not None]
     queries = [RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE) for p in prompts]
     batches = [queries[k : k + route_batch] for k in range(0, len(queries), route_batch)]
-    batched_cpu = math.inf
-    for _ in range(ROUTE_CPU_PASSES):
-        c0 = time.process_time()
-        for batch in batches:
-            coord.route_many(batch)
-        batched_cpu = min(batched_cpu, time.process_time() - c0)
+    times: list[list[float]] = []
+    cpu_times: list[list[float]] = []
+    route_cpu: list[float] = []
+    for coord in built:
+        rng = random.Random(seed)
+        for w in wl.worker_ids:
+            coord.heartbeat(
+                w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
+            )
+        wall_ms: list[float] = []
+        cpu_ms: list[float] = []
         c0 = time.process_time()
         for query in queries:
+            c = time.thread_time_ns()
+            t = time.perf_counter_ns()
             coord.route(query)
-        route_cpu = min(route_cpu, time.process_time() - c0)
+            wall_ms.append((time.perf_counter_ns() - t) / 1e6)
+            cpu_ms.append((time.thread_time_ns() - c) / 1e6)
+        route_cpu.append(time.process_time() - c0)
+        times.append(wall_ms)
+        cpu_times.append(cpu_ms)
+    # CPU per route: the least of a few passes, one call per route and `route_batch` routes
+    # per call (`route_many`: one call per shard per batch, as a router asks for the routes
+    # that arrive together) in turn, every count in each pass. Looks (no request id)
+    # change nothing, so every pass routes the same.
+    batched_cpu = [math.inf] * len(built)
+    for _ in range(ROUTE_CPU_PASSES):
+        for k, coord in enumerate(built):
+            c0 = time.process_time()
+            for batch in batches:
+                coord.route_many(batch)
+            batched_cpu[k] = min(batched_cpu[k], time.process_time() - c0)
+            c0 = time.process_time()
+            for query in queries:
+                coord.route(query)
+            route_cpu[k] = min(route_cpu[k], time.process_time() - c0)
     ops = wl.stored_events + len(prompts)
-    return {
-        # the same percentile of the calls' thread CPU time: what the code costs,
-        # without the waits of a shared machine's scheduler
-        "route_cpu_p50_ms": round(percentile(cpu_times, 50), 4),
-        "route_cpu_p99_ms": round(percentile(cpu_times, 99), 4),
-        "index_ops_per_cpu_s": round(ops / (ingest_cpu + route_cpu)),
-        "route_p50_ms": round(percentile(times, 50), 4),
-        "route_p99_ms": round(percentile(times, 99), 4),
-        "ingest_page_events_per_s": round(wl.stored_events / ingest_s),
-        "index_ops_per_s": round(ops / (ingest_s + sum(times) / 1e3)),
-        "cpu_s_per_million_ops": round((ingest_cpu + route_cpu) / ops * 1e6, 3),
-        "route_cpu_us_per_call": round(route_cpu / len(prompts) * 1e6, 1),
-        "ingest_cpu_s_per_million_events": round(ingest_cpu / wl.stored_events * 1e6, 3),
-        "route_batch": route_batch,
-        "batched_cpu_s_per_million_ops": round((ingest_cpu + batched_cpu) / ops * 1e6, 3),
-        "batched_route_cpu_us_per_call": round(batched_cpu / len(prompts) * 1e6, 1),
-    }
+    return [
+        {
+            # the same percentile of the calls' thread CPU time: what the code costs,
+            # without the waits of a shared machine's scheduler
+            "route_cpu_p50_ms": round(percentile(cpu_times[k], 50), 4),
+            "route_cpu_p99_ms": round(percentile(cpu_times[k], 99), 4),
+            "index_ops_per_cpu_s": round(ops / (ingest_cpu[k] + route_cpu[k])),
+            "route_p50_ms": round(percentile(times[k], 50), 4),
+            "route_p99_ms": round(percentile(times[k], 99), 4),
+            "ingest_page_events_per_s": round(wl.stored_events / ingest_s[k]),
+            "index_ops_per_s": round(ops / (ingest_s[k] + sum(times[k]) / 1e3)),
+            "cpu_s_per_million_ops": round((ingest_cpu[k] + route_cpu[k]) / ops * 1e6, 3),
+            "route_cpu_us_per_call": round(route_cpu[k] / len(prompts) * 1e6, 1),
+            "ingest_cpu_s_per_million_events": round(ingest_cpu[k] / wl.stored_events * 1e6, 3),
+            "route_batch": route_batch,
+            "batched_cpu_s_per_million_ops": round((ingest_cpu[k] + batched_cpu[k]) / ops * 1e6, 3),
+            "batched_route_cpu_us_per_call": round(batched_cpu[k] / len(prompts) * 1e6, 1),
+        }
+        for k in range(len(built))
+    ]
 
 
 def _ray_routes(routers: Sequence[Any], prompts: list[list[PageHash]]) -> list[list[float]]:
@@ -823,15 +846,16 @@ def measure_sharded(args: argparse.Namespace) -> list[dict[str, Any]]:
     wl = _Workload(workers, args.pages, args.seed)
     prompts = wl.prompts(args.routes, random.Random(args.seed + 1))
     results = []
-    for shards in args.shards:
+    measured = _sharded_in_process(wl, prompts, args.shards, args.seed, args.route_batch)
+    gc.collect()
+    for shards, figures in zip(args.shards, measured, strict=True):
         result: dict[str, Any] = {
             "shards": shards,
             "replicas": args.replicas,
             "workers": workers,
             "indexed_pages": wl.distinct_pages,
+            **figures,
         }
-        result.update(_sharded_in_process(wl, prompts, shards, args.seed, args.route_batch))
-        gc.collect()
         if not args.no_memory:
             result["bytes_per_page"] = _rss_per_page(workers, args.pages, args.seed, shards)
         results.append(result)

@@ -117,7 +117,7 @@ def test_json_keeps_stdout_for_the_json_whatever_is_printed_while_it_measures(
     assert bench_router.run(args) == 0
     out, err = capfd.readouterr()
     assert [json.loads(line)["shards"] for line in out.splitlines()] == [1, 2]
-    assert err.count("(raylet)") == 6
+    assert err.count("(raylet)") == 3
     print("after the run, stdout is stdout again")
     assert capfd.readouterr().out == "after the run, stdout is stdout again\n"
 
@@ -145,3 +145,24 @@ def test_json_of_a_small_run_on_ray_is_pure_json_on_stdout() -> None:
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["shards"] for r in results] == [1, 2]
     assert all(r["ray_route_p50_ms"] > 0 for r in results)
+
+
+def test_each_cpu_pass_measures_every_shard_count_in_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shard counts compared meet the same moments of a shared machine: each ingest
+    pass (and each route pass) goes through every count before the next pass starts."""
+    ingested: list[int] = []
+    ingest = bench_router._ingested
+
+    def recorded(wl: Any, shards: int, seed: int) -> Any:
+        ingested.append(shards)
+        return ingest(wl, shards, seed)
+
+    monkeypatch.setattr(bench_router, "_ingested", recorded)
+    wl = bench_router._Workload(4, 1000, seed=0)
+    prompts = wl.prompts(20, random.Random(1))
+    figures = bench_router._sharded_in_process(wl, prompts, [1, 2, 4], 0, 8)
+    assert ingested == [1, 2, 4] * bench_router.ROUTE_CPU_PASSES
+    assert [f["route_batch"] for f in figures] == [8, 8, 8]
+    assert all(f["batched_route_cpu_us_per_call"] > 0 for f in figures)
