@@ -6,6 +6,9 @@ core, 384 blocks), in each ``--variants`` setting:
 
 - ``none``: no connector (the baseline every ratio is against);
 - ``both``: the connector as ``kv_both`` with its store (shared memory);
+- ``asking``: ``both`` with ``directory`` off: every claim asks the store
+  (``Prepare``, waiting up to ``prepare_wait_ms``) and every load asks where
+  its pages lie (``Locate``), as the connector did before the directory;
 - ``consumer``: ``kv_consumer`` only (loads, never saves);
 - ``producer``: ``kv_producer`` only (saves, never loads; it also waits for
   its saves before a step's output goes out, as a prefill engine must);
@@ -57,13 +60,14 @@ from kvmesh.stats import percentile
 
 BLOCK = 32
 VOCAB = 1700  # token ids 3..1702: the tiny model's vocabulary is 1728
-VARIANTS: dict[str, tuple[str | None, bool]] = {
-    # name: (kv_role or None for no connector, the store offers shared memory)
-    "none": (None, True),
-    "both": ("kv_both", True),
-    "consumer": ("kv_consumer", True),
-    "producer": ("kv_producer", True),
-    "grpc": ("kv_both", False),
+VARIANTS: dict[str, tuple[str | None, bool, bool]] = {
+    # name: (kv_role or None for no connector, the store offers shared memory, directory)
+    "none": (None, True, True),
+    "both": ("kv_both", True, True),
+    "asking": ("kv_both", True, False),
+    "consumer": ("kv_consumer", True, True),
+    "producer": ("kv_producer", True, True),
+    "grpc": ("kv_both", False, True),
 }
 WORKLOADS = ("unique", "shared")
 ANSWERS = ("direct", "read", "in_time", "pending", "late", "timed_out", "failed")
@@ -124,6 +128,8 @@ class Row:
     hook_ms: dict[str, float] = field(default_factory=dict)  # per request
     hook_calls: dict[str, float] = field(default_factory=dict)  # per request
     answers: dict[str, float] = field(default_factory=dict)  # per request
+    engine_cpu_ms: float = 0.0  # CPU the engine's processes used, per request
+    store_cpu_ms: float = 0.0  # CPU its store process used, per request
     ratio: float = 0.0  # mean TTFT / none's
 
 
@@ -157,10 +163,47 @@ def engine_counters(engine: VLLMEngine) -> dict[str, float]:
     return {name: metric_sum(text, name) for name in ENGINE_COUNTERS}
 
 
+def cpu_s(pids: Collection[int]) -> float:
+    """CPU seconds (user and system) the processes `pids` have used so far (/proc; gone: 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (an engine: its API server, core and worker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+@dataclass(slots=True)
+class Started:
+    engine: VLLMEngine
+    engine_pids: list[int]
+    store_pids: list[int]
+
+    def cpu(self) -> tuple[float, float]:
+        return cpu_s(self.engine_pids), cpu_s(self.store_pids)
+
+
 @contextmanager
-def started(variant: str, spec: EngineSpec, args: argparse.Namespace) -> Iterator[VLLMEngine]:
+def started(variant: str, spec: EngineSpec, args: argparse.Namespace) -> Iterator[Started]:
     """One engine (and its store, with the connector), stopped on exit."""
-    role, shm = VARIANTS[variant]
+    role, shm, directory = VARIANTS[variant]
     store = None
     engine_spec = spec
     try:
@@ -174,13 +217,17 @@ def started(variant: str, spec: EngineSpec, args: argparse.Namespace) -> Iterato
                 name=f"store-{variant}",
                 shm=shm,
             ).start()
-            config = connector_config(store.page_address, store.control_address, role=role)
+            config = connector_config(
+                store.page_address, store.control_address, role=role, directory=directory
+            )
             engine_spec = replace(
                 spec, extra_args=(*spec.extra_args, "--kv-transfer-config", config)
             )
         engine = VLLMEngine(engine_spec, name=f"engine-{variant}").start()
         try:
-            yield engine
+            engine_pids = group_pids(engine.process.pid) if engine.process else []
+            store_pids = [store.process.pid] if store is not None and store.process else []
+            yield Started(engine, engine_pids, store_pids)
         finally:
             engine.stop()
     finally:
@@ -192,18 +239,25 @@ def measure_variant(
     variant: str, spec: EngineSpec, args: argparse.Namespace, timings: Path
 ) -> list[Row]:
     rows = []
-    with started(variant, spec, args) as engine:
+    with started(variant, spec, args) as run:
+        engine = run.engine
         asyncio.run(_warm(engine, args))
         for workload in _names(args.workloads, WORKLOADS, "workloads"):
             asyncio.run(_reset(engine))
             time.sleep(1.5)  # the processes' timing files catch up
             hooks0, counters0 = connector_samples(timings), engine_counters(engine)
+            cpu0 = run.cpu()
             out = Replay()
             turns = prompts(workload, args.prompts, args.seed)
             asyncio.run(replay(engine.url, turns, args.clients, args.max_tokens, out))
+            cpu1 = run.cpu()
             time.sleep(1.5)
             hooks1, counters1 = connector_samples(timings), engine_counters(engine)
-            rows.append(_row(variant, workload, out, hooks1, hooks0, counters1, counters0))
+            row = _row(variant, workload, out, hooks1, hooks0, counters1, counters0)
+            n = max(1, len(out.ttfts))
+            row.engine_cpu_ms = (cpu1[0] - cpu0[0]) * 1000 / n
+            row.store_cpu_ms = (cpu1[1] - cpu0[1]) * 1000 / n
+            rows.append(row)
             print(f"{variant} {workload}: mean TTFT {rows[-1].mean_ms:.1f} ms",
                   file=sys.stderr, flush=True)  # fmt: skip
     return rows
@@ -259,16 +313,18 @@ def print_table(rows: list[Row], header: str) -> None:
     print(header)
     print(
         "| variant | workload | mean TTFT | x none | p50 | p90 | computed tok/req | loaded tok/req "
-        "| hooks ms/req (matched, meta, load, save, send, prepare) | not-yet answers/req |"
+        "| hooks ms/req (matched, meta, load, save, send, prepare) | not-yet answers/req "
+        "| CPU ms/req engine, store |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         hooks = ", ".join(f"{r.hook_ms[h]:.1f}" for h in HOOKS) if any(r.hook_ms.values()) else ""
         pending = f"{r.answers['pending']:.2f}" if any(r.answers.values()) else ""
         print(
             f"| {r.variant} | {r.workload} | {r.mean_ms:.1f} ms | {r.ratio:.2f} | {r.p50_ms:.1f} "
             f"| {r.p90_ms:.1f} | {r.computed_tokens:.0f} | {r.loaded_tokens:.0f} | {hooks} "
-            f"| {pending} |" + (f" {r.errors} errors" if r.errors else "")
+            f"| {pending} | {r.engine_cpu_ms:.0f}, {r.store_cpu_ms:.0f} |"
+            + (f" {r.errors} errors" if r.errors else "")
         )
 
 
@@ -291,6 +347,7 @@ def pooled(rows: list[Row]) -> list[Row]:
             {h: mean(lambda r, h=h: r.hook_ms[h]) for h in HOOKS},
             {h: mean(lambda r, h=h: r.hook_calls[h]) for h in HOOKS},
             {a: mean(lambda r, a=a: r.answers[a]) for a in ANSWERS},
+            mean(lambda r: r.engine_cpu_ms), mean(lambda r: r.store_cpu_ms),
         ))  # fmt: skip
     base = {r.workload: r.mean_ms for r in out if r.variant == "none"}
     for r in out:

@@ -47,7 +47,7 @@ from kvmesh.connector.blocks import (
     unseal,
 )
 from kvmesh.connector.store_client import StoreClient, StoreInfo
-from kvmesh.errors import ArenaUnavailable, ConfigError, KVMeshError
+from kvmesh.errors import ArenaUnavailable, ConfigError, KVMeshError, TransportError
 from kvmesh.metrics import CONNECTOR_SHM_UNMAPPED
 from kvmesh.page_arena import Arena, open_arena
 
@@ -162,13 +162,20 @@ class BlockPath:
     """Loads and saves one engine's blocks through its store (module docstring: how)."""
 
     def __init__(
-        self, client: StoreClient, layers: KVLayers, block_size: int, *, shm: bool = True
+        self,
+        client: StoreClient,
+        layers: KVLayers,
+        block_size: int,
+        *,
+        shm: bool = True,
+        directory: bool = True,
     ) -> None:
         self.client = client
         self.layers = layers
         self.block_nbytes = layers.block_nbytes
         self.page_bytes = sealed_page_bytes(layers.block_nbytes, block_size)
         self.shm = shm
+        self.directory = directory  # False: ask the store where pages lie (Locate), as before
         self._mapped: Mapped | None = None
         self._arena_seen = False  # the store offered an arena this host mapped: Locate first
         self._lock = threading.Lock()
@@ -225,11 +232,26 @@ class BlockPath:
             if self.shm and self._arena_seen:
                 mapped = self.current()
                 if mapped is not None:
-                    slots = mapped.arena.directory.leading(digests)
+                    slots = self._slots(mapped, digests)
                     return self._copy_from_arena(mapped, digests, block_ids, slots)
             return self._copy_from_fetch(digests, block_ids)
         except KVMeshError as exc:
             return Loaded(0, error=exc)
+
+    def _slots(self, mapped: Mapped, digests: Sequence[bytes]) -> Sequence[int]:
+        """Pages of the leading `digests` the store holds: read from its directory, or
+        (`directory` off) answered by ``Locate``; one naming another arena is a miss, and
+        that arena is mapped at the next load."""
+        if self.directory:
+            return mapped.arena.directory.leading(digests)
+        located = self.client.locate(digests)
+        pages = mapped.arena.layout.pages
+        if located.arena != mapped.token:
+            self._forget_mapping(mapped)
+            return ()
+        if not all(0 <= s < pages for s in located.slots):
+            raise TransportError(f"store located pages outside its {pages} slots")
+        return located.slots
 
     def _copy_from_arena(
         self,

@@ -56,6 +56,7 @@ def connector_config(
     peers: Sequence[str] = (),
     peer_controls: Sequence[str] = (),
     timeout_s: float = 5.0,
+    directory: bool = True,
 ) -> str:
     """The ``--kv-transfer-config`` JSON that loads the connector against a store.
 
@@ -63,7 +64,10 @@ def connector_config(
     addresses of other stores the store may pull from for this engine;
     `peer_controls`: their control addresses, in the same order (optional: on
     one host the engine then reads what each peer holds from its arena's
-    directory and asks its store to pull only when a peer holds more); `role`:
+    directory and asks its store to pull only when a peer holds more);
+    `directory` False: every claim asks the store (``Prepare``) and every load
+    asks where its pages lie (``Locate``), the connector before the arena's
+    directory (to compare); `role`:
     ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only)
     for prefill/decode.
     """
@@ -90,6 +94,7 @@ def connector_config(
                 "peers": list(peers),
                 "peer_controls": list(peer_controls),
                 "timeout_s": timeout_s,
+                "directory": directory,
             },
         }
     )

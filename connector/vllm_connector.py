@@ -12,7 +12,8 @@ Load it with::
 (`kvmesh.worker.engine_store`); optional ``peers`` (page addresses of other
 stores the store may pull from for this engine), ``peer_controls`` (their
 control addresses, same order: the engine then reads what they hold from
-their arenas' directories), ``timeout_s``,
+their arenas' directories), ``directory`` (default true; false: ask the
+store by ``Prepare`` and ``Locate`` every time, for comparison), ``timeout_s``,
 ``prepare_wait_ms`` (how long the scheduler waits for a ``Prepare`` before it
 asks again next step) and ``shm``
 (default true: move blocks through the store's shared-memory arena when it
@@ -181,6 +182,9 @@ class KVMeshConnector(KVConnectorBase_V1):
             float(extra.get("timeout_s", 5.0)),
         )
         self.shm = bool(extra.get("shm", True))
+        # False: every claim asks the store (Prepare) and every load asks where pages lie
+        # (Locate), as before the directory (benchmarks/connector_overhead.py compares both)
+        self.directory = bool(extra.get("directory", True))
         self.prepare_wait_s = prepare_wait_s(extra.get("prepare_wait_ms"))
         self._warnings = _Warnings()
         self._timer = HookTimer(self.client.page_address)
@@ -256,7 +260,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         """Blocks from `first` the store holds, read from the stores' directories, when no
         pull could add any (its store holds them all, it has no peers, or no peer holds the
         next block); None: ask the store (`Prepare`)."""
-        if not self.shm:
+        if not (self.shm and self.directory):
             return None
         if self._directories is None:
             peers = [  # peer_controls are all the peers' or none (checked at start)
@@ -380,7 +384,13 @@ class KVMeshConnector(KVConnectorBase_V1):
                     f"[blocks={num_blocks}, heads, block_size={self.block_size}, ...] (vLLM "
                     f"{SUPPORTED_VLLM}x's standard per-layer view)"
                 )
-        path = BlockPath(self.client, KVLayers(layers), self.block_size, shm=self.shm)
+        path = BlockPath(
+            self.client,
+            KVLayers(layers),
+            self.block_size,
+            shm=self.shm,
+            directory=self.directory,
+        )
         self._path = path
         self.block_nbytes = path.block_nbytes
         self.page_bytes = path.page_bytes

@@ -35,7 +35,7 @@ from kvmesh.connector.blocks import (
 from kvmesh.connector.directories import StoreDirectories
 from kvmesh.connector.engine_config import check_vllm_version, connector_config, prepare_wait_s
 from kvmesh.connector.saver import BackgroundSaver
-from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.store_client import Located, StoreClient
 from kvmesh.connector.store_launcher import StoreProcess, engine_block_nbytes
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.errors import (
@@ -467,6 +467,38 @@ def test_a_load_through_shared_memory_makes_no_call_to_the_store(
     loaded = loading.load(run.digests, [4, 5, 6])
     assert (loaded.blocks, loaded.refused, loaded.error) == (3, None, None)
     assert same_blocks(source, [0, 1, 2], target, [4, 5, 6])
+
+
+def test_without_the_directory_a_load_asks_the_store_where_its_pages_lie(
+    shm_store: EngineStore,
+) -> None:
+    source = kv_cache(seed=7)
+    path = engine_path(shm_store, source)
+    run, _ = request(46)
+    pending = path.stage(run, [0, 1, 2])
+    assert pending is not None
+    path.send(pending)
+    target = kv_cache()
+    client_ = StoreClient(shm_store.address, shm_store.control_address)
+    asking = BlockPath(client_, KVLayers(target), B, directory=False)
+    asking.connect()
+    located: list[int] = []
+    locate = client_.locate
+
+    def counted(digests: Sequence[bytes]) -> Located:
+        answer = locate(digests)
+        located.append(len(answer.slots))
+        return answer
+
+    client_.locate = counted  # type: ignore[method-assign]
+    assert asking.load(run.digests, [3, 4, 5]).blocks == 3
+    assert located == [3] and same_blocks(source, [0, 1, 2], target, [3, 4, 5])
+    assert (
+        json.loads(connector_config("a:1", "b:2", directory=False))["kv_connector_extra_config"][
+            "directory"
+        ]
+        is False
+    )
 
 
 def test_store_directories_read_the_own_store_and_whether_a_peer_holds_more(
