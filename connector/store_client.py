@@ -145,9 +145,13 @@ class StoreClient:
         slots = tuple(int(s) for s in a["slots"])
         return Located(None if arena is None else bytes(arena), slots)
 
-    def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> Prepared:
-        """Ask the store to hold `run` (pulling from `peers` what it lacks)."""
-        a = self._call(self._prepare, {**run.wire(), "peers": list(peers)})
+    def prepare(
+        self, run: BlockRun, peers: Sequence[str] = (), peer_controls: Sequence[str] = ()
+    ) -> Prepared:
+        """Ask the store to hold `run` (pulling from `peers` what it lacks; from the arenas of
+        those whose control address `peer_controls` names, when it maps them)."""
+        body = {**run.wire(), "peers": list(peers), "peer_controls": list(peer_controls)}
+        a = self._call(self._prepare, body)
         return Prepared(int(a["held"]), int(a["pulled"]), a.get("source"))
 
     def forget(self, digests: Sequence[bytes]) -> int:

@@ -292,7 +292,7 @@ class KVMeshConnector(KVConnectorBase_V1):
     def _prepare(self, run: BlockRun) -> Prepared:
         """The store's `Prepare` (on the pool's thread), timed: how long a request may wait."""
         with self._timer.timed("prepare"):
-            return self.client.prepare(run, self.peers)
+            return self.client.prepare(run, self.peers, self.peer_controls)
 
     def _held(self, asking: _Asking, first: int, last: int) -> int:
         """Blocks from `first` the store holds, by a finished `Prepare` (0 if it failed).

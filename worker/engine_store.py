@@ -69,12 +69,26 @@ import torch
 
 from kvmesh.config import TransferConfig
 from kvmesh.engine_hash import DEFAULT_ENGINE_SEED, ENGINE_HASH_ALGORITHMS
-from kvmesh.errors import ArenaUnavailable, ConfigError, InvalidInput, KVMeshError
+from kvmesh.errors import (
+    ArenaUnavailable,
+    ConfigError,
+    InvalidInput,
+    KVMeshError,
+    TransportError,
+)
 from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored
 from kvmesh.grpc_security import ERROR_METADATA_KEY
 from kvmesh.hashing import PageHasher
 from kvmesh.metrics import ENGINE_STORE_BLOCKS
-from kvmesh.page_arena import SHM_DIR, Arena, PageDirectory, create_arena, sweep_stale
+from kvmesh.page_arena import (
+    SHM_DIR,
+    Arena,
+    ArenaLayout,
+    PageDirectory,
+    create_arena,
+    open_arena,
+    sweep_stale,
+)
 from kvmesh.types import PageHash
 from kvmesh.worker import store_events
 from kvmesh.worker.kv_store import KVStore, PageBlob
@@ -249,6 +263,8 @@ class EngineStore:
         self._control_port = control_port
         self._control: grpc.aio.Server | None = None
         self._peer_links = Peers(self.config, worker=name)
+        self._peer_arenas: dict[str, Arena] = {}  # control address -> its arena, mapped here
+        self._peer_arenas_lock = threading.Lock()
         self.control_address = ""
         # every change of the cached set, in order (kvmesh.worker.store_events publishes them)
         self.on_events: Callable[[list[KVEvent]], object] | None = None
@@ -282,6 +298,10 @@ class EngineStore:
                 asyncio.run_coroutine_threadsafe(server.stop(0.2), self._pages.loop).result(5)
         self._pages.stop()
         self._peer_links.close()
+        with self._peer_arenas_lock:
+            for arena in self._peer_arenas.values():
+                arena.close()
+            self._peer_arenas.clear()
         if self.arena is not None:
             self.arena.close()
 
@@ -299,6 +319,11 @@ class EngineStore:
         All or nothing (`PageService.insert_many`): a block whose tokens do not
         hash to its digest, or a page of the wrong size, refuses the call.
         """
+        inserted = self._insert(run, pages)
+        ENGINE_STORE_BLOCKS.labels(self.name, "saved").inc(sum(inserted))
+        return inserted
+
+    def _insert(self, run: BlockRun, pages: Sequence[bytes | memoryview]) -> list[bool]:
         if len(pages) != len(run.digests):
             raise InvalidInput(f"{len(run.digests)} digests but {len(pages)} pages")
         shape = self.kv.page_shape
@@ -308,7 +333,6 @@ class EngineStore:
         ]
         inserted = self.service.insert_many(incoming, run.proofs(self.block_size))
         self._events_out()
-        ENGINE_STORE_BLOCKS.labels(self.name, "saved").inc(sum(inserted))
         return inserted
 
     def attach(self) -> bytes:
@@ -349,30 +373,106 @@ class EngineStore:
         held = ids.index(None) if None in ids else len(ids)
         return [int(pid) for pid in ids[:held] if pid is not None]
 
-    def prepare(self, run: BlockRun, peers: Sequence[str] = ()) -> tuple[int, int, str | None]:
+    def prepare(
+        self, run: BlockRun, peers: Sequence[str] = (), peer_controls: Sequence[str] = ()
+    ) -> tuple[int, int, str | None]:
         """Hold as much of `run` as the mesh has: (leading blocks held, blocks pulled, from whom).
 
         Blocks this store lacks are pulled from `peers` (else the store's own),
-        in order, each through a receiver bound to the run's proofs. A peer
-        that fails or lacks them is passed over; nothing here raises for it.
+        in order, each through a receiver bound to the run's proofs; from a
+        peer whose control address `peer_controls` names (same order) and whose
+        arena this host maps, they are copied out of its arena instead
+        (`_pull_from_arena`). A peer that fails or lacks them is passed over;
+        nothing here raises for it.
         """
         held = self.service.prefix_length(run.digests)
         pulled, source = 0, None
-        for address in peers or self.peers:
+        controls = list(peer_controls) if peers else []
+        for i, address in enumerate(peers or self.peers):
             if held == len(run.digests):
                 break
-            receiver = self.service.receiving(run.proofs(self.block_size))
-            outcome = self._peer_links.get(address).pull_into(
-                receiver, run.digests[held:], deadline_s=self.config.deadline_s
-            )
-            if outcome.error is not None:
-                log.warning("pull from %s for %s failed: %s", address, self.name, outcome.error)
+            control = controls[i] if i < len(controls) else None
+            if control is None or not self._pull_from_arena(control, run, held):
+                receiver = self.service.receiving(run.proofs(self.block_size))
+                outcome = self._peer_links.get(address).pull_into(
+                    receiver, run.digests[held:], deadline_s=self.config.deadline_s
+                )
+                if outcome.error is not None:
+                    log.warning("pull from %s for %s failed: %s", address, self.name, outcome.error)
             now = self.service.prefix_length(run.digests)
             if now > held:
                 pulled, source, held = pulled + now - held, address, now
         self._events_out()
         ENGINE_STORE_BLOCKS.labels(self.name, "pulled").inc(pulled)
         return held, pulled, source
+
+    def _pull_from_arena(self, control: str, run: BlockRun, held: int) -> bool:
+        """Copy the blocks of `run` from `held` on that the peer at `control` holds, out of its
+        arena, into this pool (proven like any page: `save`); False when its arena cannot be
+        mapped here (another host, no shared memory, down), so the caller pulls over gRPC.
+
+        The peer may evict and reuse a page while it is copied: the page is then cached
+        under a digest its bytes do not carry, and the engine that loads it refuses it by
+        its seal and recomputes it (as for any page of its own store reused meanwhile).
+        """
+        arena = self._peer_arena(control)
+        if arena is None:
+            return False
+        slots = arena.directory.leading(run.digests[held:])
+        if not slots:
+            return True
+        size, block = self.page_bytes, self.block_size
+        pages = [bytes(arena.pages[s * size : (s + 1) * size]) for s in slots]
+        end = held + len(pages)
+        part = BlockRun(
+            run.digests[held - 1] if held else run.parent,
+            run.digests[held:end],
+            run.tokens[held * block : end * block],
+            run.extra[held:end],
+        )
+        try:
+            self._insert(part, pages)
+        except KVMeshError as exc:
+            log.warning("pull from %s's arena for %s refused: %s", control, self.name, exc)
+        return True
+
+    def _peer_arena(self, control: str) -> Arena | None:
+        """The arena of the peer store at `control`, mapped (and mapped anew once its file is
+        gone); None when it offers none this host can map."""
+        with self._peer_arenas_lock:
+            arena = self._peer_arenas.get(control)
+            if arena is not None and not arena.gone():
+                return arena
+            if arena is not None:
+                arena.close()
+                del self._peer_arenas[control]
+            try:
+                layout = self._describe_peer(control)
+                if layout is None:
+                    return None
+                arena = open_arena(layout)
+            except KVMeshError as exc:
+                log.info("peer %s's arena is not mapped here (%s); pulls over gRPC", control, exc)
+                return None
+            self._peer_arenas[control] = arena
+            return arena
+
+    def _describe_peer(self, control: str) -> ArenaLayout | None:
+        """The arena a peer store's ``Describe`` names (None: it has none)."""
+        with grpc.insecure_channel(control) as channel:
+            describe = channel.unary_unary(f"/{CONTROL_SERVICE}/Describe")
+            try:
+                raw = describe(msgpack.packb({}), timeout=self.config.deadline_s)
+            except grpc.RpcError as exc:
+                raise TransportError(
+                    f"peer store {control} did not describe itself: {exc}"
+                ) from None
+        try:
+            answer = msgpack.unpackb(raw, raw=False)
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError):
+            raise TransportError(f"peer store {control} described itself in no msgpack") from None
+        arena = answer.get("arena") if isinstance(answer, dict) else None
+        return None if arena is None else ArenaLayout.from_wire(arena)
 
     def _events_out(self) -> None:
         """Drain the pool's events into the arena's directory and hand them to `on_events`,
@@ -511,9 +611,10 @@ class EngineStore:
     def _prepare(self, body: dict[str, Any]) -> dict[str, Any]:
         run = BlockRun.from_wire(body, self.block_size)
         peers = body.get("peers") or ()
-        if not all(isinstance(p, str) for p in peers):
-            raise InvalidInput("Prepare's peers are host:port strings")
-        held, pulled, source = self.prepare(run, peers)
+        controls = body.get("peer_controls") or ()
+        if not all(isinstance(p, str) for p in (*peers, *controls)):
+            raise InvalidInput("Prepare's peers and peer_controls are host:port strings")
+        held, pulled, source = self.prepare(run, peers, controls)
         return {"held": held, "pulled": pulled, "source": source}
 
 

@@ -501,6 +501,35 @@ def test_without_the_directory_a_load_asks_the_store_where_its_pages_lie(
     )
 
 
+def test_prepare_copies_what_a_peer_holds_out_of_its_arena_not_over_grpc(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    own, peer = stores
+    run, pages = request(53, blocks=4)
+    client(peer).save(run, pages)
+    client(own).save(*request(53, blocks=1))  # the first block is held already
+
+    def no_grpc(address: str) -> object:
+        raise AssertionError("the pull went over gRPC")
+
+    own._peer_links.get = no_grpc  # type: ignore[method-assign]
+    answer = client(own).prepare(run, [peer.address], [peer.control_address])
+    assert (answer.held, answer.pulled, answer.source) == (4, 3, peer.address)
+    with own.service.pinned(run.digests) as ids:
+        assert [own.kv.page_bytes(i) for i in ids] == pages  # type: ignore[arg-type]
+
+
+def test_a_peers_blocks_that_do_not_prove_their_digest_are_not_pulled_from_its_arena(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    own, peer = stores
+    run, pages = request(54)
+    client(peer).save(run, pages)
+    lying = replace(run, tokens=tuple(t + 1 for t in run.tokens))  # other tokens, same digests
+    answer = client(own).prepare(lying, [peer.address], [peer.control_address])
+    assert (answer.held, answer.pulled) == (0, 0)
+
+
 def test_store_directories_read_the_own_store_and_whether_a_peer_holds_more(
     stores: tuple[EngineStore, EngineStore],
 ) -> None:
