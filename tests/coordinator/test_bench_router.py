@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -151,18 +152,26 @@ def test_each_cpu_pass_measures_every_shard_count_in_turn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The shard counts compared meet the same moments of a shared machine: each ingest
-    pass (and each route pass) goes through every count before the next pass starts."""
+    pass (and each route pass) goes through every count before the next pass starts, and
+    every timed build meets the same live memory (the one before it is dropped)."""
     ingested: list[int] = []
+    timed = 3 * bench_router.ROUTE_CPU_PASSES
+    built: list[weakref.ref[Any]] = []
     ingest = bench_router._ingested
 
     def recorded(wl: Any, shards: int, seed: int) -> Any:
+        if len(ingested) < timed:
+            assert all(ref() is None for ref in built), "a timed build beside another index"
         ingested.append(shards)
-        return ingest(wl, shards, seed)
+        out = ingest(wl, shards, seed)
+        built.append(weakref.ref(out[0]))
+        return out
 
     monkeypatch.setattr(bench_router, "_ingested", recorded)
     wl = bench_router._Workload(4, 1000, seed=0)
     prompts = wl.prompts(20, random.Random(1))
     figures = bench_router._sharded_in_process(wl, prompts, [1, 2, 4], 0, 8)
-    assert ingested == [1, 2, 4] * bench_router.ROUTE_CPU_PASSES
+    # timed passes, each coordinator dropped at once; then the ones routed side by side
+    assert ingested == [1, 2, 4] * bench_router.ROUTE_CPU_PASSES + [1, 2, 4]
     assert [f["route_batch"] for f in figures] == [8, 8, 8]
     assert all(f["batched_route_cpu_us_per_call"] > 0 for f in figures)
