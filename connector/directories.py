@@ -33,6 +33,7 @@ from kvmesh.page_arena import DirectoryView, open_directory
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
+NO_ARENA_RETRY_S = 30.0  # a store that answered with no arena (--no-shm) is asked again this late
 
 
 class _Directory:
@@ -56,7 +57,9 @@ class _Directory:
         try:
             info = self.client.describe()
             self.peers = info.peers
-            if info.arena is not None:
+            if info.arena is None:
+                self._next_try = now + NO_ARENA_RETRY_S
+            else:
                 self._view = open_directory(info.arena)
         except ArenaUnavailable as exc:
             log.info("kvmesh connector: %s's directory cannot be mapped here (%s)",
@@ -72,7 +75,10 @@ class _Directory:
 
 
 class StoreDirectories:
-    """The engine's store and its peers (by control address), read from their directories."""
+    """The engine's store and its peers (by control address), read from their directories.
+
+    It owns the clients it is given (`close` closes them).
+    """
 
     def __init__(self, store: StoreClient, peers: Sequence[StoreClient] = ()) -> None:
         self._own = _Directory(store)
@@ -103,6 +109,7 @@ class StoreDirectories:
 
     def close(self) -> None:
         self._own.close()
+        self._own.client.close()
         for peer in self._peers:
             peer.close()
             peer.client.close()

@@ -97,6 +97,7 @@ log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
 PREPARE_THREADS = 4  # concurrent Prepare calls of one engine (pulls of different requests)
+DESCRIBE_TIMEOUT_S = 0.5  # the scheduler maps a store's directory (rarely: once, and on restarts)
 
 
 @dataclass(slots=True)
@@ -263,11 +264,14 @@ class KVMeshConnector(KVConnectorBase_V1):
         if not (self.shm and self.directory):
             return None
         if self._directories is None:
+            # their own clients, with a short deadline: the scheduler waits for a Describe
+            wait = min(self.client.timeout_s, DESCRIBE_TIMEOUT_S)
+            own = StoreClient(self.client.page_address, self.client.control_address, wait)
             peers = [  # peer_controls are all the peers' or none (checked at start)
-                StoreClient(page, control, self.client.timeout_s)
+                StoreClient(page, control, wait)
                 for page, control in zip(self.peers, self.peer_controls, strict=False)
             ]
-            self._directories = StoreDirectories(self.client, peers)
+            self._directories = StoreDirectories(own, peers)
         directories = self._directories
         digests = [bytes(h) for h in request.block_hashes[first:last]]
         held = directories.held(digests)
