@@ -516,6 +516,16 @@ class Coordinator:
         with self._lock:
             return self._view(query, self.index.overlaps(query.hashes, keys), known_loads_version)
 
+    def overlaps_and_loads(
+        self, query: RouteQuery, keys: PromptKeys | None = None
+    ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages], tuple[WorkerLoad, ...]]:
+        """`view` without the view, for a router in the same process merging shards (and no
+        tenant): the overlaps, their tiers and the role's loads, with no `RouteView` built
+        per shard and taken apart again."""
+        with self._lock:
+            pages, tiers = self.index.overlaps(query.hashes, keys)
+            return pages, tiers, self._current_loads(query.role)
+
     def view_many(
         self,
         queries: Sequence[RouteQuery],

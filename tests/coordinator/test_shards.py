@@ -236,8 +236,9 @@ def _random_index(
         cut = rng.randint(1, len(chain))
         if rng.random() < 0.8:
             medium = rng.choice(("gpu", "gpu", "gpu", "cpu", "disk"))
+            tenant = rng.choice((None, "ta", "tb"))
             event: PagesStored | PagesRemoved = PagesStored(
-                tuple(chain[:cut]), None, (), 16, None, medium
+                tuple(chain[:cut]), None, (), 16, None, medium, tenant
             )
         else:
             event = PagesRemoved(tuple(chain[rng.randrange(cut) : cut]), None)
@@ -262,16 +263,16 @@ def test_a_batch_of_routes_over_shards_picks_what_the_single_index_picks_on_a_ra
 ) -> None:
     """`route_many` over N shards (each shard's share of the batch in one vectorized pass:
     `Coordinator.view_table`) decides what the single index decides route by route, for
-    random indexes (tiers, removals, pages held by workers of several shards) and prompts
-    (held chains cut anywhere, fresh pages after them, several lengths)."""
+    random indexes (tiers, tenants, removals, pages held by workers of several shards) and
+    prompts (held chains cut anywhere, fresh pages after them, several lengths, tenants
+    weighed against their share or not)."""
     rng = random.Random(seed)
     chains = [
         [PageHash(rng.randbytes(width)) for _ in range(rng.randint(1, 24))] for _ in range(12)
     ]
-    single = Coordinator(CoordinatorConfig(seed=seed, policy="kv_aware"), clock=lambda: 0.0)
-    sharded = ShardedCoordinator(
-        CoordinatorConfig(seed=seed, policy="kv_aware", index_shards=shards), clock=lambda: 0.0
-    )
+    config = CoordinatorConfig(seed=seed, policy="kv_aware", tenant_share_weight=seed % 2 * 0.5)
+    single = Coordinator(config, clock=lambda: 0.0)
+    sharded = ShardedCoordinator(replace(config, index_shards=shards), clock=lambda: 0.0)
     _random_index([single, sharded], rng, workers, chains, events)
     queries = []
     for _ in range(batch):
@@ -285,9 +286,12 @@ def test_a_batch_of_routes_over_shards_picks_what_the_single_index_picks_on_a_ra
                 16 * len(hashes),
                 allow_pull=rng.random() < 0.5,
                 policy=rng.choice(POLICIES[:4]),
+                tenant=rng.choice((None, None, "ta", "tb")),
             )
         )
-    assert sharded.view_many(queries) == [single.view(q) for q in queries]
+    views = [single.view(q) for q in queries]
+    assert sharded.view_many(queries) == views
+    assert [sharded.view(q) for q in queries] == views  # one per call: shards merged as parts
     assert sharded.route_many(queries) == [single.route(q) for q in queries]
 
 
