@@ -8,6 +8,7 @@ really was. The last test kills an engine, so it stays last in the module.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from kvmesh.benchmarks.bench_engines import reset_cache
 from kvmesh.engine_launcher import REPO_ROOT, VLLMEngine, engine_model, free_port
 from kvmesh.gateway.tokenizer import PromptTokenizer
 
@@ -203,6 +205,37 @@ def test_a_request_the_engine_refuses_comes_back_with_the_engines_error(front: F
     assert resp.status_code == 400
     assert "error" in resp.json()
     assert "2048" in resp.text
+
+
+def indexed_blocks(front: Front, engine: str) -> int:
+    """The blocks the gateway's event-fed index holds for `engine` (its /health view)."""
+    return int(httpx.get(front.url + "/health").json()["engines"][engine]["blocks"])
+
+
+def test_an_engine_reset_between_bench_policies_leaves_the_gateways_index_empty(
+    front: Front,
+) -> None:
+    """vLLM queues an idle engine's AllBlocksCleared until its next step; `bench engines`
+    makes it step, so no gateway routes on the previous policy's blocks."""
+    prompt = "Blocks the reset must clear from the index too. " * 20
+    resp = httpx.post(
+        front.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, timeout=120
+    )
+    assert resp.status_code == 200, resp.text
+    home = resp.headers["x-kvmesh-engine"]
+    wait_until(lambda: indexed_blocks(front, home) >= 4, "the prompt's blocks in the index")
+
+    async def reset_all() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for engine in front.engines.values():
+                await reset_cache(client, engine)
+
+    asyncio.run(reset_all())
+    wait_until(
+        lambda: all(indexed_blocks(front, n) == 0 for n in front.engines),
+        "the engines' AllBlocksCleared in the gateway's index",
+        timeout=10,
+    )
 
 
 def test_a_killed_engine_is_routed_around_with_no_failed_request(front: Front) -> None:
