@@ -67,6 +67,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
 def local_endpoint(name: str) -> str:
     """A ZMQ ``ipc://`` endpoint in a fresh private folder, for event streams on one host.
 
@@ -141,8 +144,15 @@ class VLLMEngine:
         self.model = model or engine_model()
         self.host = host
         self.port = free_port(host)
-        self.events_port = free_port(host)
-        self.replay_port = free_port(host)
+        # on loopback the engine binds ipc:// streams its subscribers connect to, so no
+        # port picked free can be taken before the gateway binds it (a bench run saw it)
+        loopback = host in LOOPBACK_HOSTS
+        self._events = (
+            local_endpoint(f"{name}-events") if loopback else f"tcp://{host}:{free_port(host)}"
+        )
+        self._replay = (
+            local_endpoint(f"{name}-replay") if loopback else f"tcp://{host}:{free_port(host)}"
+        )
         log_root = log_dir or Path(tempfile.mkdtemp(prefix=f"kvmesh-{name}-"))
         self.log_path = log_root / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -155,15 +165,16 @@ class VLLMEngine:
 
     @property
     def events_endpoint(self) -> str | None:
-        """Where the engine's PUB socket connects (a kvmesh subscriber binds it)."""
-        return f"tcp://{self.host}:{self.events_port}" if self.spec.events else None
+        """Where the engine publishes: an ``ipc://`` path it binds on loopback, else a TCP
+        address its PUB socket connects to (a kvmesh subscriber binds it)."""
+        return self._events if self.spec.events else None
 
     @property
     def replay_endpoint(self) -> str | None:
         """The engine's replay ROUTER (a kvmesh subscriber connects to it)."""
         if not (self.spec.events and self.spec.replay):
             return None
-        return f"tcp://{self.host}:{self.replay_port}"
+        return self._replay
 
     def command(self) -> list[str]:
         """The engine's command line."""
