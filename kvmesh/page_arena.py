@@ -310,18 +310,8 @@ def open_arena(layout: ArenaLayout) -> Arena:
     hold the layout's token: the store is on another host, in another
     container, or restarted since it described the layout.
     """
+    fd = _open_checked(layout, writable=True)
     try:
-        fd = os.open(layout.path, os.O_RDWR)
-    except OSError as exc:
-        raise ArenaUnavailable(f"cannot open the store's arena {layout.path}: {exc}") from None
-    try:
-        size = os.fstat(fd).st_size
-        header = os.pread(fd, _HEADER.size, 0)
-        if size != layout.size or header != _HEADER.pack(MAGIC, layout.token):
-            raise ArenaUnavailable(
-                f"{layout.path} is not the arena the store described ({size} bytes, expected "
-                f"{layout.size}, or another token): the store runs elsewhere or restarted"
-            )
         pages_map, staging_map = _map(fd, layout, pages_writable=False)
         directory_map = _map_directory(fd, layout, writable=False)
     except OSError as exc:
@@ -362,10 +352,10 @@ def open_directory(layout: ArenaLayout) -> DirectoryView:
     return DirectoryView(layout, directory_map)
 
 
-def _open_checked(layout: ArenaLayout) -> int:
+def _open_checked(layout: ArenaLayout, *, writable: bool = False) -> int:
     """An open descriptor of the arena file, checked against the layout's size and token."""
     try:
-        fd = os.open(layout.path, os.O_RDONLY)
+        fd = os.open(layout.path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError as exc:
         raise ArenaUnavailable(f"cannot open the store's arena {layout.path}: {exc}") from None
     try:
