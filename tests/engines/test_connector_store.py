@@ -404,13 +404,19 @@ def test_blocks_move_through_shared_memory_as_the_engines_own_bytes(
     assert not same_blocks(source, [5], target, [3])  # untouched blocks stay as they were
 
 
-def test_a_load_stops_at_the_first_block_the_store_lacks(shm_store: EngineStore) -> None:
-    source = kv_cache(seed=2)
-    path = engine_path(shm_store, source)
-    run, _ = request(41)
+def saved_three_blocks(store: EngineStore, *, seed: int, n: int) -> tuple[list[torch.Tensor], BlockRun]:
+    """A KV cache of `seed` whose blocks 0-2 are saved to `store` as request `n`'s run."""
+    source = kv_cache(seed=seed)
+    path = engine_path(store, source)
+    run, _ = request(n)
     pending = path.stage(run, [0, 1, 2])
     assert pending is not None
     path.send(pending)
+    return source, run
+
+
+def test_a_load_stops_at_the_first_block_the_store_lacks(shm_store: EngineStore) -> None:
+    source, run = saved_three_blocks(shm_store, seed=2, n=41)
     shm_store.forget(run.digests[1:2])
     target = kv_cache()
     assert engine_path(shm_store, target).load(run.digests, [4, 5, 6]).blocks == 1
@@ -450,12 +456,7 @@ def test_a_directory_key_is_never_zero_for_a_found_block() -> None:
 def test_a_load_through_shared_memory_makes_no_call_to_the_store(
     shm_store: EngineStore,
 ) -> None:
-    source = kv_cache(seed=5)
-    path = engine_path(shm_store, source)
-    run, _ = request(45)
-    pending = path.stage(run, [0, 1, 2])
-    assert pending is not None
-    path.send(pending)
+    source, run = saved_three_blocks(shm_store, seed=5, n=45)
     target = kv_cache()
     loading = engine_path(shm_store, target)
 
@@ -472,12 +473,7 @@ def test_a_load_through_shared_memory_makes_no_call_to_the_store(
 def test_without_the_directory_a_load_asks_the_store_where_its_pages_lie(
     shm_store: EngineStore,
 ) -> None:
-    source = kv_cache(seed=7)
-    path = engine_path(shm_store, source)
-    run, _ = request(46)
-    pending = path.stage(run, [0, 1, 2])
-    assert pending is not None
-    path.send(pending)
+    source, run = saved_three_blocks(shm_store, seed=7, n=46)
     target = kv_cache()
     client_ = StoreClient(shm_store.address, shm_store.control_address)
     asking = BlockPath(client_, KVLayers(target), B, directory=False)
