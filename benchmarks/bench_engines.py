@@ -43,12 +43,13 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import httpx
 
-from kvmesh.arguments import non_negative_int, positive_int
+from kvmesh.arguments import non_negative_int, positive_float, positive_int
 from kvmesh.benchmarks import engine_decisions
 from kvmesh.benchmarks.engine_slices import (
     SLICES,
@@ -77,6 +78,10 @@ from kvmesh.stats import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
+ARRIVALS = ("trace", "closed")
+DEFAULT_LOAD = 0.8
+"""The trace's arrivals at 0.8 of round robin's closed-loop throughput: busy, as a cluster is
+that a cache router is worth having for, yet below round robin's saturation."""
 CONNECTOR_POLICIES = ("kv_mesh", "round_robin")
 
 
@@ -109,7 +114,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "pools of the engines' size) and exit; starts no engine",
     )
     parser.add_argument(
-        "--concurrency", type=positive_int, default=4, help="clients sending at once"
+        "--arrival",
+        choices=ARRIVALS,
+        default=ARRIVALS[0],
+        help="trace: requests arrive at the trace's own times, compressed to --rate or --load, "
+        "whatever is in flight (open loop, as users arrive); closed: --concurrency clients, each "
+        "sending its next request when its last is answered",
+    )
+    parser.add_argument(
+        "--load",
+        type=positive_float,
+        default=DEFAULT_LOAD,
+        help="with --arrival trace: the arrival rate as a fraction of what round robin answers "
+        "in a closed loop of --concurrency clients, measured first in the same run",
+    )
+    parser.add_argument(
+        "--rate",
+        type=positive_float,
+        default=None,
+        help="with --arrival trace: requests per second instead of --load",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=4,
+        help="clients of the closed loop (--arrival closed, and the --load calibration)",
     )
     parser.add_argument(
         "--max-tokens", type=positive_int, default=4, help="tokens generated per request"
@@ -164,6 +193,8 @@ class Turn:
 
     conversation: int
     prompt: tuple[int, ...]
+    at_s: float = 0.0
+    """When the trace sends it, in seconds after the slice's first request."""
 
 
 @dataclass(slots=True)
@@ -184,6 +215,9 @@ class PolicyResult:
     computed_tokens_per_request: float = 0.0
     """Prompt tokens the engines computed (neither cached nor loaded), per request: the
     prefill work a policy left, which the machine's load does not change as it does TTFT."""
+    arrival: str = "closed"
+    offered_requests_per_s: float = 0.0
+    """With trace arrivals, the rate requests were sent at (answered: `requests_per_s`)."""
 
     @property
     def label(self) -> str:
@@ -199,12 +233,14 @@ def to_turns(
     """Each request's prompt: its blocks' token ids, cut to `prompt_tokens` (a partial last
     block unless `full_blocks`)."""
     table = blocks_tokens({b for _, r in picked for b in r.hash_ids}, block_tokens, vocab)
+    first = picked[0][1].timestamp_ms if picked else 0
     return [
         Turn(
             c,
             tuple(t for b in r.hash_ids for t in table[b])[
                 : prompt_tokens(r, block_tokens, full_blocks)
             ],
+            (r.timestamp_ms - first) / 1000,
         )
         for c, r in picked
     ]
@@ -455,11 +491,14 @@ class Replay:
     decision_of: dict[int, int] = field(default_factory=dict)
     """Turn index -> the gateway's decision id (``x-kvmesh-decision``), this round."""
     ttft_of: dict[int, float] = field(default_factory=dict)
+    held: int = 0
+    """Open loop: turns sent after their arrival time because the previous turn was unanswered."""
 
     def merge(self, other: Replay) -> None:
         """Add `other`'s figures (a later round); the per-turn maps are per round: not kept."""
         self.ttfts += other.ttfts
         self.errors += other.errors
+        self.held += other.held
         self.first_error = self.first_error or other.first_error
         for engine, n in other.by_engine.items():
             self.by_engine[engine] = self.by_engine.get(engine, 0) + n
@@ -514,36 +553,96 @@ async def one_request(
     out.by_engine[engine] = out.by_engine.get(engine, 0) + 1
 
 
+def previous_turns(turns: Sequence[Turn]) -> list[int | None]:
+    """Each turn's conversation's previous turn (its index), which must be answered first: a
+    user sends a follow-up after reading the answer."""
+    last: dict[int, int] = {}
+    out: list[int | None] = []
+    for i, turn in enumerate(turns):
+        out.append(last.get(turn.conversation))
+        last[turn.conversation] = i
+    return out
+
+
+def send_times(turns: Sequence[Turn], rate: float) -> list[float]:
+    """Each turn's arrival, in seconds after the replay starts: the trace's own gaps (its bursts
+    and lulls) compressed so that the slice arrives at `rate` requests per second on average."""
+    if rate <= 0:
+        raise ConfigError(f"an arrival rate must be positive, not {rate}")
+    if not turns:
+        return []
+    start = turns[0].at_s
+    span = turns[-1].at_s - start
+    if span <= 0:  # the trace sends them at once: evenly spaced instead
+        return [i / rate for i in range(len(turns))]
+    factor = (len(turns) - 1) / rate / span
+    return [(t.at_s - start) * factor for t in turns]
+
+
 async def replay(
     url: str, turns: list[Turn], concurrency: int, max_tokens: int, out: Replay
 ) -> float:
-    """`concurrency` clients take the turns in trace order; a turn waits for its predecessor.
+    """Closed loop: `concurrency` clients take the turns in trace order; a turn waits for its
+    predecessor.
 
     Returns the wall time; TTFTs and errors go to `out`.
     """
-    last: dict[int, asyncio.Event] = {}
-    todo: deque[tuple[tuple[int, Turn], asyncio.Event | None, asyncio.Event]] = deque()
-    for i, turn in enumerate(turns):
-        done = asyncio.Event()
-        todo.append(((i, turn), last.get(turn.conversation), done))
-        last[turn.conversation] = done
-    timeout = httpx.Timeout(600.0, connect=5.0)
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    previous = previous_turns(turns)
+    done = [asyncio.Event() for _ in turns]
+    todo = deque(range(len(turns)))
+    async with _client(concurrency * 2) as client:
 
         async def client_loop() -> None:
             while todo:
-                turn, previous, done = todo.popleft()
-                if previous is not None:
-                    await previous.wait()
+                i = todo.popleft()
+                before = previous[i]
+                if before is not None:
+                    await done[before].wait()
                 try:
-                    await one_request(client, url, turn, max_tokens, out)
+                    await one_request(client, url, (i, turns[i]), max_tokens, out)
                 finally:
-                    done.set()
+                    done[i].set()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return time.perf_counter() - t0
+
+
+async def replay_open(
+    url: str, turns: list[Turn], rate: float, max_tokens: int, out: Replay
+) -> float:
+    """Open loop, as a service's users arrive: each turn is sent at its `send_times` arrival
+    whatever is still in flight, or when its conversation's previous turn is answered if that
+    is later (counted in `out.held`).
+
+    Returns the wall time; TTFTs and errors go to `out`.
+    """
+    at = send_times(turns, rate)
+    previous = previous_turns(turns)
+    done = [asyncio.Event() for _ in turns]
+    async with _client(None) as client:
+        t0 = time.perf_counter()
+
+        async def send(i: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + at[i] - time.perf_counter()))
+            before = previous[i]
+            if before is not None and not done[before].is_set():
+                out.held += 1
+                await done[before].wait()
+            try:
+                await one_request(client, url, (i, turns[i]), max_tokens, out)
+            finally:
+                done[i].set()
+
+        await asyncio.gather(*(send(i) for i in range(len(turns))))
+        return time.perf_counter() - t0
+
+
+def _client(connections: int | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=5.0),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=None),
+    )
 
 
 @dataclass(slots=True)
@@ -583,7 +682,10 @@ async def measure(
             before = [await cache_counters(client, e) for e in engines]
             cpu_before = process_cpu_s(proc.pid)
             this = Replay()
-            wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
+            if args.rate is None:
+                wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
+            else:
+                wall = await replay_open(url, turns, args.rate, args.max_tokens, this)
             into.replay.merge(this)
             cpu = process_cpu_s(proc.pid) - cpu_before
             after = [await cache_counters(client, e) for e in engines]
@@ -592,7 +694,8 @@ async def measure(
             into.decisions += joined(records, this, turns, into.rounds)
             print(
                 f"  {policy}: {routing_view(view)}; the gateway's CPU during the replay "
-                f"{cpu:.1f} s of {wall:.1f} s",
+                f"{cpu:.1f} s of {wall:.1f} s, {len(this.ttfts) / wall:.2f} requests/s"
+                + (f", {this.held} follow-ups held for their answer" if this.held else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -660,6 +763,14 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
 
 def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_info: str) -> None:
     print(slice_info)
+    served = getattr(args, "served", None)  # set when --load calibrated the rate
+    if args.rate is None:
+        print(f"closed loop: {args.concurrency} clients, each waiting for its answer")
+    else:
+        print(
+            f"open loop: the trace's arrivals at {args.rate:.2f} requests/s"
+            + (f" ({args.load:g} x round robin's closed-loop {served:.2f})" if served else "")
+        )
     print(
         f"{'policy':<16} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} "
         f"{'engine hit':>10} {'external':>8} {'bound':>6}  per engine (requests, hit rate)"
@@ -706,6 +817,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if args.arrival == "closed" and args.rate is not None:
+        raise ConfigError("--rate sets trace arrivals: leave it out with --arrival closed")
     max_blocks = (args.max_model_len - args.max_tokens) // args.block_tokens
     reqs = load_trace(args.trace)
     if args.slices:
@@ -739,8 +852,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.block_tokens} tokens per prompt; hit rates of LRU replays: bound {bound:.3f}, "
         f"round robin {replays.round_robin:.3f}, conversations pinned {replays.pinned:.3f}, "
         f"one shared pool {replays.shared:.3f}; "
-        f"{args.concurrency} clients, {args.rounds} round(s); engines: {args.engine_blocks} "
-        "blocks, one core each"
+        f"{args.rounds} round(s); engines: {args.engine_blocks} blocks, one core each"
     )
     print(slice_info, file=sys.stderr, flush=True)
     cores = os.cpu_count() or 1
@@ -751,6 +863,8 @@ def run(args: argparse.Namespace) -> int:
         for e in engines:
             e.start()
         asyncio.run(warm_up(engines, args))
+        if args.arrival == "trace" and args.rate is None:
+            args.rate = calibrated_rate(engines, turns, args)
         measured = {p: Measured() for p in policies}
         for round_ in range(args.rounds):
             for policy in policies if round_ % 2 == 0 else policies[::-1]:
@@ -763,12 +877,38 @@ def run(args: argparse.Namespace) -> int:
             e.stop()
     if args.connector:
         results += run_connector(spec, turns, bound, args)
+    results = [
+        replace(r, arrival=args.arrival, offered_requests_per_s=args.rate or 0.0) for r in results
+    ]
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))
     else:
         print_table(results, args, slice_info)
     return 0
+
+
+def calibrated_rate(
+    engines: list[VLLMEngine], turns: list[Turn], args: argparse.Namespace
+) -> float:
+    """`--load` times the requests per second round robin answers on these engines, this slice,
+    in a closed loop of `--concurrency` clients: a rate that means the same on a faster machine."""
+    closed = argparse.Namespace(**{**vars(args), "rate": None})
+    m = Measured()
+    print("calibrating: round_robin in a closed loop ...", file=sys.stderr, flush=True)
+    asyncio.run(measure("round_robin", engines, turns, closed, m))
+    if m.replay.errors or m.wall_s <= 0:
+        raise TransportError(f"the calibration replay failed: {m.replay.first_error}")
+    served = len(m.replay.ttfts) / m.wall_s
+    rate = args.load * served
+    args.served = served
+    print(
+        f"trace arrivals at {rate:.2f} requests/s: {args.load:g} x round robin's {served:.2f} "
+        f"in a closed loop of {args.concurrency} clients",
+        file=sys.stderr,
+        flush=True,
+    )
+    return rate
 
 
 def keep_decisions(args: argparse.Namespace, by_policy: dict[str, list[dict[str, object]]]) -> None:

@@ -276,7 +276,7 @@ def test_the_table_sets_ttft_beside_the_prefill_work_each_policy_left(
     rr = summarize("round_robin", measured(0.3, hits=200, queries=1000), bound=0.7)
     assert kv.computed_tokens_per_request == 100  # (1000 - 600) tokens over 4 requests
     assert rr.computed_tokens_per_request == 200
-    print_table([kv, rr], argparse.Namespace(), "slice")
+    print_table([kv, rr], argparse.Namespace(rate=None, concurrency=4), "slice")
     out = capsys.readouterr().out
     assert (
         "mean TTFT round_robin / kv_aware = 3.00x (prompt tokens computed per request: 2.00x)"

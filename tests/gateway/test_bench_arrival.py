@@ -1,0 +1,124 @@
+"""How `kvmesh bench engines` sends a slice: the trace's own arrivals (open loop) or clients
+that wait for their answers (closed loop); a follow-up turn always waits for its answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from gateway_kit import serve
+
+from kvmesh.app.cli import main
+from kvmesh.benchmarks.bench_engines import (
+    Replay,
+    Turn,
+    previous_turns,
+    replay,
+    replay_open,
+    send_times,
+    to_turns,
+)
+from kvmesh.benchmarks.engine_slices import trace_slice
+from kvmesh.errors import ConfigError
+from kvmesh.trace import TraceRequest
+
+pytestmark = pytest.mark.anyio
+
+
+def turns_at(*spec: tuple[int, float]) -> list[Turn]:
+    """Turns of the given conversations at the given trace times, each prompt naming its turn."""
+    return [Turn(c, (i,), at) for i, (c, at) in enumerate(spec)]
+
+
+def test_send_times_keep_the_traces_gaps_at_the_asked_rate() -> None:
+    turns = turns_at((0, 100.0), (1, 101.0), (0, 103.0), (2, 108.0))
+    at = send_times(turns, rate=3.0)  # 3 gaps in 1 s at 3 requests/s: the trace runs 8x faster
+    assert at == pytest.approx([0.0, 0.125, 0.375, 1.0])
+    assert send_times(turns_at((0, 5.0), (1, 5.0), (2, 5.0)), rate=2.0) == [0.0, 0.5, 1.0]
+    with pytest.raises(ConfigError, match="positive"):
+        send_times(turns, rate=0.0)
+
+
+def test_a_turn_waits_for_its_conversations_previous_turn() -> None:
+    turns = turns_at((7, 0.0), (8, 0.0), (7, 0.0), (9, 0.0), (8, 0.0), (7, 0.0))
+    assert previous_turns(turns) == [None, None, 0, None, 1, 2]
+
+
+def test_to_turns_carry_the_traces_times_from_the_first_request() -> None:
+    trace = [TraceRequest(5000 + 1000 * i, 1024, 1, (0, 1 + i % 2, 3 + i)) for i in range(4)]
+    picked = trace_slice(trace, 4, 1, 10, "fitting-requests")
+    assert [t.at_s for t in to_turns(picked, block_tokens=32, vocab=100)] == [0.0, 1.0, 2.0, 3.0]
+
+
+class SlowEngine:
+    """Answers a streamed completion after `delay_s`, recording when each prompt arrived and
+    when its answer ended."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.arrived: dict[int, float] = {}
+        self.answered: dict[int, float] = {}
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            turn = (await request.json())["prompt"][0]
+            self.arrived[turn] = time.monotonic()
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+            async def chunks():  # type: ignore[no-untyped-def]
+                await asyncio.sleep(self.delay_s)
+                yield b'data: {"choices": [{"text": "x"}]}\n\n'
+                self.in_flight -= 1
+                self.answered[turn] = time.monotonic()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        return app
+
+
+async def test_the_open_loop_sends_whatever_is_in_flight_but_holds_follow_ups() -> None:
+    engine = SlowEngine(delay_s=0.3)
+    served = await serve(engine.app())
+    try:
+        # four conversations arrive together, then conversation 0's follow-up, due long
+        # before its first turn is answered
+        turns = turns_at((0, 0.0), (1, 0.0), (2, 0.0), (3, 0.0), (0, 0.01))
+        out = Replay()
+        await replay_open(served.url, turns, rate=1000.0, max_tokens=1, out=out)
+    finally:
+        await served.stop()
+    assert out.errors == 0 and len(out.ttfts) == 5
+    assert engine.most_in_flight == 4  # none waited for another conversation's answer
+    assert out.held == 1
+    assert engine.arrived[4] >= engine.answered[0]
+
+
+async def test_the_closed_loop_keeps_at_most_its_clients_in_flight() -> None:
+    engine = SlowEngine(delay_s=0.05)
+    served = await serve(engine.app())
+    try:
+        turns = turns_at(*((i % 3, 0.0) for i in range(9)))
+        out = Replay()
+        await replay(served.url, turns, concurrency=2, max_tokens=1, out=out)
+    finally:
+        await served.stop()
+    assert out.errors == 0 and len(out.ttfts) == 9
+    assert engine.most_in_flight == 2
+    for i in range(3, 9):
+        assert engine.arrived[i] >= engine.answered[i - 3]
+
+
+def test_a_rate_with_the_closed_loop_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "engines", "--arrival", "closed", "--rate", "2"])
+    assert code != 0
+    assert "--rate sets trace arrivals" in capsys.readouterr().err
