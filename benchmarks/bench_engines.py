@@ -78,7 +78,7 @@ from kvmesh.stats import percentile
 from kvmesh.trace import TraceRequest, blocks_tokens, load_trace
 
 POLICIES = ("kv_aware", "round_robin", "approx_prefix")
-ARRIVALS = ("trace", "closed")
+ARRIVALS = ("closed", "trace")
 DEFAULT_LOAD = 0.8
 """The trace's arrivals at 0.8 of round robin's closed-loop throughput: busy, as a cluster is
 that a cache router is worth having for, yet below round robin's saturation."""
@@ -117,9 +117,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--arrival",
         choices=ARRIVALS,
         default=ARRIVALS[0],
-        help="trace: requests arrive at the trace's own times, compressed to --rate or --load, "
-        "whatever is in flight (open loop, as users arrive); closed: --concurrency clients, each "
-        "sending its next request when its last is answered",
+        help="closed (default): --concurrency clients, each sending its next request when its "
+        "last is answered; trace: requests arrive at the trace's own times, compressed to --rate "
+        "or --load, whatever is in flight (open loop, as users arrive)",
     )
     parser.add_argument(
         "--load",
@@ -215,6 +215,11 @@ class PolicyResult:
     computed_tokens_per_request: float = 0.0
     """Prompt tokens the engines computed (neither cached nor loaded), per request: the
     prefill work a policy left, which the machine's load does not change as it does TTFT."""
+    engine_queue_ms: float = 0.0
+    engine_prefill_ms: float = 0.0
+    engine_ttft_ms: float = 0.0
+    """Means per request from the engines' own histograms: waiting to be scheduled, computing
+    the prompt, and their whole TTFT (the client's TTFT adds the gateway and HTTP)."""
     arrival: str = "closed"
     offered_requests_per_s: float = 0.0
     """With trace arrivals, the rate requests were sent at (answered: `requests_per_s`)."""
@@ -312,6 +317,21 @@ async def cache_counters(
         metric_sum(text, "vllm:prefix_cache_queries_total"),
         metric_sum(text, "vllm:external_prefix_cache_hits_total"),
     )
+
+
+ENGINE_TIMES = {
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "ttft_s": "vllm:time_to_first_token_seconds_sum",
+    "requests": "vllm:time_to_first_token_seconds_count",
+}
+"""Where an engine's requests spent their time to the first token, summed (vLLM's histograms):
+waiting to be scheduled, then computing the prompt; the rest of its TTFT is its API server."""
+
+
+async def engine_times(client: httpx.AsyncClient, engine: VLLMEngine) -> dict[str, float]:
+    text = (await client.get(engine.url + "/metrics")).text
+    return {key: metric_sum(text, name) for key, name in ENGINE_TIMES.items()}
 
 
 async def reset_cache(
@@ -654,6 +674,8 @@ class Measured:
     hits: dict[str, float] = field(default_factory=dict)
     queries: dict[str, float] = field(default_factory=dict)
     external: dict[str, float] = field(default_factory=dict)
+    spent: dict[str, float] = field(default_factory=dict)
+    """`ENGINE_TIMES` over the engines and rounds."""
     rounds: int = 0
     decisions: list[dict[str, object]] = field(default_factory=list)
     """Per request and round: the gateway's decision record with the turn's index and TTFT."""
@@ -680,6 +702,7 @@ async def measure(
             if reads_events and all(e.events_endpoint for e in engines):
                 await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
+            times_before = [await engine_times(client, e) for e in engines]
             cpu_before = process_cpu_s(proc.pid)
             this = Replay()
             if args.rate is None:
@@ -689,6 +712,10 @@ async def measure(
             into.replay.merge(this)
             cpu = process_cpu_s(proc.pid) - cpu_before
             after = [await cache_counters(client, e) for e in engines]
+            times_after = [await engine_times(client, e) for e in engines]
+            for was, now in zip(times_before, times_after, strict=True):
+                for key in ENGINE_TIMES:
+                    into.spent[key] = into.spent.get(key, 0.0) + now[key] - was[key]
             view = (await client.get(url + "/metrics")).text
             records = (await client.get(url + "/kvmesh/decisions")).json()["decisions"]
             into.decisions += joined(records, this, turns, into.rounds)
@@ -743,6 +770,7 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
     n = len(ms)
     hits, queries = sum(m.hits.values()), sum(m.queries.values())
     external = sum(m.external.values())
+    done = m.spent.get("requests", 0.0) or 1.0
     return PolicyResult(
         policy,
         n,
@@ -758,6 +786,9 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
         connector,
         external / queries if queries else 0.0,
         (queries - hits - external) / n if n else 0.0,
+        engine_queue_ms=m.spent.get("queue_s", 0.0) * 1000 / done,
+        engine_prefill_ms=m.spent.get("prefill_s", 0.0) * 1000 / done,
+        engine_ttft_ms=m.spent.get("ttft_s", 0.0) * 1000 / done,
     )
 
 
@@ -784,6 +815,16 @@ def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_inf
             f"{r.ttft_p99_ms:>6.1f}ms {r.requests_per_s:>7.2f} {r.engine_prefix_hit_rate:>10.3f} "
             f"{r.engine_external_hit_rate:>8.3f} {r.bound_hit_ratio:>6.3f}  {per}"
             + (f"  ERRORS {r.errors}" if r.errors else "")
+        )
+    print(
+        "where the TTFT goes, per request: in the engine waiting to be scheduled + computing "
+        "the prompt (+ its API server) = the engine's TTFT; the client's adds the gateway"
+    )
+    for r in results:
+        print(
+            f"{r.label:<16} {r.engine_queue_ms:>7.1f} ms + {r.engine_prefill_ms:>6.1f} ms "
+            f"(+ {r.engine_ttft_ms - r.engine_queue_ms - r.engine_prefill_ms:5.1f} ms) = "
+            f"{r.engine_ttft_ms:6.1f} ms; client {r.ttft_mean_ms:6.1f} ms"
         )
     rr = next((r for r in results if r.policy == "round_robin" and not r.connector), None)
     for r in results:

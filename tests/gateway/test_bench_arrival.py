@@ -13,12 +13,14 @@ from gateway_kit import serve
 
 from kvmesh.app.cli import main
 from kvmesh.benchmarks.bench_engines import (
+    Measured,
     Replay,
     Turn,
     previous_turns,
     replay,
     replay_open,
     send_times,
+    summarize,
     to_turns,
 )
 from kvmesh.benchmarks.engine_slices import trace_slice
@@ -122,3 +124,14 @@ def test_a_rate_with_the_closed_loop_is_refused(capsys: pytest.CaptureFixture[st
     code = main(["bench", "engines", "--arrival", "closed", "--rate", "2"])
     assert code != 0
     assert "--rate sets trace arrivals" in capsys.readouterr().err
+
+
+def test_the_engines_own_times_are_means_per_request() -> None:
+    m = Measured(wall_s=1.0)
+    m.replay.ttfts = [0.2, 0.4]
+    m.spent = {"queue_s": 0.1, "prefill_s": 0.3, "ttft_s": 0.5, "requests": 2.0}
+    r = summarize("kv_aware", m, bound=0.7)
+    assert (r.engine_queue_ms, r.engine_prefill_ms, r.engine_ttft_ms) == pytest.approx(
+        (50.0, 150.0, 250.0)
+    )
+    assert r.ttft_mean_ms == pytest.approx(300.0)
