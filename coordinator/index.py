@@ -93,6 +93,9 @@ _TIERS_OF_BITS: tuple[tuple[str, ...], ...] = tuple(
     tuple(name for i, name in enumerate(TIER_NAMES) if bits >> i & 1) for bits in range(16)
 )
 _GPU_ONLY = _TIERS_OF_BITS[1]
+SCALAR_PAGES = 12
+"""Pages of a prompt a one-route lookup reads one at a time before it turns to numpy
+(`GlobalIndex._held_ids`): past this, a round of numpy calls costs less than the pages."""
 SNAPSHOT_FORMAT = "kvmesh-index"
 SNAPSHOT_VERSION = 1
 
@@ -579,7 +582,33 @@ class GlobalIndex:
     def match(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> MatchResult:
         """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no
         one holds. `keys`: `PromptKeys.of([hashes])`, made once for several indexes (shards)."""
-        return self._walk(self._store.holder_ids(hashes, keys), len(hashes))
+        return self._walk(self._held_ids(hashes, keys), len(hashes))
+
+    def _held_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None) -> list[int]:
+        """`PageStore.holder_ids` of `hashes` as far as the walk can go: the first
+        `SCALAR_PAGES` read page by page (`head_holder_ids`), the rest in one round of
+        numpy calls only while some worker holds every page so far. A walk that ends
+        early (a shard holding nothing past the shared system prompt) pays no numpy call."""
+        store = self._store
+        if keys is None:
+            keys = PromptKeys.of((hashes,))
+        head = store.head_holder_ids(hashes, keys, SCALAR_PAGES)
+        if head is None:
+            return store.holder_ids(hashes, keys)
+        if len(head) < SCALAR_PAGES or len(head) == len(hashes):
+            return head  # ended at a page not indexed (or nobody's), or the whole prompt
+        alive = self._ones
+        last = -1
+        masks = store.masks
+        for mid in head:
+            if mid != last:
+                last = mid
+                m = masks[mid]
+                x = m | m >> 2
+                alive &= x | x >> 1
+        if not alive:
+            return head
+        return head + store.holder_ids(hashes, keys, SCALAR_PAGES)
 
     def match_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
@@ -597,7 +626,7 @@ class GlobalIndex:
         """`match(hashes).pages` and their `tier_pages`: what a route's view needs, without
         the `MatchResult` and its tiers dict in the common case (every page on the device),
         a share of each shard's fixed cost per route."""
-        return self._overlaps(self._store.holder_ids(hashes, keys), hashes)
+        return self._overlaps(self._held_ids(hashes, keys), hashes)
 
     def overlaps_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None

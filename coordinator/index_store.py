@@ -178,6 +178,9 @@ class PromptKeys:
     _homes: dict[int, npt.NDArray[np.int64]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _head_homes: dict[tuple[int, int], list[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     _grid: tuple[Rows, Rows, Rows, Rows, int] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -204,6 +207,14 @@ class PromptKeys:
             # the shift leaves the top bit clear: a view as int64 is exact and copies nothing
             home = self._homes[shift] = (self.mixed >> np.uint64(shift)).view(np.int64)
         return home
+
+    def head_homes(self, shift: int, count: int) -> list[int]:
+        """The first `count` home slots of `homes(shift)` as Python ints, for a scalar
+        lookup (`PageStore.head_holder_ids`); made once per table size, as `homes` is."""
+        head = self._head_homes.get((shift, count))
+        if head is None:
+            head = self._head_homes[shift, count] = self.homes(shift)[:count].tolist()
+        return head
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[PageHash]]) -> PromptKeys:
@@ -243,6 +254,7 @@ class PageStore:
         self._free_rows: list[int] = []
         self._slots_used = 0  # live and deleted slots
         self._new_table(min_slots)
+        self._refresh_views()
         self.masks: list[int] = [0]
         # Per mask id, beside `masks`: which worker slots it names (a bit each, packed,
         # slot 0 first) and whether it has a page off the device, so a batch of prompts
@@ -269,6 +281,7 @@ class PageStore:
         self._holders = _grown(self._holders, new)
         self._parent = _grown(self._parent, new)
         self._kids = _grown(self._kids, new)
+        self._refresh_views()
 
     def _widen(self, words: int) -> None:
         if words > self._words:
@@ -277,6 +290,7 @@ class PageStore:
             wider[:, : self._words] = self._digest
             self._digest = wider
             self._words = words
+            self._refresh_views()
 
     def _alloc(self, n: int) -> Rows:
         reused = self._free_rows[-n:] if n else []
@@ -287,6 +301,14 @@ class PageStore:
         self._parent[self._top : self._top + fresh] = -1  # freed rows were unlinked already
         self._top += fresh
         return rows
+
+    def _refresh_views(self) -> None:
+        """Memoryviews (`ndarray.data`) of the digest and holder columns, for
+        `head_holder_ids`' scalar reads: an item of a memoryview costs a quarter of numpy's
+        `item`. Made again whenever a column is replaced by a grown copy, as the lookup
+        table's is in `_new_table`."""
+        self._digest_view = self._digest.reshape(-1).view(np.uint8).data
+        self._holders_view = self._holders.data
 
     def _encode(
         self, hashes: Sequence[bytes]
@@ -316,6 +338,7 @@ class PageStore:
         self._table_shift = np.uint64(64 - bits)
         self._table_shift_int = 64 - bits
         self._slots_used = 0
+        self._table_view = self._table.data
 
     def _home(self, keys: npt.NDArray[np.uint64]) -> Rows:
         return ((keys * _GOLDEN) >> self._table_shift).astype(np.int64)
@@ -717,12 +740,58 @@ class PageStore:
         lengths = self._length[rows].tolist()
         return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
 
-    def holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> list[int]:
+    def head_holder_ids(
+        self, hashes: Sequence[PageHash], keys: PromptKeys | None, count: int
+    ) -> list[int] | None:
+        """`holder_ids` of the first `count` pages of `hashes`, read one page at a time with
+        no numpy call; None where the prompt takes the general path (`holder_ids` then).
+
+        A lookup's numpy calls cost a few µs whatever the prompt's length, and a walk
+        often ends within its first pages: in a shard none of whose workers holds the
+        prompt's own pages, at the first of them (only the shared system prompt is
+        there). Read page by page, such a walk costs a fraction of a µs a page, so a
+        shard that contributes little to a route costs it little.
+        """
+        if not self._top or not hashes:
+            return []
+        width = self._words * 8
+        if keys is None:
+            keys = PromptKeys.of((hashes,))
+        if self._narrow or keys.width != width:
+            return None
+        table, digests, holders = self._table_view, self._digest_view, self._holders_view
+        mask = self._table_mask
+        out: list[int] = []
+        for pos, page in zip(keys.head_homes(self._table_shift_int, count), hashes, strict=False):
+            while True:  # linear probing from the home slot; an empty slot: nowhere
+                row = table[pos]
+                if row == _EMPTY:
+                    return out
+                if row >= 0 and digests[row * width : row * width + width] == page:
+                    break
+                pos = (pos + 1) & mask
+            mid = holders[row]
+            out.append(mid)
+            if not mid:  # a ghost: nobody holds it, the walk ends here
+                return out
+        return out
+
+    def holder_ids(
+        self, hashes: Sequence[PageHash], keys: PromptKeys | None = None, start: int = 0
+    ) -> list[int]:
         """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed.
 
         `keys`: `PromptKeys.of([hashes])`, when the caller made them for several stores.
-        A 0 may end the list (a page nobody holds); callers stop at the first 0.
+        A 0 may end the list (a page nobody holds); callers stop at the first 0. With
+        `start`, the pages from `start` on (the ones before it were looked up already,
+        `head_holder_ids`).
         """
+        if start:
+            if keys is None:
+                keys = PromptKeys.of((hashes,))
+            if self._narrow or keys.width != self._words * 8:
+                return self.holder_ids(hashes[start:])
+            return self._holder_ids(hashes, keys, start)
         if not self._top or not hashes:
             return []
         width = self._words * 8
@@ -736,16 +805,21 @@ class PageStore:
                 found >= 0, self._holders.take(found, mode="clip"), 0
             ).tolist()
             return ids
-        joined = keys.joined
+        return self._holder_ids(hashes, keys, 0)
+
+    def _holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys, start: int) -> list[int]:
+        """`holder_ids` from page `start` on, for a prompt of the store's one width."""
+        width = self._words * 8
+        joined = keys.joined[start * width :]
         # The hot path (a prompt of one hash width): take each page's home slot's
         # row, compare all those digests with the prompt's bytes at once, and
         # probe on only where a home slot held another page. The first page
         # found nowhere ends the walk, as a page nobody holds would, and so does
         # an empty home slot at once (linear probing: nowhere), with no probe.
-        home = keys.homes(self._table_shift_int)
+        home = keys.homes(self._table_shift_int)[start : len(hashes)]
         rows = self._table.take(home)
         stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
-        n = len(hashes)
+        n = len(hashes) - start
         done = 0
         while done < n:
             if stored[done * width :] == joined[done * width :]:

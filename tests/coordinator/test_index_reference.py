@@ -73,9 +73,14 @@ class DictStore:
         self.remove(pages, slot, _WORKER_BITS << (slot * 4))
         return len(pages)
 
-    def holder_ids(self, hashes: Sequence[PageHash], keys: object = None) -> list[int]:
+    def head_holder_ids(self, hashes: Sequence[PageHash], keys: object, count: int) -> list[int]:
+        return self.holder_ids(hashes[:count])
+
+    def holder_ids(
+        self, hashes: Sequence[PageHash], keys: object = None, start: int = 0
+    ) -> list[int]:
         ids = []
-        for h in hashes:
+        for h in hashes[start:]:
             self.masks.append(self.holders.get(h, 0))
             ids.append(len(self.masks) - 1 if self.masks[-1] else 0)
         return ids
@@ -277,7 +282,8 @@ def test_many_pages_and_merges_keep_the_reference_answers(
 # One hash width (the prompt fast path): SHA-256 chains, the all-zero digest (a
 # freed row is zeroed) and a digest whose compact key is 0; a lookup table that
 # starts tiny, so it grows and is rebuilt every few keys.
-WIDE: list[list[PageHash]] = [[_digest(f"wide{c}", i, 32) for i in range(8)] for c in range(3)]
+# longer than `SCALAR_PAGES`: a match reads its first pages one by one, the rest with numpy
+WIDE: list[list[PageHash]] = [[_digest(f"wide{c}", i, 32) for i in range(12)] for c in range(3)]
 WIDE[2][3] = PageHash(bytes(32))
 WIDE[1][0] = PageHash(bytes(8) + _digest("zero-key", 0, 24))
 wide_stored = st.builds(
@@ -285,8 +291,8 @@ wide_stored = st.builds(
         tuple(WIDE[c][start : start + n]), WIDE[c][start - 1] if start else None, (), 16
     ),
     st.integers(0, 2),
-    st.integers(0, 7),
-    st.integers(1, 8),
+    st.integers(0, 11),
+    st.integers(1, 12),
 )
 wide_removed = st.builds(
     lambda hs: PagesRemoved(tuple(hs)), st.lists(st.sampled_from([h for c in WIDE for h in c]))

@@ -187,6 +187,13 @@ def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path
         keys = PromptKeys.of([prompt])
         for store in (small, large, small):
             assert _trimmed(store.holder_ids(prompt, keys)) == _holder_ids_by_find(store, prompt)
+            # a prompt's first pages read one by one, and the rest with numpy from there
+            for count in (1, 5, 8, 41):
+                by_find = _holder_ids_by_find(store, prompt[:count])
+                assert store.head_holder_ids(prompt, keys, count) == by_find
+                assert _trimmed(store.holder_ids(prompt, keys, count)) == _holder_ids_by_find(
+                    store, prompt[count:]
+                )
 
 
 _OFF_DEVICE = int("e" * 12, 16)  # the cpu, disk and other bits of 12 slots
