@@ -70,7 +70,7 @@ VARIANTS: dict[str, tuple[str | None, bool, bool]] = {
     "grpc": ("kv_both", False, True),
 }
 WORKLOADS = ("unique", "shared")
-ANSWERS = ("direct", "read", "in_time", "pending", "late", "timed_out", "failed")
+ANSWERS = ("direct", "read", "async", "in_time", "pending", "late", "timed_out", "failed")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +128,7 @@ class Row:
     hook_ms: dict[str, float] = field(default_factory=dict)  # per request
     hook_calls: dict[str, float] = field(default_factory=dict)  # per request
     answers: dict[str, float] = field(default_factory=dict)  # per request
+    hook_cpu_ms: dict[str, float] = field(default_factory=dict)  # per request, its thread CPU
     engine_cpu_ms: float = 0.0  # CPU the engine's processes used, per request
     store_cpu_ms: float = 0.0  # CPU its store process used, per request
     ratio: float = 0.0  # mean TTFT / none's
@@ -144,7 +145,8 @@ def connector_samples(folder: Path) -> dict[tuple[str, str], float]:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name in ("kvmesh_connector_hook_seconds_sum",
-                              "kvmesh_connector_hook_seconds_count"):  # fmt: skip
+                              "kvmesh_connector_hook_seconds_count",
+                              "kvmesh_connector_hook_cpu_seconds_total"):  # fmt: skip
                     out[(s.name, s.labels["hook"])] += s.value
                 elif s.name == "kvmesh_connector_prepare_answers_total":
                     out[(s.name, s.labels["answer"])] += s.value
@@ -306,6 +308,7 @@ def _row(
         {h: per_request(("kvmesh_connector_hook_seconds_sum", h), 1000) for h in HOOKS},
         {h: per_request(("kvmesh_connector_hook_seconds_count", h)) for h in HOOKS},
         {a: per_request(("kvmesh_connector_prepare_answers_total", a)) for a in ANSWERS},
+        {h: per_request(("kvmesh_connector_hook_cpu_seconds_total", h), 1000) for h in HOOKS},
     )
 
 
@@ -313,17 +316,18 @@ def print_table(rows: list[Row], header: str) -> None:
     print(header)
     print(
         "| variant | workload | mean TTFT | x none | p50 | p90 | computed tok/req | loaded tok/req "
-        "| hooks ms/req (matched, meta, load, save, send, prepare) | not-yet answers/req "
-        "| CPU ms/req engine, store |"
+        "| hooks ms/req (matched, meta, load, save, send, prepare, pull) "
+        "| their thread CPU ms/req | not-yet answers/req | CPU ms/req engine, store |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         hooks = ", ".join(f"{r.hook_ms[h]:.1f}" for h in HOOKS) if any(r.hook_ms.values()) else ""
+        cpu = ", ".join(f"{r.hook_cpu_ms.get(h, 0.0):.1f}" for h in HOOKS) if hooks else ""
         pending = f"{r.answers['pending']:.2f}" if any(r.answers.values()) else ""
         print(
             f"| {r.variant} | {r.workload} | {r.mean_ms:.1f} ms | {r.ratio:.2f} | {r.p50_ms:.1f} "
             f"| {r.p90_ms:.1f} | {r.computed_tokens:.0f} | {r.loaded_tokens:.0f} | {hooks} "
-            f"| {pending} | {r.engine_cpu_ms:.0f}, {r.store_cpu_ms:.0f} |"
+            f"| {cpu} | {pending} | {r.engine_cpu_ms:.0f}, {r.store_cpu_ms:.0f} |"
             + (f" {r.errors} errors" if r.errors else "")
         )
 
@@ -347,6 +351,7 @@ def pooled(rows: list[Row]) -> list[Row]:
             {h: mean(lambda r, h=h: r.hook_ms[h]) for h in HOOKS},
             {h: mean(lambda r, h=h: r.hook_calls[h]) for h in HOOKS},
             {a: mean(lambda r, a=a: r.answers[a]) for a in ANSWERS},
+            {h: mean(lambda r, h=h: r.hook_cpu_ms.get(h, 0.0)) for h in HOOKS},
             mean(lambda r: r.engine_cpu_ms), mean(lambda r: r.store_cpu_ms),
         ))  # fmt: skip
     base = {r.workload: r.mean_ms for r in out if r.variant == "none"}

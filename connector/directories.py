@@ -8,9 +8,10 @@ process waiting for a core the engines hold) skips the request a whole
 engine step (`kvmesh.benchmarks.connector_overhead` measured both). On one
 host the store's shared-memory arena carries a directory of the blocks its
 pool holds (`kvmesh.page_arena.PageDirectory`), so `StoreDirectories` answers
-"how many leading blocks does my store hold" and "does a peer hold the next
-one" by reading memory; only a request a peer can add blocks to still asks
-its store to pull them.
+"how many leading blocks does my store hold" and "how many more do its
+peers hold" by reading memory; a request a peer can add blocks to is claimed
+from those counts too, and loaded asynchronously (the store pulls, then the
+worker loads: `kvmesh.connector.vllm_connector`).
 
 What a directory says may be a moment old: a block it names that has gone
 fails its seal on load and is recomputed (never a wrong answer); a block it
@@ -106,6 +107,22 @@ class StoreDirectories:
             if view.directory.leading([digest]):
                 return True
         return False
+
+    def peers_leading(self, digests: Sequence[bytes]) -> int | None:
+        """How many leading `digests` the peer stores hold between them, taken as the store's
+        ``Prepare`` pulls them (each peer in order, from where the one before stopped); None
+        when a peer's directory is unknown."""
+        if not self._peers:
+            return None
+        held = 0
+        for peer in self._peers:
+            if held == len(digests):
+                break
+            view = peer.view()
+            if view is None:
+                return None
+            held += len(view.directory.leading(digests[held:]))
+        return held
 
     def close(self) -> None:
         self._own.close()

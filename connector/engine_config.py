@@ -57,6 +57,7 @@ def connector_config(
     peer_controls: Sequence[str] = (),
     timeout_s: float = 5.0,
     directory: bool = True,
+    async_pulls: bool = True,
 ) -> str:
     """The ``--kv-transfer-config`` JSON that loads the connector against a store.
 
@@ -67,7 +68,9 @@ def connector_config(
     directory and asks its store to pull only when a peer holds more);
     `directory` False: every claim asks the store (``Prepare``) and every load
     asks where its pages lie (``Locate``), the connector before the arena's
-    directory (to compare); `role`:
+    directory (to compare); `async_pulls` False: a claim peers can fill is
+    asked of the store by the scheduler (``Prepare``, the request skipped
+    until it answers) instead of loaded asynchronously; `role`:
     ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only)
     for prefill/decode.
     """
@@ -95,6 +98,7 @@ def connector_config(
                 "peer_controls": list(peer_controls),
                 "timeout_s": timeout_s,
                 "directory": directory,
+                "async_pulls": async_pulls,
             },
         }
     )

@@ -3,8 +3,10 @@
 CPU profiles of a busy engine (py-spy) count samples on a CPU, not time spent
 waiting for the store, a lock or a core; what a request waits for is wall time
 inside each hook. `HookTimer` records it in ``kvmesh_connector_hook_seconds``
-(`kvmesh.metrics`), in whichever of the engine's processes runs the hook (the
-scheduler's engine core, the worker). vLLM serves only its API server's
+(`kvmesh.metrics`), and the CPU time of the thread that ran it in
+``kvmesh_connector_hook_cpu_seconds`` (what the connector itself takes from
+the engine's pinned core, waits left out), in whichever of the engine's
+processes runs the hook (the scheduler's engine core, the worker). vLLM serves only its API server's
 registry on ``/metrics``, so when ``KVMESH_CONNECTOR_TIMINGS`` names a folder
 each process also writes its registry there every `WRITE_EVERY_S`, as
 Prometheus text (prometheus-client's ``write_to_textfile``), for
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, write_to_textfile
 
-from kvmesh.metrics import CONNECTOR_HOOK_SECONDS, MetricChild
+from kvmesh.metrics import CONNECTOR_HOOK_CPU_SECONDS, CONNECTOR_HOOK_SECONDS, MetricChild
 
 TIMINGS_ENV = "KVMESH_CONNECTOR_TIMINGS"
 WRITE_EVERY_S = 0.5
@@ -33,24 +35,31 @@ HOOKS = (
     "wait_for_save",
     "send",
     "prepare",
+    "pull",
 )
 
 
 class HookTimer:
-    """Observes each hook's wall time under the engine's store label (a dict lookup and an add)."""
+    """Observes each hook's wall time and its thread's CPU time under the engine's store label."""
 
     def __init__(self, store: str) -> None:
-        self._children: dict[str, MetricChild] = {
-            hook: CONNECTOR_HOOK_SECONDS.labels(store, hook) for hook in HOOKS
+        self._children: dict[str, tuple[MetricChild, MetricChild]] = {
+            hook: (
+                CONNECTOR_HOOK_SECONDS.labels(store, hook),
+                CONNECTOR_HOOK_CPU_SECONDS.labels(store, hook),
+            )
+            for hook in HOOKS
         }
 
     @contextmanager
     def timed(self, hook: str) -> Iterator[None]:
-        start = time.perf_counter()
+        wall, cpu = self._children[hook]
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
-            self._children[hook].observe(time.perf_counter() - start)
+            cpu.inc(time.thread_time() - start_cpu)
+            wall.observe(time.perf_counter() - start)
 
 
 _writer: threading.Thread | None = None

@@ -15,7 +15,8 @@ control addresses, same order: the engine then reads what they hold from
 their arenas' directories), ``directory`` (default true; false: ask the
 store by ``Prepare`` and ``Locate`` every time, for comparison), ``timeout_s``,
 ``prepare_wait_ms`` (how long the scheduler waits for a ``Prepare`` before it
-asks again next step) and ``shm``
+asks again next step), ``async_pulls`` (default true: a claim a peer can
+fill is loaded asynchronously, never waited for) and ``shm``
 (default true: move blocks through the store's shared-memory arena when it
 maps on this host; false: gRPC only).
 
@@ -23,15 +24,21 @@ Scheduler side (one decision per request, before it is scheduled):
 `get_num_new_matched_tokens` claims the leading blocks past the engine's own
 prefix hit that its store holds; it never claims the prompt's last token.
 On one host it reads them from the store's shared-memory directory, with no
-call (`kvmesh.connector.directories`), unless a peer store holds the next
-block (or what the peers hold is unknown): then it asks the store to pull
-them (``Prepare``: the store pulls from a peer what it lacks, proving every
-page from the request's tokens) and claims what it holds after. The ask
-runs on a small thread pool, so a pull never stalls the engine's other
-requests: an answer within ``prepare_wait_ms`` (default 10; the store holds
-everything) is used at once, a longer one is "not known yet" (``None``:
-vLLM skips the request this step and asks again next step) until it is done;
-one that fails, or outlasts ``timeout_s``, claims nothing. Each step
+call (`kvmesh.connector.directories`). When peer stores hold more of the
+prompt (read from their directories: ``peer_controls``), it claims those
+blocks too, as an asynchronous load (``(tokens, True)``: vLLM allocates the
+blocks and parks the request in ``WAITING_FOR_REMOTE_KVS``, scheduling the
+others meanwhile); the worker then asks its store to pull them
+(``Prepare``: the store copies them from the peer, proving every page from
+the request's tokens), loads them off the step, and reports the request in
+`get_finished` (a block it could not load is reported failed there, and
+recomputed). When what the peers hold is unknown (peers named by page
+address only, another host, a ``--no-shm`` store), or with ``async_pulls``
+false, the scheduler asks the store itself: the ask runs on a small thread
+pool, an answer within ``prepare_wait_ms`` (default 10) is used at once, a
+longer one is "not known yet" (``None``: vLLM skips the request this step
+and asks again next step) until it is done; one that fails, or outlasts
+``timeout_s``, claims nothing. Each step
 `build_connector_meta` lists the blocks to load (claimed ones, with the
 engine blocks allocated for them) and the blocks to save (every full block
 the step computes, named by the engine's own digests, with the tokens and
@@ -75,7 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvmesh.connector.block_path import BlockPath, KVLayers, PendingSave
+from kvmesh.connector.block_path import BlockPath, KVLayers, Loaded, PendingSave
 from kvmesh.connector.blocks import BlockRun, block_run
 from kvmesh.connector.directories import StoreDirectories
 from kvmesh.connector.engine_config import SUPPORTED_VLLM, check_vllm_version, prepare_wait_s
@@ -97,16 +104,28 @@ log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
 PREPARE_THREADS = 4  # concurrent Prepare calls of one engine (pulls of different requests)
+PULL_THREADS = 2  # asynchronous loads under way at once in the worker (pull, then copy)
 DESCRIBE_TIMEOUT_S = 0.5  # the scheduler maps a store's directory (rarely: once, and on restarts)
 
 
 @dataclass(slots=True)
 class BlockLoad:
-    """Pages to load into engine blocks, in prefix order."""
+    """Pages to load into engine blocks, in prefix order; with `pull`, asynchronously, after
+    the store pulled the blocks it lacks from its peers (`pull`: their proof)."""
 
     request_id: str
     block_ids: list[int]
     digests: list[bytes]
+    pull: BlockRun | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """Blocks claimed past the engine's own hit; `pull`: peers hold some (loaded async)."""
+
+    first: int
+    blocks: int
+    pull: bool = False
 
 
 @dataclass(slots=True)
@@ -187,6 +206,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         # (Locate), as before the directory (benchmarks/connector_overhead.py compares both)
         self.directory = bool(extra.get("directory", True))
         self.prepare_wait_s = prepare_wait_s(extra.get("prepare_wait_ms"))
+        # a claim peers can fill: loaded asynchronously (False: the scheduler asks, Prepare)
+        self.async_pulls = bool(extra.get("async_pulls", True))
         self._warnings = _Warnings()
         self._timer = HookTimer(self.client.page_address)
         write_timings_if_asked("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
@@ -195,7 +216,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._directories: StoreDirectories | None = None
         self._prepares: ThreadPoolExecutor | None = None
         self._requests: dict[str, Request] = {}
-        self._matched: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks held)
+        self._matched: dict[str, _Claim] = {}
         self._loads: list[BlockLoad] = []
         # worker side
         self._path: BlockPath | None = None
@@ -204,6 +225,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._failed_requests: set[str] = set()  # this step: their computed KV is not saved
         self._saver: BackgroundSaver | None = None
+        self._pulls: ThreadPoolExecutor | None = None
+        self._pulling: dict[str, tuple[BlockLoad, Future[Loaded]]] = {}
 
     # ================================================================ scheduler side
 
@@ -212,7 +235,9 @@ class KVMeshConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         with self._timer.timed("get_num_new_matched_tokens"):
             tokens = self._matched_tokens(request, num_computed_tokens)
-        return tokens, False
+        claim = self._matched.get(request.request_id)
+        pulls = bool(tokens) and claim is not None and claim.pull
+        return tokens, pulls
 
     def _answered(self, answer: str) -> None:
         CONNECTOR_PREPARE_ANSWERS.labels(self.client.page_address, answer).inc()
@@ -233,9 +258,9 @@ class KVMeshConnector(KVConnectorBase_V1):
         if asking is None:
             read = self._held_without_asking(request, first, last)
             if read is not None:
-                self._answered("read")
-                self._matched[request.request_id] = (first, read)
-                return read * size
+                self._answered("async" if read.pull else "read")
+                self._matched[request.request_id] = read
+                return read.blocks * size
         fresh = asking is None
         if asking is None:
             asking = self._ask(request, first, last)
@@ -254,13 +279,13 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._answered("failed")
         else:
             self._answered("in_time" if fresh else "late")
-        self._matched[request.request_id] = (first, held)
+        self._matched[request.request_id] = _Claim(first, held)
         return held * size
 
-    def _held_without_asking(self, request: Request, first: int, last: int) -> int | None:
-        """Blocks from `first` the store holds, read from the stores' directories, when no
-        pull could add any (its store holds them all, it has no peers, or no peer holds the
-        next block); None: ask the store (`Prepare`)."""
+    def _held_without_asking(self, request: Request, first: int, last: int) -> _Claim | None:
+        """The claim from `first` read from the stores' directories: what the store holds,
+        and what its peers hold after that (a pull, loaded asynchronously); None: what the
+        peers hold is unknown (or ``async_pulls`` is off), ask the store (`Prepare`)."""
         if not (self.shm and self.directory):
             return None
         if self._directories is None:
@@ -278,10 +303,13 @@ class KVMeshConnector(KVConnectorBase_V1):
         if held is None:
             return None
         if held == len(digests) or not directories.pulls_possible(self.peers):
-            return held
-        if directories.peer_holds(digests[held]) is False:
-            return held
-        return None
+            return _Claim(first, held)
+        more = directories.peers_leading(digests[held:])
+        if more == 0:
+            return _Claim(first, held)
+        if more is None or not self.async_pulls:
+            return None
+        return _Claim(first, held + more, pull=True)
 
     def _ask(self, request: Request, first: int, last: int) -> _Asking:
         """Start the store's `Prepare` of blocks [first, last) on the pool (off the step)."""
@@ -317,14 +345,15 @@ class KVMeshConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        matched = self._matched.pop(request.request_id, None)
-        if num_external_tokens <= 0 or matched is None:
+        claim = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or claim is None:
             return
-        first, held = matched
-        count = min(held, num_external_tokens // self.block_size)
+        first = claim.first
+        count = min(claim.blocks, num_external_tokens // self.block_size)
         block_ids = blocks.get_block_ids()[0][first : first + count]
         digests = [bytes(h) for h in request.block_hashes[first : first + count]]
-        self._loads.append(BlockLoad(request.request_id, list(block_ids), digests))
+        pull = self._run(request, first, first + count) if claim.pull else None
+        self._loads.append(BlockLoad(request.request_id, list(block_ids), digests, pull))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         with self._timer.timed("build_connector_meta"):
@@ -448,17 +477,53 @@ class KVMeshConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVMeshConnectorMetadata)
         self._failed_requests = set()
         for load in meta.loads:
-            loaded = self._load(load)
-            self._blocks("loaded").inc(loaded)
-            if loaded < len(load.block_ids):
-                self._failed.update(load.block_ids[loaded:])
+            if load.pull is not None:
+                self._start_pull(load)
+                continue
+            if self._counted(load, self._load(load)) < len(load.block_ids):
                 self._failed_requests.add(load.request_id)
 
-    def _load(self, load: BlockLoad) -> int:
-        """Copy and check `load`'s blocks in order; how many leading blocks loaded."""
+    def _load(self, load: BlockLoad) -> Loaded:
+        """Copy and check `load`'s blocks in order (nothing loaded without a data path)."""
         if self._path is None:
-            return 0
-        loaded = self._path.load(load.digests, load.block_ids)
+            return Loaded(0)
+        return self._path.load(load.digests, load.block_ids)
+
+    def _start_pull(self, load: BlockLoad) -> None:
+        """Start an asynchronous load: the store pulls, then the blocks are copied, off the
+        step; `get_finished` reports it."""
+        if self._pulls is None:
+            self._pulls = ThreadPoolExecutor(PULL_THREADS, "kvmesh-pull")
+        self._pulling[load.request_id] = (load, self._pulls.submit(self._pull, load))
+
+    def _pull(self, load: BlockLoad) -> Loaded:
+        """Ask the store to pull the blocks it lacks (a failure leaves what it holds), then
+        load what it holds (on the pull pool's thread)."""
+        assert load.pull is not None
+        with self._timer.timed("pull"):
+            try:
+                self.client.prepare(load.pull, self.peers, self.peer_controls)
+            except KVMeshError as exc:
+                self._warnings.warn("prepare", exc)
+            return self._load(load)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Asynchronous loads done since the last step (their failed blocks are reported by
+        `get_block_ids_with_load_errors` in the same pass, as vLLM asks)."""
+        done = {rid for rid, (_, answer) in self._pulling.items() if answer.done()}
+        for request_id in done:
+            load, answer = self._pulling.pop(request_id)
+            try:
+                loaded = answer.result()
+            except Exception as exc:  # a bug in the pull must not leave the request waiting
+                log.exception("kvmesh connector: an asynchronous load failed")
+                loaded = Loaded(0, error=KVMeshError(str(exc)))
+            self._counted(load, loaded)
+        return None, done or None
+
+    def _counted(self, load: BlockLoad, loaded: Loaded) -> int:
+        """Count how `load` went and mark the blocks it did not load for recompute; how many
+        leading blocks loaded."""
         missed = len(load.block_ids) - loaded.blocks
         if loaded.refused is not None:
             what = f"check of block {loaded.refused.hex()[:16]}"
@@ -469,6 +534,8 @@ class KVMeshConnector(KVConnectorBase_V1):
         elif loaded.error is not None:
             self._warnings.warn("load", loaded.error)
         self._blocks("undelivered").inc(missed)
+        self._blocks("loaded").inc(loaded.blocks)
+        self._failed.update(load.block_ids[loaded.blocks :])
         return loaded.blocks
 
     def _blocks(self, outcome: str) -> MetricChild:
@@ -524,6 +591,8 @@ class KVMeshConnector(KVConnectorBase_V1):
             self._directories.close()
         if self._prepares is not None:
             self._prepares.shutdown(wait=False, cancel_futures=True)
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
         if self._saver is not None:
             self._saver.close()
         if self._path is not None:

@@ -588,11 +588,20 @@ CONNECTOR_HOOK_SECONDS = Histogram(
     ["store", "hook"],
     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
+CONNECTOR_HOOK_CPU_SECONDS = Counter(
+    "kvmesh_connector_hook_cpu_seconds",
+    "CPU time the calling thread spent in each of kvmesh's KV connector hooks (`hook` as in "
+    "kvmesh_connector_hook_seconds; waits for the store, a lock or a core not counted): what "
+    "the connector itself takes from the engine's pinned core",
+    ["store", "hook"],
+)
 CONNECTOR_PREPARE_ANSWERS = Counter(
     "kvmesh_connector_prepare_answers",
     "How kvmesh's KV connector answered vLLM's get_num_new_matched_tokens, by answer: "
     "direct (nothing to ask: the engine's own hit covers the prompt), read (from the stores' "
-    "shared-memory directories, no call), in_time (the store's Prepare answered within "
+    "shared-memory directories, no call), async (read from them, peers holding some of the "
+    "blocks: loaded asynchronously after the store pulls them), in_time (the store's Prepare "
+    "answered within "
     "prepare_wait_ms), pending (None: vLLM skips the request this step and asks again), late "
     "(answered on a later ask), timed_out, failed",
     ["store", "answer"],

@@ -415,6 +415,8 @@ class EngineStore:
         under a digest its bytes do not carry, and the engine that loads it refuses it by
         its seal and recomputes it (as for any page of its own store reused meanwhile).
         """
+        if self.page_delay_s:  # the slow-store test hook: a pull that takes a while to start
+            time.sleep(self.page_delay_s * (len(run.digests) - held))
         arena = self._peer_arena(control)
         if arena is None:
             return False

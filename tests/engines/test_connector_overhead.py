@@ -4,6 +4,7 @@ the rows it pools (the engine runs themselves are the benchmark's)."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,15 @@ def test_the_hook_timings_an_engine_process_writes_are_read_back(tmp_path: Path)
     timer = HookTimer(store)
     with timer.timed("start_load_kv"):
         pass
+    with timer.timed("send"):
+        spent = time.thread_time() + 0.02
+        while time.thread_time() < spent:  # the saver thread busy on the engine's core
+            pass
     CONNECTOR_PREPARE_ANSWERS.labels(store, "read").inc(3)
     write_to_textfile(str(tmp_path / "connector-worker-1.prom"), REGISTRY)
     samples = bench.connector_samples(tmp_path)
     assert samples[("kvmesh_connector_hook_seconds_count", "start_load_kv")] >= 1
+    assert samples[("kvmesh_connector_hook_cpu_seconds_total", "send")] >= 0.02
     assert samples[("kvmesh_connector_prepare_answers_total", "read")] >= 3
     assert bench.connector_samples(tmp_path / "none") == {}
 

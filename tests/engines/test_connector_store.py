@@ -551,6 +551,28 @@ def test_store_directories_read_the_own_store_and_whether_a_peer_holds_more(
         unknown.close()
 
 
+def test_store_directories_count_the_blocks_peers_hold_after_the_own_store_as_prepare_pulls(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    own, peer = stores
+    run, _ = request(55, blocks=4)
+    client(own).save(*request(55, blocks=2))  # blocks 0-1
+    client(peer).save(*request(55, blocks=3))  # blocks 0-2
+    # each peer in order, from where the one before stopped (the store's Prepare does so)
+    in_turn = StoreDirectories(client(own), [client(own), client(peer)])
+    try:
+        assert in_turn.peers_leading(run.digests) == 3  # 0-1 from the first, 2 from the second
+        assert in_turn.peers_leading(run.digests[2:]) == 1
+        assert in_turn.peers_leading(run.digests[3:]) == 0  # nobody holds block 3
+    finally:
+        in_turn.close()
+    unknown = StoreDirectories(client(own))  # peers named by page address only
+    try:
+        assert unknown.peers_leading(run.digests[2:]) is None
+    finally:
+        unknown.close()
+
+
 def test_store_directories_of_a_store_without_shared_memory_are_unknown() -> None:
     with EngineStore(page_bytes=PAGE, block_size=B, num_pages=16, shm_dir=None) as store:
         run, pages = request(52)

@@ -1,0 +1,167 @@
+"""A pull never holds the scheduler: one real vLLM engine, its store, and a peer store whose
+directory it reads (``peer_controls``).
+
+Only the peer holds a prompt's blocks. The scheduler claims them from the
+directories at once as an asynchronous load (vLLM parks the request in
+``WAITING_FOR_REMOTE_KVS``); the worker asks its store to pull them (slowed
+by the store's ``page_delay_s`` test hook), loads them and reports the request
+done. Meanwhile the engine answers other requests, the connector never
+answers "not yet" (no skipped step), and the pulled blocks give the engine's
+own answer. A block the peer lost before the pull is recomputed, never an
+error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.benchmarks.connector_overhead import connector_samples
+from kvmesh.connector.blocks import sealed_page_bytes
+from kvmesh.connector.engine_config import connector_config
+from kvmesh.connector.hook_timings import TIMINGS_ENV
+from kvmesh.connector.store_client import StoreClient
+from kvmesh.connector.store_launcher import engine_block_nbytes
+from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
+from kvmesh.worker.engine_store import EngineStore
+from tests.engines.connector_kit import (
+    BLOCK,
+    complete,
+    digests,
+    external_hits,
+    prompt_of,
+    reset_prefix_cache,
+    run_of,
+    wait_saved,
+    wait_until,
+)
+
+PAGE_DELAY_S = 0.4  # per page the engine's store pulls: a 6-block pull takes 2.4 s
+
+
+@dataclass
+class Mesh:
+    engine: VLLMEngine
+    own: EngineStore
+    peer: EngineStore
+    timings: Path
+
+    def answers(self, answer: str) -> float:
+        """How often the connector answered `answer` so far (its process writes them)."""
+        return connector_samples(self.timings).get(
+            ("kvmesh_connector_prepare_answers_total", answer), 0.0
+        )
+
+    def blocks(self, outcome: str) -> float:
+        """The connector's ``kvmesh_connector_blocks`` of `outcome`, from its timing files."""
+        total = 0.0
+        for path in self.timings.glob("connector-*.prom"):
+            for family in text_string_to_metric_families(path.read_text()):
+                for s in family.samples:
+                    if s.name == "kvmesh_connector_blocks_total" and s.labels["outcome"] == outcome:
+                        total += s.value
+        return total
+
+
+def held(store: EngineStore, prompt: list[int]) -> int:
+    return store.service.prefix_length(digests(prompt))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
+    page_bytes = sealed_page_bytes(engine_block_nbytes(engine_model(), BLOCK), BLOCK)
+    timings = tmp_path_factory.mktemp("hook-timings")
+    with (
+        EngineStore(
+            page_bytes=page_bytes,
+            block_size=BLOCK,
+            num_pages=64,
+            name="own",
+            page_delay_s=PAGE_DELAY_S,
+        ) as own,
+        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="peer") as peer,
+    ):
+        config = connector_config(
+            own.address,
+            own.control_address,
+            peers=[peer.address],
+            peer_controls=[peer.control_address],
+            timeout_s=30.0,
+        )
+        engine = start_engine(
+            EngineSpec(
+                block_size=BLOCK,
+                extra_args=("--kv-transfer-config", config),
+                extra_env={TIMINGS_ENV: str(timings)},
+            ),
+            name="connector-async-pull",
+        )
+        yield Mesh(engine, own, peer, timings)
+
+
+def only_the_peer_holds(mesh: Mesh, prompt: list[int]) -> list[int]:
+    """Compute `prompt` once, move its blocks to the peer store; the engine's answer."""
+    answer = complete(mesh.engine, prompt)
+    own = StoreClient(mesh.own.address, mesh.own.control_address)
+    peer = StoreClient(mesh.peer.address, mesh.peer.control_address)
+    try:
+        wait_saved(own, prompt)
+        pages = own.fetch(digests(prompt))
+        assert all(page is not None for page in pages)
+        peer.save(run_of(prompt), [page for page in pages if page is not None])
+        own.forget(digests(prompt))
+    finally:
+        own.close()
+        peer.close()
+    reset_prefix_cache(mesh.engine)
+    assert held(mesh.own, prompt) == 0 and held(mesh.peer, prompt) == 6
+    return answer
+
+
+def test_a_pull_is_loaded_asynchronously_and_never_skips_a_step(mesh: Mesh) -> None:
+    held_prompt, pulled_prompt = prompt_of(52), prompt_of(51)
+    complete(mesh.engine, held_prompt, max_tokens=1)  # its blocks: in the engine's store
+    answer = only_the_peer_holds(mesh, pulled_prompt)  # (resets the engine's cache)
+    assert held(mesh.own, held_prompt) == 6
+    wait_until(lambda: mesh.answers("read") > 0, "the connector's answers in its timing file")
+    pending, claimed = mesh.answers("pending"), mesh.answers("async")
+    before = external_hits(mesh.engine)
+    results: list[list[int]] = []
+    waiting = threading.Thread(
+        target=lambda: results.append(complete(mesh.engine, pulled_prompt)), daemon=True
+    )
+    waiting.start()
+    time.sleep(0.3)  # a head start: its pull (2.4 s) is under way
+    complete(mesh.engine, held_prompt, max_tokens=1)  # loaded from the engine's store
+    assert held(mesh.own, pulled_prompt) < 6  # answered while the pull still runs
+    assert waiting.is_alive()
+    waiting.join(timeout=60)
+    assert results == [answer]  # the pulled blocks give the engine's own answer
+    assert held(mesh.own, pulled_prompt) == 6  # pulled into the engine's store
+    assert external_hits(mesh.engine) - before == 2 * 6 * BLOCK  # both loaded, not computed
+    wait_until(lambda: mesh.answers("async") > claimed, "the asynchronous claim to be written")
+    time.sleep(1.0)  # the timing file is rewritten every 0.5 s
+    assert mesh.answers("pending") == pending  # the scheduler never waited for the pull
+
+
+def test_blocks_the_peer_lost_before_the_pull_are_recomputed(mesh: Mesh) -> None:
+    prompt = prompt_of(53)
+    answer = only_the_peer_holds(mesh, prompt)
+    time.sleep(1.0)  # the timing file is rewritten every 0.5 s
+    loaded, undelivered = mesh.blocks("loaded"), mesh.blocks("undelivered")
+    # the scheduler claims all six from the peer's directory, but the peer drops the last
+    # three before the pull reads it (the test hook delays the pull's start)
+    losing = threading.Thread(
+        target=lambda: (time.sleep(0.5), mesh.peer.forget(digests(prompt)[3:])), daemon=True
+    )
+    losing.start()
+    assert complete(mesh.engine, prompt) == answer  # recomputed, not an error
+    losing.join()
+    wait_until(lambda: mesh.blocks("undelivered") == undelivered + 3, "the blocks not loaded")
+    assert mesh.blocks("loaded") == loaded + 3
