@@ -61,6 +61,7 @@ SHM_DIR = "/dev/shm"
 FILE_PREFIX = "kvmesh-store-"
 MAGIC = b"KVMARENA"
 TOKEN_BYTES = 16
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a mapping in when it is made
 HEADER_BYTES = 4096  # a page of its own: the pool's mapping starts on a page boundary
 _HEADER = struct.Struct(f"<8s{TOKEN_BYTES}s")
 _ALIGN = mmap.ALLOCATIONGRANULARITY
@@ -244,12 +245,14 @@ def _map_directory(fd: int, layout: ArenaLayout, *, writable: bool) -> mmap.mmap
     )
 
 
-def _map(fd: int, layout: ArenaLayout, *, pages_writable: bool) -> tuple[mmap.mmap, mmap.mmap]:
+def _map(
+    fd: int, layout: ArenaLayout, *, pages_writable: bool, populate: bool = False
+) -> tuple[mmap.mmap, mmap.mmap]:
     pages_prot = mmap.PROT_READ | (mmap.PROT_WRITE if pages_writable else 0)
     pages = mmap.mmap(
         fd,
         layout.pages * layout.page_bytes,
-        flags=mmap.MAP_SHARED,
+        flags=mmap.MAP_SHARED | (MAP_POPULATE if populate else 0),
         prot=pages_prot,
         offset=layout.pages_offset,
     )
@@ -264,10 +267,19 @@ def _map(fd: int, layout: ArenaLayout, *, pages_writable: bool) -> tuple[mmap.mm
 
 
 def create_arena(
-    page_bytes: int, pages: int, staging: int, directory: str | Path = SHM_DIR
+    page_bytes: int,
+    pages: int,
+    staging: int,
+    directory: str | Path = SHM_DIR,
+    *,
+    populate: bool = True,
 ) -> Arena:
     """A new arena file (mode 0600) in `directory`, zeroed, header written, mapped read-write.
 
+    `populate` (Linux) allocates and maps the whole pool now, not page by page
+    as blocks first land in it: a 256 KiB block written into a fresh tmpfs
+    page cost the store ~180 µs of page faults against ~9 µs for the copy
+    itself (~5 ms of CPU a 25-block request, on the cores the engines run on).
     `ConfigError` when the directory cannot hold it (no such directory, no room).
     """
     if min(page_bytes, pages, staging) <= 0:
@@ -292,7 +304,7 @@ def create_arena(
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, layout.size)
         os.pwrite(fd, _HEADER.pack(MAGIC, token), 0)
-        pages_map, staging_map = _map(fd, layout, pages_writable=True)
+        pages_map, staging_map = _map(fd, layout, pages_writable=True, populate=populate)
         directory_map = _map_directory(fd, layout, writable=True)
         os.rename(making, path)
     except OSError as exc:
