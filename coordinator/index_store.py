@@ -149,8 +149,6 @@ _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
 _NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
 _MIN_SLOTS = 1 << 12
-_PROBE_WINDOW = 8  # slots past a home slot that a batch's probe reads at once
-_PROBE_STEPS = np.arange(1, _PROBE_WINDOW + 1)
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
@@ -893,36 +891,40 @@ class PageStore:
         ids = np.where(found, self._holders.take(rows, mode="clip"), 0)
         # A page whose home slot holds another page may sit further on (linear probing);
         # one whose home slot is empty is nowhere, and ends its prompt's walk. The pages
-        # before such an end are probed for, all in one round of numpy calls.
+        # before such an end are probed for, one by one (a dozen or two a batch: a round of
+        # numpy calls cost more), a prompt's probes stopping at its first page found nowhere.
         empty = rows == _EMPTY
         maybe = np.flatnonzero(~found & ~empty)
         if len(maybe):
             if empty.any() and sizes.all():  # each prompt's first page found nowhere
                 gone_at = np.where(empty, _positions(len(empty)), len(empty))
                 maybe = maybe[maybe < np.minimum.reduceat(gone_at, starts)[owner[maybe]]]
-            placed = self._probe_many(home[maybe], keys_of[maybe])
-            ids[maybe] = np.where(placed >= 0, self._holders.take(placed, mode="clip"), 0)
+            ids[maybe] = self._probed_ids(maybe, home, owner, keys.flat)
         grid[owner, column] = ids
         return grid
 
-    def _probe_many(self, home: Rows, digests: npt.NDArray[np.uint64]) -> Rows:
-        """The rows of a few full-width digests whose home slots hold other pages, or -1:
-        the next `_PROBE_WINDOW` slots of each read at once, scalar probes past them."""
-        slots = (home[:, None] + _PROBE_STEPS) & self._table_mask
-        rows = self._table.take(slots)
-        same = self._same(self._digest.take(rows, axis=0, mode="clip"), digests[:, None, :])
-        same &= rows >= 0
-        ended = rows == _EMPTY
-        ended |= same
-        first = ended.argmax(axis=1)  # the digest, or an empty slot, whichever comes first
-        picked = _positions(len(rows))
-        out: Rows = np.where(same[picked, first], rows[picked, first], -1)
-        if ended[picked, first].all():
-            return out
-        for k in np.flatnonzero(~ended[picked, first]).tolist():  # a long run of full slots
-            out[k] = self._probe_one(
-                (int(home[k]) + _PROBE_WINDOW + 1) & self._table_mask, digests[k].tobytes()
-            )
+    def _probed_ids(
+        self, maybe: Rows, home: Rows, owner: Rows, flat: Sequence[PageHash]
+    ) -> list[int]:
+        """The holder ids of the pages `maybe` (positions in `flat`, in order) whose home
+        slots hold other pages, probed one by one (a batch has a dozen or two): 0 for a
+        page found nowhere, and for the pages of its prompt after it, which no walk reads."""
+        out: list[int] = []
+        holders = self._holders_view
+        mask = self._table_mask
+        ended = -1
+        for i, start, prompt in zip(
+            maybe.tolist(), home[maybe].tolist(), owner[maybe].tolist(), strict=True
+        ):
+            if prompt == ended:
+                out.append(0)
+                continue
+            row = self._probe_one((start + 1) & mask, flat[i])
+            if row < 0:
+                ended = prompt
+                out.append(0)
+            else:
+                out.append(holders[row])
         return out
 
     def _same(
@@ -998,12 +1000,13 @@ class PageStore:
 
     def _probe_one(self, pos: int, digest: bytes) -> int:
         """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""
-        table, mask = self._table, self._table_mask
+        table, digests, mask = self._table_view, self._digest_view, self._table_mask
+        width = self._words * 8
         while True:
-            row = int(table.item(pos))
+            row = table[pos]
             if row == _EMPTY:
                 return -1
-            if row >= 0 and self._digest[row].tobytes() == digest:
+            if row >= 0 and digests[row * width : row * width + width] == digest:
                 return row
             pos = (pos + 1) & mask
 

@@ -261,8 +261,8 @@ def test_a_batchs_prefix_lengths_are_each_slots_walk_by_the_general_path(
 
 
 def test_a_batchs_lookup_probes_past_a_long_run_of_full_slots() -> None:
-    """Digests sharing their first 8 bytes share a home slot: the later ones sit in a run
-    longer than a batch's probe window, and are found (or not) all the same."""
+    """Digests sharing their first 8 bytes share a home slot: the later ones sit in a long
+    run of full slots, and are found (or not) all the same."""
     store = PageStore(min_slots=64)
     store.ensure_slot(0)
     crowd = [PageHash(b"samekey!" + k.to_bytes(24, "little")) for k in range(1, 20)]
