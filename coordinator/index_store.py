@@ -149,6 +149,7 @@ _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
 _NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
 _MIN_SLOTS = 1 << 12
+_SCALAR_PROBES = 64  # digests `_find` probes one by one once its first round is done
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
@@ -307,6 +308,7 @@ class PageStore:
         table's is in `_new_table`."""
         self._digest_view = self._digest.reshape(-1).view(np.uint8).data
         self._holders_view = self._holders.data
+        self._length_view = self._length.data
 
     def _encode(
         self, hashes: Sequence[bytes]
@@ -406,7 +408,9 @@ class PageStore:
     ) -> tuple[Rows, Rows]:
         """(rows, stops): each digest's row or -1, and for a missing one the empty slot
         its probe ended at (where it may be placed). Probing rounds, each a fixed
-        number of numpy calls."""
+        number of numpy calls, then the last few digests one by one: a store's new pages
+        probe on to an empty slot, and their last rounds, for a handful of digests in the
+        longest runs of full slots, cost more in calls than the probes themselves."""
         n = len(lengths)
         out = np.full(n, -1, np.int64)
         stops = np.full(n, -1, np.int64)
@@ -416,7 +420,12 @@ class PageStore:
         wide = digests[:, : self._words]
         pos = self._home(np.ascontiguousarray(digests[:, 0]))
         todo = np.arange(n)
+        rounds = 0
         while len(todo):
+            if rounds and len(todo) <= _SCALAR_PROBES:
+                self._probe_rest(todo, pos, wide, lengths, out, stops)
+                break
+            rounds += 1
             rows = self._table[pos].astype(np.int64)
             same = (self._length.take(rows, mode="clip") == lengths[todo]) & (
                 self._digest.take(rows, axis=0, mode="clip") == wide[todo]
@@ -428,6 +437,38 @@ class PageStore:
             go_on = ~empty & ~same
             todo, pos = todo[go_on], (pos[go_on] + 1) & self._table_mask
         return out, stops
+
+    def _probe_rest(
+        self,
+        todo: Rows,
+        pos: Rows,
+        wide: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.uint8],
+        out: Rows,
+        stops: Rows,
+    ) -> None:
+        """`_find`'s probing for the few digests `todo` left at slots `pos`, one by one."""
+        table, digests, length_of = self._table_view, self._digest_view, self._length_view
+        width = self._words * 8
+        mask = self._table_mask
+        raw = np.ascontiguousarray(wide[todo]).tobytes()
+        for k, (i, at, n) in enumerate(
+            zip(todo.tolist(), pos.tolist(), lengths[todo].tolist(), strict=True)
+        ):
+            digest = raw[k * width : k * width + width]
+            while True:
+                row = table[at]
+                if row == _EMPTY:
+                    stops[i] = at
+                    break
+                if (
+                    row >= 0
+                    and length_of[row] == n
+                    and digests[row * width : row * width + width] == digest
+                ):
+                    out[i] = row
+                    break
+                at = (at + 1) & mask
 
     def find(self, hashes: Sequence[bytes]) -> Rows:
         """Each digest's row, or -1 where none exists (ghost rows included)."""
