@@ -35,6 +35,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "the gateway in front of two real vLLM CPU engines: kv_aware vs round_robin vs "
         "approx_prefix",
     ),
+    "placement": (
+        "kvmesh.benchmarks.engine_sim",
+        "the gateway's routing in front of simulated engines (block pools publishing KV "
+        "events, prefill queues in simulated time): hit rate, work and shares per policy",
+    ),
 }
 
 

@@ -143,6 +143,7 @@ class Gateway:
             config.history_blocks,
             stores,
             config.shared_prefix_blocks,
+            config.placement,
         )
         self.pool = EnginePool(config.engines, config.health_failures)
         self.decisions = DecisionLog(config.decision_log)

@@ -118,7 +118,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="kv_aware, approx_prefix: leading blocks every conversation shares (a system "
         "prompt); a request no engine holds more of goes to the engine that computed the "
-        "fewest blocks (default 0: the policy's cost alone)",
+        "fewest blocks, the rest by the policy's cost (default 0: off; set, it replaces "
+        "--placement conversations)",
+    )
+    r.add_argument(
+        "--placement",
+        choices=("conversations", "cost"),  # gateway.config.PLACEMENTS, not imported here
+        default=None,
+        help="kv_aware's rule: 'conversations' (kv_aware's default: conversations stay on the "
+        "engine holding them, new ones go where fewer blocks were stored lately) or 'cost' "
+        "(prefill plus queued tokens for every request, the rule before); approx_prefix "
+        "takes 'cost' unless told",
     )
     r.add_argument(
         "--decision-log",
@@ -189,6 +199,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
         health_interval_s=args.health_interval,
         history_blocks=args.history_blocks,
         shared_prefix_blocks=args.shared_prefix_blocks,
+        placement=args.placement,
         served_model=args.served_model_name,
         decision_log=args.decision_log,
     )

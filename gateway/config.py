@@ -22,6 +22,14 @@ MESH_POLICY = "kv_mesh"
 pulled to the chosen one through the mesh, so route, pull and recomputation are one cost."""
 
 
+COST = "cost"
+"""Placement by the policy's cost alone (`kv_aware`: prefill plus queued tokens, per request)."""
+CONVERSATIONS = "conversations"
+"""`routing.ConversationPlacement`: conversations stay, new ones go where fewer blocks were
+stored lately (`kv_aware`'s default)."""
+PLACEMENTS = (CONVERSATIONS, COST)
+
+
 STORE_SUFFIX = "/store"
 
 
@@ -88,6 +96,8 @@ class GatewayConfig:
     system prompt); a request no engine holds more of is placed on the
     engine that computed the fewest blocks (`routing.BalancedPlacement`,
     ``kv_aware`` and ``approx_prefix``); 0: the policy's cost alone.
+    `placement`: ``conversations`` or ``cost`` (`routing.PLACEMENTS`); None: the policy's
+    default (``conversations`` for ``kv_aware``, ``cost`` for the others).
     """
 
     engines: tuple[EngineTarget, ...]
@@ -101,6 +111,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     history_blocks: int = 0
     shared_prefix_blocks: int = 0
+    placement: str | None = None
     served_model: str | None = None  # default: the model the first engine serves
     decision_log: int = 4096  # routing decisions kept for GET /kvmesh/decisions (0: none)
 
@@ -123,5 +134,9 @@ class GatewayConfig:
             raise ConfigError(f"history_blocks must be >= 0, got {self.history_blocks}")
         if self.shared_prefix_blocks < 0:
             raise ConfigError(f"shared_prefix_blocks must be >= 0, got {self.shared_prefix_blocks}")
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"unknown placement {self.placement!r}; choose one of {list(PLACEMENTS)}"
+            )
         if self.decision_log < 0:
             raise ConfigError(f"decision_log must be >= 0 records, got {self.decision_log}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -52,8 +52,14 @@ from kvmesh.coordinator.policies import (
     make_policy,
 )
 from kvmesh.errors import ConfigError
-from kvmesh.events import PagesRemoved, PagesStored, make_batch
-from kvmesh.gateway.config import HISTORY_POLICY, MESH_POLICY
+from kvmesh.events import AllPagesCleared, KVEvent, PagesRemoved, PagesStored, make_batch
+from kvmesh.gateway.config import (
+    CONVERSATIONS,
+    COST,
+    HISTORY_POLICY,
+    MESH_POLICY,
+    PLACEMENTS,
+)
 from kvmesh.load import WorkerLoad
 from kvmesh.types import PageHash, WorkerId
 
@@ -141,6 +147,34 @@ def with_prefilling(
     return out
 
 
+def parting_depth(hashes: Sequence[PageHash], prefilling: Prefilling) -> int:
+    """The longest leading run `hashes` shares with a prompt being prefilled that both go on
+    past in different blocks: where the two prompts part (0: none). Their blocks reach the
+    index's `PrefixBranches` only once prefilled."""
+    depth = 0
+    for prompts in prefilling.values():
+        for other in prompts:
+            n = 0
+            for mine, theirs in zip(hashes, other, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            if depth < n < min(len(hashes), len(other)):
+                depth = n
+    return depth
+
+
+class Held(dict[WorkerId, int]):
+    """Per engine, the leading blocks of a request it holds (`IndexRouter.overlaps`);
+    `parts_at`: where the request parts from a prompt being prefilled (`parting_depth`)."""
+
+    __slots__ = ("parts_at",)
+
+    def __init__(self, held: Mapping[WorkerId, int], parts_at: int = 0) -> None:
+        super().__init__(held)
+        self.parts_at = parts_at
+
+
 class BalancedPlacement:
     """Where a request that no engine holds a conversation of goes: the engine that has
     computed the fewest prompt blocks so far.
@@ -202,6 +236,196 @@ class BalancedPlacement:
         self.computed.pop(worker_id, None)
 
 
+class EngineWork:
+    """The blocks each engine stored lately: its share of the last blocks all engines stored,
+    as many as their caches hold now (an `IndexObserver`, so it reads the engines' events).
+
+    Counted from events, not from this gateway's decisions, so two gateways
+    fed the same events agree, and an engine another gateway loads counts
+    too. The window is the blocks the index holds (the engines' caches once
+    full): what a cache still holds came in within it, so an engine that
+    restarted (or was reset) catches up by at most a cache's worth of blocks
+    and never takes every new conversation for long. Cost: O(1) a batch,
+    amortized.
+    """
+
+    def __init__(self, index: GlobalIndex) -> None:
+        self.index = index
+        self._recent: deque[tuple[WorkerId, int]] = deque()
+        self._blocks: dict[WorkerId, int] = {}
+        self._total = 0
+        index.add_observer(self)
+
+    def blocks(self, worker_id: WorkerId) -> int:
+        """Blocks `worker_id` stored within the window."""
+        return self._blocks.get(worker_id, 0)
+
+    def events_applied(self, worker_id: WorkerId, events: Sequence[KVEvent]) -> None:
+        stored = sum(len(e.page_hashes) for e in events if isinstance(e, PagesStored))
+        if any(isinstance(e, AllPagesCleared) for e in events):
+            self.worker_dropped(worker_id)
+        if not stored:
+            return
+        self._recent.append((worker_id, stored))
+        self._blocks[worker_id] = self._blocks.get(worker_id, 0) + stored
+        self._total += stored
+        window = len(self.index)
+        while self._recent and self._total - self._recent[0][1] >= window:
+            old, n = self._recent.popleft()
+            self._total -= n
+            self._blocks[old] -= n
+
+    def worker_dropped(self, worker_id: WorkerId) -> None:
+        """Its cache is gone: what it stored no longer weighs on where conversations go."""
+        if self._blocks.pop(worker_id, None) is None:
+            return
+        self._recent = deque((w, n) for w, n in self._recent if w != worker_id)
+        self._total = sum(n for _, n in self._recent)
+
+
+class PrefixBranches:
+    """Blocks the engines' caches continue in several ways: where prompts part.
+
+    A prefix cached with several different continuations is shared by several
+    prompts (a system prompt, a template), not one conversation's history;
+    holding it is no reason to send a new conversation to the engine. Kept
+    from events (`IndexObserver`): a block's children are the blocks stored
+    after it that some engine still holds. Memory: one entry per held block.
+    """
+
+    def __init__(self, index: GlobalIndex) -> None:
+        self.index = index
+        self._parent: dict[PageHash, PageHash] = {}
+        self._children: dict[PageHash, int] = {}
+        index.add_observer(self)
+
+    def shared_depth(self, hashes: Sequence[PageHash], held: int) -> int:
+        """The longest leading run of `hashes`, up to `held` blocks, ending at a block the
+        caches continue in `PARTED_WAYS` or more ways (0: none). O(held)."""
+        children = self._children
+        for k in range(held, 0, -1):
+            if children.get(hashes[k - 1], 0) >= PARTED_WAYS:
+                return k
+        return 0
+
+    def events_applied(self, worker_id: WorkerId, events: Sequence[KVEvent]) -> None:
+        for e in events:
+            if isinstance(e, PagesStored):
+                parent = e.parent_hash
+                for h in e.page_hashes:
+                    if parent is not None and h not in self._parent:
+                        self._parent[h] = parent
+                        self._children[parent] = self._children.get(parent, 0) + 1
+                    parent = h
+            elif isinstance(e, PagesRemoved):
+                for h in e.page_hashes:
+                    if h not in self.index:
+                        self._unlink(h)
+            else:
+                self.worker_dropped(worker_id)
+
+    def worker_dropped(self, worker_id: WorkerId) -> None:
+        """Blocks no engine holds any more are no one's children. O(blocks known)."""
+        for h in [h for h in self._parent if h not in self.index]:
+            self._unlink(h)
+
+    def _unlink(self, h: PageHash) -> None:
+        parent = self._parent.pop(h, None)
+        if parent is None:
+            return
+        n = self._children[parent] - 1
+        if n:
+            self._children[parent] = n
+        else:
+            del self._children[parent]
+
+
+class ConversationPlacement:
+    """``kv_aware``'s default rule: a conversation stays on the engine that holds it; a new one
+    goes to the engine that stored the fewest blocks lately.
+
+    - Blocks every candidate holds, or that end where prompts part (where the
+      caches continue them in `PARTED_WAYS` ways, `PrefixBranches`, or where
+      a prompt being prefilled goes on differently, `parting_depth`): a
+      system prompt, a template, are no affinity. A request no engine holds
+      more of starts a conversation (or restarts one evicted everywhere): it
+      goes to the engine with the least of the blocks it stored lately, its
+      queued prefill and the blocks it would compute for this request (all
+      in blocks, `EngineWork`), so each cache takes an even share of what
+      must be kept: balanced by work, not by request count.
+    - Otherwise the engine holding the longest prefix keeps the request. It
+      yields only to an idle engine (nothing queued) and only when its own
+      queued prefill exceeds `MOVE_PRICE` times the blocks it holds beyond
+      that engine: a move computes those blocks again, takes as much room in
+      the idle engine's cache and leaves a dead copy in the holder's, so a
+      queue of the moment must be worth several times the hit.
+
+    No engine takes every new conversation: a prefix prompts part at is no
+    affinity however few engines hold it, and an idle engine takes the
+    request of a holder that is busy enough.
+    """
+
+    def __init__(self, index: GlobalIndex) -> None:
+        self.work = EngineWork(index)
+        self.branches = PrefixBranches(index)
+
+    def choose(
+        self,
+        name: str,
+        request: RouteRequest,
+        overlaps: Mapping[WorkerId, int],
+        loads: Sequence[WorkerLoad],
+        rng: random.Random,
+    ) -> RouteDecision:
+        """`overlaps` as `IndexRouter.overlaps` returns them (`Held`: with `parts_at`).
+        The decision's cost: the blocks stored lately plus the queued and computed blocks (a
+        new conversation), or the blocks held beyond the chosen engine's (a follow-up)."""
+        cands = candidates(request, overlaps, loads)
+        held = cands.overlaps
+        best = max(held)
+        parts_at = overlaps.parts_at if isinstance(overlaps, Held) else 0
+        shared = max(min(held), parts_at, self.branches.shared_depth(request.hashes, best))
+        size = request.page_size
+        queued = [load.active_prefill_tokens for load in cands.loads]
+        work = [
+            self.work.blocks(load.worker_id) + q / size
+            for load, q in zip(cands.loads, queued, strict=True)
+        ]
+        everyone = range(len(held))
+        if best <= shared:
+            keys = [work[i] + request.num_pages - held[i] for i in everyone]
+            i = _least(keys, queued, rng)
+            return decide(name, request, cands, i, keys[i])
+        holders = [i for i in everyone if held[i] == best]
+        i = holders[_least([work[j] for j in holders], [queued[j] for j in holders], rng)]
+        idle = [j for j in everyone if queued[j] == 0 and held[j] < best]
+        if idle:
+            j = max(idle, key=lambda j: (held[j], -work[j]))
+            if queued[i] > MOVE_PRICE * (best - held[j]) * size:
+                i = j
+        return decide(name, request, cands, i, float(best - held[i]))
+
+
+MOVE_PRICE = 4
+"""How many times the blocks it would compute again a holder's queue must exceed before its
+request moves to an idle engine (`ConversationPlacement`; docs/engines.md has the simulation
+that set it: 1-2 lose 5 points of hit rate, 3-8 are level)."""
+
+PARTED_WAYS = 3
+"""Continuations cached after a block that make it a shared prefix (`PrefixBranches`): two
+may be one conversation editing its last turn, three are different prompts."""
+
+
+def _least(keys: Sequence[float], queued: Sequence[int], rng: random.Random) -> int:
+    """Index of the smallest key; ties by fewer queued tokens, then at random."""
+    lo = min(keys)
+    tied = [i for i, k in enumerate(keys) if k <= lo + 1e-9]
+    if len(tied) > 1:
+        q = min(queued[i] for i in tied)
+        tied = [i for i in tied if queued[i] == q]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
 class IndexRouter:
     """A coordinator policy over `index` (fed elsewhere, by the engines' event subscribers).
 
@@ -216,7 +440,15 @@ class IndexRouter:
         policy: str,
         config: CoordinatorConfig,
         shared_prefix_blocks: int = 0,
+        placement: str = COST,
     ) -> None:
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {placement!r}; choose one of {list(PLACEMENTS)}")
+        if placement == CONVERSATIONS and policy != "kv_aware":
+            raise ConfigError(
+                f"placement {CONVERSATIONS!r} is kv_aware's rule, not {policy!r}'s: leave it "
+                f"{COST!r}"
+            )
         if shared_prefix_blocks < 0:
             raise ConfigError(f"shared_prefix_blocks must be >= 0, got {shared_prefix_blocks}")
         self.index = index
@@ -224,6 +456,11 @@ class IndexRouter:
         self._rng = random.Random(config.seed)
         self._policy: RoutingPolicy = make_policy(policy, config, self._rng)
         self.placement = BalancedPlacement(shared_prefix_blocks) if shared_prefix_blocks else None
+        self.conversations = (
+            ConversationPlacement(index)
+            if placement == CONVERSATIONS and self.placement is None
+            else None
+        )
 
     def route(
         self,
@@ -239,7 +476,10 @@ class IndexRouter:
     ) -> dict[WorkerId, int]:
         overlaps = self.index.match(request.hashes).pages
         if prefilling:
-            return with_prefilling(overlaps, request.hashes, prefilling)
+            held = with_prefilling(overlaps, request.hashes, prefilling)
+            if self.conversations is not None:
+                return Held(held, parting_depth(request.hashes, prefilling))
+            return held
         return dict(overlaps)
 
     def choose(
@@ -250,6 +490,8 @@ class IndexRouter:
         key: bytes,
     ) -> RouteDecision:
         self._rng.seed(key)
+        if self.conversations is not None:
+            return self.conversations.choose(self.name, request, overlaps, loads, self._rng)
         placement = self.placement
         if placement is None:
             return self._policy.choose(request, overlaps, loads)
@@ -350,14 +592,18 @@ class HistoryRouter:
     """
 
     def __init__(
-        self, config: CoordinatorConfig, capacity_blocks: int = 0, shared_prefix_blocks: int = 0
+        self,
+        config: CoordinatorConfig,
+        capacity_blocks: int = 0,
+        shared_prefix_blocks: int = 0,
+        placement: str = COST,
     ) -> None:
         if capacity_blocks < 0:
             raise ConfigError(f"history capacity must be >= 0 blocks, got {capacity_blocks}")
         self.name = HISTORY_POLICY
         self.capacity_blocks = capacity_blocks
         self.index = GlobalIndex()
-        self._inner = IndexRouter(self.index, "kv_aware", config, shared_prefix_blocks)
+        self._inner = IndexRouter(self.index, "kv_aware", config, shared_prefix_blocks, placement)
         self._lru: dict[WorkerId, OrderedDict[PageHash, None]] = {}
         self._seq: dict[WorkerId, int] = {}
 
@@ -423,13 +669,19 @@ def make_router(
     history_blocks: int = 0,
     stores: Mapping[WorkerId, WorkerId] | None = None,
     shared_prefix_blocks: int = 0,
+    placement: str | None = None,
 ) -> Router:
     """The router for `policy`; `ConfigError` naming the known policies otherwise.
     `stores`: engine -> its store's index worker, which only ``kv_mesh`` reads;
-    `shared_prefix_blocks`: `BalancedPlacement` for ``kv_aware`` and ``approx_prefix``."""
+    `shared_prefix_blocks`: `BalancedPlacement` for ``kv_aware`` and ``approx_prefix``;
+    `placement` (`PLACEMENTS`): None is ``conversations`` for ``kv_aware``, else ``cost``."""
+    if placement is None:
+        placement = CONVERSATIONS if policy == "kv_aware" else COST
     if policy == HISTORY_POLICY:
-        return HistoryRouter(config, history_blocks, shared_prefix_blocks)
+        return HistoryRouter(config, history_blocks, shared_prefix_blocks, placement)
     if policy == MESH_POLICY:
+        if placement != COST:
+            raise ConfigError(f"{MESH_POLICY} places by its own cost: leave placement {COST!r}")
         return MeshRouter(index, config, stores)
     if policy not in REGISTRY:
         raise ConfigError(f"unknown routing policy {policy!r}; choose one of {list(POLICY_NAMES)}")
@@ -438,4 +690,4 @@ def make_router(
             f"shared_prefix_blocks places conversations for kv_aware and {HISTORY_POLICY}, "
             f"not {policy!r}: leave it 0"
         )
-    return IndexRouter(index, policy, config, shared_prefix_blocks)
+    return IndexRouter(index, policy, config, shared_prefix_blocks, placement)

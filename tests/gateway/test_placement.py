@@ -1,4 +1,5 @@
-"""`--shared-prefix-blocks`: conversations placed where fewer blocks were computed.
+"""`--shared-prefix-blocks`: conversations placed where fewer blocks were computed (the
+opt-in before `kv_aware`'s `conversations` placement, test_conversations.py).
 
 Every prompt of the benchmark's trace starts with the service's system
 block. Holding only that is no affinity: kv_aware with no load term sends
@@ -68,7 +69,8 @@ def test_without_a_load_term_kv_aware_sends_every_new_conversation_to_the_system
     None
 ):
     engines = Engines()
-    router = make_router("kv_aware", engines.index, CoordinatorConfig(queue_weight=0.0))
+    config = CoordinatorConfig(queue_weight=0.0)
+    router = make_router("kv_aware", engines.index, config, placement="cost")
     assert len(set(conversations(router, engines, 8))) == 1
 
 
