@@ -388,7 +388,10 @@ async def reset_cache(
 # ----------------------------------------------------------------------------- gateway
 
 
-GATEWAY_SETTINGS = {"shared_prefix_blocks": "--shared-prefix-blocks"}
+GATEWAY_SETTINGS = {
+    "shared_prefix_blocks": "--shared-prefix-blocks",
+    "placement": "--placement",
+}
 """Routing settings of the gateway itself (not `CoordinatorConfig` fields), as its flags."""
 
 

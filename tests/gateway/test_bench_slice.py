@@ -103,6 +103,9 @@ def test_a_policy_can_run_with_a_coordinator_setting_changed_for_its_gateway() -
     assert policy_setting("kv_aware[shared_prefix_blocks=1;queue_weight=0.5]") == PolicySetting(
         "kv_aware", {"KVMESH_QUEUE_WEIGHT": "0.5"}, ("--shared-prefix-blocks", "1")
     )
+    assert policy_setting("kv_aware[placement=cost]") == PolicySetting(
+        "kv_aware", {}, ("--placement", "cost")
+    )
     with pytest.raises(ConfigError, match="NAME\\[field=value\\]"):
         policy_setting("kv_aware[queue_weight=0.5")
     with pytest.raises(ConfigError, match=r"'qw' is no CoordinatorConfig field .* gateway setting"):
