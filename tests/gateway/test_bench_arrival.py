@@ -130,7 +130,13 @@ def test_the_engines_own_times_are_means_per_request() -> None:
     m = Measured(wall_s=1.0)
     m.replay.ttfts = [0.2, 0.4]
     m.spent = {"queue_s": 0.1, "prefill_s": 0.3, "ttft_s": 0.5, "requests": 2.0}
+    m.decisions = [
+        {"route_ms": 1.0, "first_byte_ms": 100.0},
+        {"route_ms": 3.0, "first_byte_ms": 200.0},
+        {"route_ms": None, "first_byte_ms": None},  # a request that never reached an engine
+    ]
     r = summarize("kv_aware", m, bound=0.7)
+    assert (r.gateway_route_ms, r.gateway_first_byte_ms) == (2.0, 150.0)
     assert (r.engine_queue_ms, r.engine_prefill_ms, r.engine_ttft_ms) == pytest.approx(
         (50.0, 150.0, 250.0)
     )
