@@ -409,7 +409,7 @@ class ConversationPlacement:
 MOVE_PRICE = 4
 """How many times the blocks it would compute again a holder's queue must exceed before its
 request moves to an idle engine (`ConversationPlacement`; docs/engines.md has the simulation
-that set it: 1-2 lose 5 points of hit rate, 3-8 are level)."""
+that set it: 1 and 2 lose hit rate, 3 to 8 are level)."""
 
 PARTED_WAYS = 3
 """Continuations cached after a block that make it a shared prefix (`PrefixBranches`): two
