@@ -16,6 +16,11 @@ directory entry a moment stale) fails the check, and it and every later
 block are recomputed. An arena whose file is gone (the store restarted) is
 mapped anew first. gRPC: ``FetchPages``, then `unseal` and the same copy.
 
+A load read from the directory makes no call, so the store does not see it
+as a hit: its blocks are remembered (`MAX_TOUCHED`) and sent with the next
+save, which the store touches first (a block loaded often is not the first
+evicted).
+
 Save: `stage` runs in the engine's step and copies the step's blocks out of
 the KV cache (the engine may reuse them once the request ends): into staging
 slots of the arena leased to this engine (``Attach``), or into bytes for
@@ -52,6 +57,8 @@ from kvmesh.metrics import CONNECTOR_SHM_UNMAPPED
 from kvmesh.page_arena import Arena, open_arena
 
 log = logging.getLogger(__name__)
+
+MAX_TOUCHED = 4096  # loaded blocks remembered for the store's LRU until the next save
 
 
 class KVLayers:
@@ -179,6 +186,8 @@ class BlockPath:
         self._mapped: Mapped | None = None
         self._arena_seen = False  # the store offered an arena this host mapped: Locate first
         self._lock = threading.Lock()
+        # blocks loaded through the directory since the last save: touched by the next one
+        self._touched: deque[bytes] = deque(maxlen=MAX_TOUCHED)
 
     @property
     def mapped(self) -> Mapped | None:
@@ -269,8 +278,22 @@ class BlockPath:
             try:
                 check_seal(digest, trailer, layers.parts(block_id), nbytes)
             except KVMeshError as exc:
+                self._touched.extend(digests[:i])
                 return Loaded(i, refused=digest, error=exc)
-        return Loaded(min(len(slots), len(digests)))
+        loaded = min(len(slots), len(digests))
+        if self.directory:  # Locate touched them already
+            self._touched.extend(digests[:loaded])
+        return Loaded(loaded)
+
+    def take_touched(self) -> list[bytes]:
+        """The blocks loaded through the directory since the last call (for the next save)."""
+        taken = []
+        while self._touched:
+            try:
+                taken.append(self._touched.popleft())
+            except IndexError:  # another thread took the last one
+                break
+        return taken
 
     def _copy_from_fetch(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Loaded:
         pages = self.client.fetch(digests)
@@ -341,7 +364,7 @@ class BlockPath:
             ]
             return self.client.save(pending.run, pages)
         try:
-            return self._save_staged(mapped, pending.run, pending.slots)
+            return self._save_staged(mapped, pending.run, pending.slots, self.take_touched())
         except ArenaUnavailable:
             self._forget_mapping(mapped)
             fresh = self._leased()
@@ -359,11 +382,13 @@ class BlockPath:
         finally:
             mapped.slots.give(pending.slots)
 
-    def _save_staged(self, mapped: Mapped, run: BlockRun, slots: Sequence[int]) -> list[bool]:
+    def _save_staged(
+        self, mapped: Mapped, run: BlockRun, slots: Sequence[int], touched: Sequence[bytes] = ()
+    ) -> list[bool]:
         lease = mapped.lease
         if lease is None:
             raise ArenaUnavailable("the staging lease was given up; Attach again")
-        return self.client.save_staged(run, lease, slots)
+        return self.client.save_staged(run, lease, slots, touched)
 
     def release(self, pending: PendingSave) -> None:
         """Give back the slots of a save that will not be sent (dropped)."""

@@ -125,13 +125,22 @@ class StoreClient:
             tuple(str(p) for p in a.get("peers") or ()),
         )
 
-    def save(self, run: BlockRun, pages: Sequence[bytes]) -> list[bool]:
-        """Hand sealed blocks to the store; per block whether it was new there."""
-        return list(self._call(self._save, {**run.wire(), "pages": list(pages)})["inserted"])
+    def save(
+        self, run: BlockRun, pages: Sequence[bytes], touched: Sequence[bytes] = ()
+    ) -> list[bool]:
+        """Hand sealed blocks to the store; per block whether it was new there.
 
-    def save_staged(self, run: BlockRun, lease: bytes, slots: Sequence[int]) -> list[bool]:
+        `touched`: blocks this engine loaded since its last save (read from the
+        arena's directory, no call), which the store first touches as hits.
+        """
+        body = {**run.wire(), "pages": list(pages), "touched": list(touched)}
+        return list(self._call(self._save, body)["inserted"])
+
+    def save_staged(
+        self, run: BlockRun, lease: bytes, slots: Sequence[int], touched: Sequence[bytes] = ()
+    ) -> list[bool]:
         """`save` for sealed blocks written into the staging `slots` this client's `lease` holds."""
-        body = {**run.wire(), "lease": lease, "slots": list(slots)}
+        body = {**run.wire(), "lease": lease, "slots": list(slots), "touched": list(touched)}
         return list(self._call(self._save, body)["inserted"])
 
     def attach(self) -> bytes:

@@ -11,6 +11,8 @@ and a small control service (`kvmesh.v1.EngineStore`, msgpack bodies):
   tokens and extra keys, the parent digest): every page enters the pool
   through `PageService.insert_many`, proven first, so a page is cached only
   under a hash its tokens produce with the engine's own hash function;
+  its ``touched`` digests (blocks the engine loaded from the arena since its
+  last save, with no call) are first touched as hits in the pool's LRU;
 - ``Forget``: drop blocks the engine refused on load (a seal that failed),
   so the engine's recomputed block is saved in their place;
 - ``Describe``: the page size, block size and hash the store was started with;
@@ -366,6 +368,12 @@ class EngineStore:
                 )
         return self.save(run, [memoryview(staging[s]) for s in slots])
 
+    def touch(self, digests: Sequence[PageHash]) -> None:
+        """Count blocks an engine loaded from the arena (no call then) as hits in the LRU:
+        a block loaded often is not the first evicted. Blocks no longer held are passed over."""
+        if digests:
+            self.service.unpin(self.service.pin(digests))
+
     def locate(self, digests: Sequence[PageHash]) -> list[int]:
         """Arena slots of the leading `digests` held, touched as a hit; nothing is pinned."""
         ids = self.service.pin(digests)
@@ -600,6 +608,10 @@ class EngineStore:
 
     def _save(self, body: dict[str, Any]) -> dict[str, Any]:
         run = BlockRun.from_wire(body, self.block_size)
+        touched = body.get("touched") or ()
+        if not isinstance(touched, tuple) or len(touched) > MAX_BLOCKS_PER_CALL:
+            raise InvalidInput(f"Save's touched is a list of at most {MAX_BLOCKS_PER_CALL} digests")
+        self.touch([check_hash(d, "touched block digest") for d in touched])
         if "slots" in body:
             lease, slots = body.get("lease"), body["slots"]
             if not isinstance(lease, bytes) or not isinstance(slots, tuple):

@@ -404,7 +404,9 @@ def test_blocks_move_through_shared_memory_as_the_engines_own_bytes(
     assert not same_blocks(source, [5], target, [3])  # untouched blocks stay as they were
 
 
-def saved_three_blocks(store: EngineStore, *, seed: int, n: int) -> tuple[list[torch.Tensor], BlockRun]:
+def saved_three_blocks(
+    store: EngineStore, *, seed: int, n: int
+) -> tuple[list[torch.Tensor], BlockRun]:
     """A KV cache of `seed` whose blocks 0-2 are saved to `store` as request `n`'s run."""
     source = kv_cache(seed=seed)
     path = engine_path(store, source)
@@ -468,6 +470,34 @@ def test_a_load_through_shared_memory_makes_no_call_to_the_store(
     loaded = loading.load(run.digests, [4, 5, 6])
     assert (loaded.blocks, loaded.refused, loaded.error) == (3, None, None)
     assert same_blocks(source, [0, 1, 2], target, [4, 5, 6])
+
+
+def test_blocks_loaded_through_the_directory_are_hits_in_the_stores_lru(
+    shm_store: EngineStore,
+) -> None:
+    path = engine_path(shm_store, kv_cache(seed=8))
+    runs = [request(70 + i) for i in range(5)]  # 15 of the store's 16 pages, oldest first
+    for run, _ in runs:
+        pending = path.stage(run, [0, 1, 2])
+        assert pending is not None and path.send(pending) == [True] * 3
+    oldest, next_oldest = runs[0][0], runs[1][0]
+    assert path.load(oldest.digests, [4, 5, 6]).blocks == 3  # read from the directory: no call
+    newer, _ = request(80, blocks=4)  # one page free: three evicted
+    pending = path.stage(newer, [0, 1, 2, 3])
+    assert pending is not None and path.send(pending) == [True] * 4  # carries the loads
+    assert shm_store.service.prefix_length(oldest.digests) == 3  # loaded: kept
+    assert shm_store.service.prefix_length(next_oldest.digests) == 0  # evicted instead
+    assert path.take_touched() == []  # sent once
+
+
+def test_a_save_with_touched_blocks_that_are_not_digests_is_refused_by_name(
+    stores: tuple[EngineStore, EngineStore],
+) -> None:
+    store = stores[0]
+    run, pages = request(81, blocks=1)
+    with pytest.raises(InvalidInput, match="touched block digest"):
+        client(store).save(run, pages, touched=["not a digest"])  # type: ignore[list-item]
+    assert store.service.prefix_length(run.digests) == 0  # nothing kept
 
 
 def test_without_the_directory_a_load_asks_the_store_where_its_pages_lie(
