@@ -136,12 +136,7 @@ def with_prefilling(
     for worker_id, prompts in prefilling.items():
         best = out.get(worker_id, 0)
         for other in prompts:
-            n = 0
-            for mine, theirs in zip(hashes, other, strict=False):
-                if mine != theirs:
-                    break
-                n += 1
-            best = max(best, n)
+            best = max(best, common_prefix(hashes, other))
         if best:
             out[worker_id] = best
     return out
@@ -154,14 +149,20 @@ def parting_depth(hashes: Sequence[PageHash], prefilling: Prefilling) -> int:
     depth = 0
     for prompts in prefilling.values():
         for other in prompts:
-            n = 0
-            for mine, theirs in zip(hashes, other, strict=False):
-                if mine != theirs:
-                    break
-                n += 1
+            n = common_prefix(hashes, other)
             if depth < n < min(len(hashes), len(other)):
                 depth = n
     return depth
+
+
+def common_prefix(a: Sequence[PageHash], b: Sequence[PageHash]) -> int:
+    """How many leading blocks `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Held(dict[WorkerId, int]):
