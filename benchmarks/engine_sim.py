@@ -23,7 +23,10 @@ simulated engines, in simulated time, deterministically:
   load is real in simulated time: queues form, and the gateway sees them as
   in-flight prefill tokens;
 - ``clients`` clients send the slice in trace order, each turn after its
-  conversation's previous one was answered (the bench's closed replay).
+  conversation's previous one was answered (the bench's closed replay), or
+  (``--arrival trace``) each turn arrives at the trace's own time,
+  compressed to ``--load`` times round robin's closed-loop rate simulated
+  first, as ``bench engines --arrival trace`` sends them.
 
 Per policy it prints the engines' prefix-cache hit rate (in prompt tokens, as
 vLLM counts it), the prompt tokens computed (the work), the share of requests
@@ -43,6 +46,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import msgpack
 
 from kvmesh.arguments import non_negative_int, positive_float, positive_int
+from kvmesh.benchmarks.bench_engines import ARRIVALS, DEFAULT_LOAD, Turn, send_times
 from kvmesh.benchmarks.engine_slices import (
     SLICES,
     Picked,
@@ -100,6 +104,7 @@ class SimTurn:
     conversation: int
     token_ids: tuple[int, ...]
     hashes: tuple[PageHash, ...]
+    at_s: float = 0.0  # the trace's time, after the slice's first request
 
 
 def sim_turns(picked: Picked, block_tokens: int, full_blocks: bool) -> list[SimTurn]:
@@ -108,10 +113,12 @@ def sim_turns(picked: Picked, block_tokens: int, full_blocks: bool) -> list[SimT
     table = blocks_tokens({b for _, r in picked for b in r.hash_ids}, block_tokens)
     hasher = EngineHasher(block_size=block_tokens)
     out: list[SimTurn] = []
+    first = picked[0][1].timestamp_ms if picked else 0
     for conversation, r in picked:
         ids = tuple(t for b in r.hash_ids for t in table[b])
         ids = ids[: prompt_tokens(r, block_tokens, full_blocks)]
-        out.append(SimTurn(conversation, ids, tuple(hasher.hash_prompt(ids))))
+        at_s = (r.timestamp_ms - first) / 1000
+        out.append(SimTurn(conversation, ids, tuple(hasher.hash_prompt(ids)), at_s))
     return out
 
 
@@ -250,6 +257,7 @@ class SimResult:
     ttft_p99_ms: float
     moved: int  # follow-ups sent to another engine than their conversation's previous turn
     follow_ups: int
+    requests_per_s: float  # answered per simulated second
 
     @property
     def max_share(self) -> float:
@@ -291,12 +299,16 @@ class Simulation:
         self.hits = self.queries = self.computed = 0
         self._engine_of: dict[int, WorkerId] = {}
         self.moved = self.follow_ups = 0
+        self.last_ms = 0.0
 
     def _at(self, t: float, action: Callable[[float], None]) -> None:
         self._order += 1
         heapq.heappush(self._heap, (t, self._order, action))
 
-    def run(self, label: str) -> SimResult:
+    def run(self, label: str, rate: float | None = None) -> SimResult:
+        """Closed (`clients` clients), or open with `rate`: the trace's arrivals compressed to
+        `rate` requests per simulated second (`bench_engines.send_times`), a turn sent at its
+        arrival or when its conversation's previous turn is answered, if later."""
         todo = deque(range(len(self.turns)))
         previous: dict[int, int] = {}
         before: list[int | None] = []
@@ -320,10 +332,26 @@ class Simulation:
             done.add(i)
             for j in waiting.pop(i, []):
                 self._send(t, j, finished)
-            next_turn(t)
+            if rate is None:
+                next_turn(t)
 
-        for _ in range(self.clients):
-            next_turn(0.0)
+        def arrive(i: int) -> Callable[[float], None]:
+            def send(t: float) -> None:
+                p = before[i]
+                if p is None or p in done:
+                    self._send(t, i, finished)
+                else:
+                    waiting.setdefault(p, []).append(i)
+
+            return send
+
+        if rate is None:
+            for _ in range(self.clients):
+                next_turn(0.0)
+        else:
+            stamps = [Turn(t.conversation, (), t.at_s) for t in self.turns]
+            for i, at_s in enumerate(send_times(stamps, rate)):
+                self._at(at_s * 1000, arrive(i))
         while self._heap:
             t, _, action = heapq.heappop(self._heap)
             action(t)
@@ -338,6 +366,7 @@ class Simulation:
             percentile(self.ttfts, 99) if self.ttfts else 0.0,
             self.moved,
             self.follow_ups,
+            n / (self.last_ms / 1000) if self.last_ms else 0.0,
         )
 
     def _send(self, t: float, i: int, finished: Callable[[float, int], None]) -> None:
@@ -390,6 +419,7 @@ class Simulation:
                 finished(t, job.index)
 
             self._at(t + self.speed.decode_ms, complete)
+            self.last_ms = max(self.last_ms, t + self.speed.decode_ms)
 
         self._at(t + self.speed.prefill_ms(computed), prefill_done)
 
@@ -445,15 +475,16 @@ def simulate(
     clients: int = 4,
     max_tokens: int = 4,
     speed: EngineSpeed | None = None,
+    rate: float | None = None,
 ) -> SimResult:
-    """One policy over a fresh index and fresh engines."""
+    """One policy over a fresh index and fresh engines; `rate`: open loop (`Simulation.run`)."""
     index = GlobalIndex()
     router = policy_router(label, index, engine_blocks)
     sim = Simulation(
         turns, router, index, engines=engines, engine_blocks=engine_blocks,
         block_tokens=block_tokens, clients=clients, max_tokens=max_tokens, speed=speed,
     )  # fmt: skip
-    return sim.run(label)
+    return sim.run(label, rate)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -461,7 +492,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-turns", type=non_negative_int, default=8)
     parser.add_argument("--slice", choices=SLICES, default=SLICES[0], help="as bench engines")
     parser.add_argument("--full-blocks", action="store_true", help="as bench engines")
-    parser.add_argument("--concurrency", type=positive_int, default=4, help="clients")
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=4, help="clients of the closed loop"
+    )
+    parser.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default=ARRIVALS[0],
+        help="closed: each client sends its next turn when its last is answered; trace: the "
+        "trace's arrivals compressed to --load x round robin's closed-loop rate (open loop)",
+    )
+    parser.add_argument(
+        "--load",
+        type=positive_float,
+        default=DEFAULT_LOAD,
+        help="with --arrival trace: the arrival rate as a fraction of what round robin answers "
+        "in the closed loop, simulated first",
+    )
     parser.add_argument("--max-tokens", type=positive_int, default=4)
     parser.add_argument("--block-tokens", type=positive_int, default=32)
     parser.add_argument("--engine-blocks", type=positive_int, default=384)
@@ -502,7 +549,11 @@ def run(args: argparse.Namespace) -> int:
         "clients": args.concurrency,
         "max_tokens": args.max_tokens,
     }
-    results = [simulate(turns, label, speed=speed, **shape) for label in policies]
+    rate = None
+    if args.arrival == "trace":
+        closed = simulate(turns, "round_robin", speed=speed, **shape)
+        rate = args.load * closed.requests_per_s
+    results = [simulate(turns, label, speed=speed, rate=rate, **shape) for label in policies]
     if args.json:
         for r in results:
             print(json.dumps({**asdict(r), "max_share": r.max_share}))
@@ -515,7 +566,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"slice {args.slice} ({'full' if args.full_blocks else 'partial'} last blocks), "
-        f"{len(turns)} requests, {args.concurrency} clients, {args.engines} simulated engines "
+        f"{len(turns)} requests, "
+        + (f"{args.concurrency} clients" if rate is None else f"open loop at {rate:.2f}/s")
+        + f", {args.engines} simulated engines "
         f"of {args.engine_blocks} blocks; LRU replays: bound {replays.bound:.3f}, round robin "
         f"{replays.round_robin:.3f}, pinned {replays.pinned:.3f}, shared {replays.shared:.3f}"
     )

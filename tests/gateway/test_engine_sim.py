@@ -131,3 +131,21 @@ def test_bench_placement_prints_each_policy_and_the_work_ratios(
     out = capsys.readouterr().out
     assert "kv_aware " in out and "round_robin " in out
     assert "prompt tokens computed, round_robin / kv_aware = " in out
+
+
+def test_the_open_loop_sends_each_turn_at_its_arrival_or_after_its_predecessor(
+    turns: list[SimTurn],
+) -> None:
+    slow = simulate(turns, "kv_aware", rate=0.5)
+    fast = simulate(turns, "kv_aware", rate=50.0)
+    assert slow.requests == fast.requests == len(turns)
+    assert slow.requests_per_s < 0.6  # arrivals set the pace: about 0.5 a second
+    assert fast.ttft_mean_ms > slow.ttft_mean_ms  # queues form only when arrivals crowd
+
+
+def test_bench_placement_with_trace_arrivals_calibrates_the_rate_on_round_robin(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "placement", "--requests", "40", "--arrival", "trace", "--load", "0.5"]
+    assert main([*argv, "--policies", "kv_aware"]) == 0
+    assert "open loop at " in capsys.readouterr().out
