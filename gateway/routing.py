@@ -4,7 +4,9 @@ Two routers share one shape (`Router`):
 
 - `IndexRouter`: the index is fed by the engines' own KV events (vLLM's
   ``--kv-events-config``), so it holds what the engines really cache. Any
-  coordinator policy by name (`kv_aware`, `round_robin`, ...).
+  coordinator policy by name (`kv_aware`, `round_robin`, ...); `kv_aware`
+  places by conversation (`ConversationPlacement`, placement
+  ``conversations``) unless told ``cost`` (the policy's cost per request).
 - `MeshRouter` (``kv_mesh``): for engines that load kvmesh's KV connector
   (`kvmesh.connector`), whose stores pull a prefix from each other. Every
   request may pull, so `kv_aware` weighs, per engine, the blocks its own
