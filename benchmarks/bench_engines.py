@@ -179,6 +179,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--store-blocks", type=positive_int, default=2048, help="blocks each kvmesh store holds"
     )
     parser.add_argument(
+        "--sync-pulls",
+        action="store_true",
+        help="with --connector: the scheduler waits for a pull (Prepare, the request skipped "
+        "until it answers) instead of loading it asynchronously, to compare",
+    )
+    parser.add_argument(
         "--decisions",
         default=None,
         metavar="DIR",
@@ -1021,6 +1027,7 @@ def run_connector(
                 store.control_address,
                 peers=[other.page_address],
                 peer_controls=[other.control_address],  # what the peer holds, read by the engine
+                async_pulls=not getattr(args, "sync_pulls", False),
             )
             engine_spec = replace(
                 spec,
