@@ -179,10 +179,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--store-blocks", type=positive_int, default=2048, help="blocks each kvmesh store holds"
     )
     parser.add_argument(
-        "--sync-pulls",
-        action="store_true",
-        help="with --connector: the scheduler waits for a pull (Prepare, the request skipped "
-        "until it answers) instead of loading it asynchronously, to compare",
+        "--pulls",
+        choices=("direct", "async", "ask"),
+        default="direct",
+        help="with --connector, how an engine loads blocks only the other store holds: copied "
+        "out of its arena in the step (default), pulled by its own store and loaded "
+        "asynchronously, or pulled while the scheduler asks (Prepare), to compare",
     )
     parser.add_argument(
         "--decisions",
@@ -1027,7 +1029,8 @@ def run_connector(
                 store.control_address,
                 peers=[other.page_address],
                 peer_controls=[other.control_address],  # what the peer holds, read by the engine
-                async_pulls=not getattr(args, "sync_pulls", False),
+                direct_pulls=getattr(args, "pulls", "direct") == "direct",
+                async_pulls=getattr(args, "pulls", "direct") != "ask",
             )
             engine_spec = replace(
                 spec,

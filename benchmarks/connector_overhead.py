@@ -70,7 +70,7 @@ VARIANTS: dict[str, tuple[str | None, bool, bool]] = {
     "grpc": ("kv_both", False, True),
 }
 WORKLOADS = ("unique", "shared")
-ANSWERS = ("direct", "read", "async", "in_time", "pending", "late", "timed_out", "failed")
+ANSWERS = ("direct", "read", "peers", "async", "in_time", "pending", "late", "timed_out", "failed")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

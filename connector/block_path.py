@@ -16,6 +16,14 @@ directory entry a moment stale) fails the check, and it and every later
 block are recomputed. An arena whose file is gone (the store restarted) is
 mapped anew first. gRPC: ``FetchPages``, then `unseal` and the same copy.
 
+Peers (`peers`: their control clients, on one host): a load that runs past
+what the engine's store holds goes on in the peer stores' arenas, each
+mapped here once (``Describe``), in order: the directory names the pages,
+they are copied into the KV cache and checked by their seals exactly as the
+store's own, with no call to either store (a pull that costs a copy, not a
+``Prepare``). A peer that cannot be mapped is passed over (the blocks are
+recomputed) and described again after `PEER_RETRY_S`.
+
 A load read from the directory makes no call, so the store does not see it
 as a hit: its blocks are remembered (`MAX_TOUCHED`) and sent with the next
 save, which the store touches first (a block loaded often is not the first
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -59,6 +68,7 @@ from kvmesh.page_arena import Arena, open_arena
 log = logging.getLogger(__name__)
 
 MAX_TOUCHED = 4096  # loaded blocks remembered for the store's LRU until the next save
+PEER_RETRY_S = 5.0  # a peer store whose arena could not be mapped is described again this late
 
 
 class KVLayers:
@@ -176,8 +186,12 @@ class BlockPath:
         *,
         shm: bool = True,
         directory: bool = True,
+        peers: Sequence[StoreClient] = (),
     ) -> None:
         self.client = client
+        self.peers = list(peers)  # other stores on this host, loaded from in order
+        self._peer_maps: list[Mapped | None] = [None] * len(self.peers)
+        self._peer_retry = [0.0] * len(self.peers)
         self.layers = layers
         self.block_nbytes = layers.block_nbytes
         self.page_bytes = sealed_page_bytes(layers.block_nbytes, block_size)
@@ -242,7 +256,8 @@ class BlockPath:
                 mapped = self.current()
                 if mapped is not None:
                     slots = self._slots(mapped, digests)
-                    return self._copy_from_arena(mapped, digests, block_ids, slots)
+                    loaded = self._copy_from_arena(mapped, digests, block_ids, slots)
+                    return self._load_from_peers(digests, block_ids, loaded)
             return self._copy_from_fetch(digests, block_ids)
         except KVMeshError as exc:
             return Loaded(0, error=exc)
@@ -294,6 +309,52 @@ class BlockPath:
             except IndexError:  # another thread took the last one
                 break
         return taken
+
+    def _load_from_peers(
+        self, digests: Sequence[bytes], block_ids: Sequence[int], loaded: Loaded
+    ) -> Loaded:
+        """Go on with the blocks past `loaded` in the peer stores' arenas, in order."""
+        done = loaded.blocks
+        if loaded.refused is not None or loaded.error is not None:
+            return loaded
+        for i in range(len(self.peers)):
+            if done >= len(digests):
+                break
+            peer = self._peer_mapped(i)
+            if peer is None:
+                continue
+            rest = digests[done:]
+            slots = peer.arena.directory.leading(rest)
+            if not slots:
+                continue
+            more = self._copy_from_arena(peer, rest, block_ids[done:], slots)
+            done += more.blocks
+            if more.refused is not None:
+                return Loaded(done, refused=more.refused, error=more.error)
+        return Loaded(done)
+
+    def _peer_mapped(self, i: int) -> Mapped | None:
+        """Peer `i`'s arena, mapped here (anew once its file is gone); None when it cannot be
+        (down, another host, no shared memory), asked again after `PEER_RETRY_S`."""
+        mapped = self._peer_maps[i]
+        if mapped is not None and not mapped.arena.gone():
+            return mapped
+        now = time.monotonic()
+        if now < self._peer_retry[i]:
+            return None
+        self._peer_retry[i] = now + PEER_RETRY_S
+        if mapped is not None:
+            mapped.arena.close()
+            self._peer_maps[i] = None
+        try:
+            layout = self.peers[i].describe().arena
+            if layout is None:
+                return None
+            self._peer_maps[i] = Mapped(open_arena(layout))
+        except KVMeshError as exc:
+            log.info("kvmesh connector: peer %s's arena is not mapped here (%s)",
+                     self.peers[i].control_address, exc)  # fmt: skip
+        return self._peer_maps[i]
 
     def _copy_from_fetch(self, digests: Sequence[bytes], block_ids: Sequence[int]) -> Loaded:
         pages = self.client.fetch(digests)
@@ -407,3 +468,9 @@ class BlockPath:
             if self._mapped is not None:
                 self._mapped.arena.close()
                 self._mapped = None
+        for i, peer in enumerate(self._peer_maps):
+            if peer is not None:
+                peer.arena.close()
+                self._peer_maps[i] = None
+        for client in self.peers:
+            client.close()

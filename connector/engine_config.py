@@ -58,6 +58,7 @@ def connector_config(
     timeout_s: float = 5.0,
     directory: bool = True,
     async_pulls: bool = True,
+    direct_pulls: bool = True,
 ) -> str:
     """The ``--kv-transfer-config`` JSON that loads the connector against a store.
 
@@ -68,7 +69,10 @@ def connector_config(
     directory and asks its store to pull only when a peer holds more);
     `directory` False: every claim asks the store (``Prepare``) and every load
     asks where its pages lie (``Locate``), the connector before the arena's
-    directory (to compare); `async_pulls` False: a claim peers can fill is
+    directory (to compare); `direct_pulls` (default) copies the blocks peers
+    hold straight out of their arenas in the step, as the store's own (False:
+    the store pulls them first, loaded asynchronously, or with `async_pulls`
+    False asked by the scheduler); `async_pulls` False: a claim peers can fill is
     asked of the store by the scheduler (``Prepare``, the request skipped
     until it answers) instead of loaded asynchronously; `role`:
     ``kv_both``, or ``kv_producer`` (saves only) / ``kv_consumer`` (loads only)
@@ -99,6 +103,7 @@ def connector_config(
                 "timeout_s": timeout_s,
                 "directory": directory,
                 "async_pulls": async_pulls,
+                "direct_pulls": direct_pulls,
             },
         }
     )

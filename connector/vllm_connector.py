@@ -126,6 +126,7 @@ class _Claim:
     first: int
     blocks: int
     pull: bool = False
+    from_peers: bool = False  # some in peers' arenas, copied from there in the step
 
 
 @dataclass(slots=True)
@@ -206,7 +207,10 @@ class KVMeshConnector(KVConnectorBase_V1):
         # (Locate), as before the directory (benchmarks/connector_overhead.py compares both)
         self.directory = bool(extra.get("directory", True))
         self.prepare_wait_s = prepare_wait_s(extra.get("prepare_wait_ms"))
-        # a claim peers can fill: loaded asynchronously (False: the scheduler asks, Prepare)
+        # a claim peers can fill: copied straight out of their arenas in the step, like the
+        # store's own blocks (False: the store pulls them first, async_pulls says how)
+        self.direct_pulls = bool(extra.get("direct_pulls", True))
+        # a pull by the store: loaded asynchronously (False: the scheduler asks, Prepare)
         self.async_pulls = bool(extra.get("async_pulls", True))
         self._warnings = _Warnings()
         self._timer = HookTimer(self.client.page_address)
@@ -258,7 +262,7 @@ class KVMeshConnector(KVConnectorBase_V1):
         if asking is None:
             read = self._held_without_asking(request, first, last)
             if read is not None:
-                self._answered("async" if read.pull else "read")
+                self._answered("async" if read.pull else "peers" if read.from_peers else "read")
                 self._matched[request.request_id] = read
                 return read.blocks * size
         fresh = asking is None
@@ -307,7 +311,11 @@ class KVMeshConnector(KVConnectorBase_V1):
         more = directories.peers_leading(digests[held:])
         if more == 0:
             return _Claim(first, held)
-        if more is None or not self.async_pulls:
+        if more is None:
+            return None
+        if self.direct_pulls:  # the worker copies them out of the peers' arenas
+            return _Claim(first, held + more, from_peers=True)
+        if not self.async_pulls:
             return None
         return _Claim(first, held + more, pull=True)
 
@@ -417,12 +425,17 @@ class KVMeshConnector(KVConnectorBase_V1):
                     f"[blocks={num_blocks}, heads, block_size={self.block_size}, ...] (vLLM "
                     f"{SUPPORTED_VLLM}x's standard per-layer view)"
                 )
+        peers = [  # stores whose arenas the worker loads pulls from (peer_controls named)
+            StoreClient(page, control, self.client.timeout_s)
+            for page, control in zip(self.peers, self.peer_controls, strict=False)
+        ]
         path = BlockPath(
             self.client,
             KVLayers(layers),
             self.block_size,
             shm=self.shm,
             directory=self.directory,
+            peers=peers if self.direct_pulls and self.directory else (),
         )
         self._path = path
         self.block_nbytes = path.block_nbytes

@@ -599,7 +599,9 @@ CONNECTOR_PREPARE_ANSWERS = Counter(
     "kvmesh_connector_prepare_answers",
     "How kvmesh's KV connector answered vLLM's get_num_new_matched_tokens, by answer: "
     "direct (nothing to ask: the engine's own hit covers the prompt), read (from the stores' "
-    "shared-memory directories, no call), async (read from them, peers holding some of the "
+    "shared-memory directories, no call), peers (read from them, some of the blocks in peer "
+    "stores' arenas: copied from there in the step), async (read from them, peers holding some "
+    "of the "
     "blocks: loaded asynchronously after the store pulls them), in_time (the store's Prepare "
     "answered within "
     "prepare_wait_ms), pending (None: vLLM skips the request this step and asks again), late "

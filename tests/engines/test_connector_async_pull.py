@@ -1,14 +1,16 @@
-"""A pull never holds the scheduler: one real vLLM engine, its store, and a peer store whose
+"""A pull never holds the scheduler: a real vLLM engine, its store, and a peer store whose
 directory it reads (``peer_controls``).
 
-Only the peer holds a prompt's blocks. The scheduler claims them from the
-directories at once as an asynchronous load (vLLM parks the request in
-``WAITING_FOR_REMOTE_KVS``); the worker asks its store to pull them (slowed
-by the store's ``page_delay_s`` test hook), loads them and reports the request
-done. Meanwhile the engine answers other requests, the connector never
-answers "not yet" (no skipped step), and the pulled blocks give the engine's
-own answer. A block the peer lost before the pull is recomputed, never an
-error.
+Only the peer holds a prompt's blocks. By default (``direct_pulls``) the
+scheduler claims them from the directories and the worker copies them out of
+the peer's arena in the step, checked by their seals, with no call to either
+store. With ``direct_pulls`` off, the claim is an asynchronous load (vLLM
+parks the request in ``WAITING_FOR_REMOTE_KVS``); the worker asks its store
+to pull them (slowed by the store's ``page_delay_s`` test hook), loads them
+and reports the request done. Meanwhile the engine answers other requests,
+the connector never answers "not yet" (no skipped step), and the pulled
+blocks give the engine's own answer. A block the peer lost before the pull
+is recomputed, never an error.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
             peers=[peer.address],
             peer_controls=[peer.control_address],
             timeout_s=30.0,
+            direct_pulls=False,
         )
         engine = start_engine(
             EngineSpec(
@@ -165,3 +168,41 @@ def test_blocks_the_peer_lost_before_the_pull_are_recomputed(mesh: Mesh) -> None
     losing.join()
     wait_until(lambda: mesh.blocks("undelivered") == undelivered + 3, "the blocks not loaded")
     assert mesh.blocks("loaded") == loaded + 3
+
+
+@pytest.fixture(scope="module")
+def direct(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
+    page_bytes = sealed_page_bytes(engine_block_nbytes(engine_model(), BLOCK), BLOCK)
+    timings = tmp_path_factory.mktemp("direct-timings")
+    with (
+        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="own2") as own,
+        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="peer2") as peer,
+    ):
+        config = connector_config(
+            own.address, own.control_address, peers=[peer.address],
+            peer_controls=[peer.control_address], timeout_s=30.0,
+        )  # fmt: skip
+        engine = start_engine(
+            EngineSpec(
+                block_size=BLOCK,
+                extra_args=("--kv-transfer-config", config),
+                extra_env={TIMINGS_ENV: str(timings)},
+            ),
+            name="connector-direct-pull",
+        )
+        yield Mesh(engine, own, peer, timings)
+
+
+def test_a_peers_blocks_are_copied_out_of_its_arena_in_the_step_with_no_pull(
+    direct: Mesh,
+) -> None:
+    prompt = prompt_of(54)
+    answer = only_the_peer_holds(direct, prompt)
+    time.sleep(1.0)  # the timing file is rewritten every 0.5 s
+    before, from_peers = external_hits(direct.engine), direct.answers("peers")
+    pending, pulled = direct.answers("pending"), direct.answers("async")
+    assert complete(direct.engine, prompt) == answer
+    assert external_hits(direct.engine) - before == 6 * BLOCK  # loaded, not computed
+    assert held(direct.own, prompt) == 0  # not pulled through the engine's store
+    wait_until(lambda: direct.answers("peers") > from_peers, "the claim from the peer's arena")
+    assert (direct.answers("pending"), direct.answers("async")) == (pending, pulled)

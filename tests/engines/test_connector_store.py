@@ -472,6 +472,52 @@ def test_a_load_through_shared_memory_makes_no_call_to_the_store(
     assert same_blocks(source, [0, 1, 2], target, [4, 5, 6])
 
 
+def test_a_load_goes_on_in_a_peer_stores_arena_with_no_call_to_either_store(
+    shm_store: EngineStore,
+) -> None:
+    with EngineStore(page_bytes=KV_PAGE, block_size=B, num_pages=16, staging_pages=8) as peer:
+        source = kv_cache(seed=9)
+        run, _ = request(90, blocks=4)
+        own_part = replace(run, digests=run.digests[:2], tokens=run.tokens[: 2 * B],
+                           extra=run.extra[:2])  # fmt: skip
+        saving = engine_path(shm_store, source)
+        pending = saving.stage(own_part, [0, 1])
+        assert pending is not None and saving.send(pending) == [True, True]
+        at_peer = engine_path(peer, source)
+        pending = at_peer.stage(run, [0, 1, 2, 3])
+        assert pending is not None and at_peer.send(pending) == [True] * 4
+        peer.forget(run.digests[:1])  # the peer need not hold what the engine's store holds
+
+        target = kv_cache()
+        peer_client = StoreClient(peer.address, peer.control_address)
+        loading = BlockPath(
+            StoreClient(shm_store.address, shm_store.control_address),
+            KVLayers(target), B, peers=[peer_client],
+        )  # fmt: skip
+        loading.connect()
+        loading._peer_mapped(0)  # mapped once, as on the first load
+
+        def no_call(*args: object) -> object:
+            raise AssertionError("the load called a store")
+
+        for client_ in (loading.client, peer_client):
+            for name in ("locate", "fetch", "describe", "prepare"):
+                setattr(client_, name, no_call)
+        loaded = loading.load(run.digests, [4, 5, 6, 7])
+        assert (loaded.blocks, loaded.refused, loaded.error) == (4, None, None)
+        assert same_blocks(source, [0, 1, 2, 3], target, [4, 5, 6, 7])
+
+        # a peer page rewritten with another block's bytes is refused by its seal
+        assert peer.arena is not None
+        with peer.service.pinned(run.digests[2:4]) as ids:
+            size = KV_PAGE
+            third, fourth = (int(i) * size for i in ids)  # type: ignore[arg-type]
+            peer.arena.pages[third : third + size] = peer.arena.pages[fourth : fourth + size]
+        again = loading.load(run.digests, [8, 9, 10, 11])
+        assert (again.blocks, again.refused) == (2, run.digests[2])
+        loading.close()
+
+
 def test_blocks_loaded_through_the_directory_are_hits_in_the_stores_lru(
     shm_store: EngineStore,
 ) -> None:
