@@ -228,6 +228,8 @@ class PolicyResult:
     engine_ttft_ms: float = 0.0
     """Means per request from the engines' own histograms: waiting to be scheduled, computing
     the prompt, and their whole TTFT (the client's TTFT adds the gateway and HTTP)."""
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    """CPU per answered request, by `CPU_CLASSES` (the model's compute, and what is not)."""
     gateway_route_ms: float = 0.0
     gateway_first_byte_ms: float = 0.0
     """Means per request from the gateway's decision records: reading, hashing and routing the
@@ -317,6 +319,59 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU_CLASSES = ("model", "engine core", "API server", "gateway", "stores", "client")
+"""Where the machine's CPU went during a replay: the engines' model runners (vLLM's
+``VLLM::Worker`` processes, or the API server itself when it runs the model in process),
+their engine cores (scheduling, ``VLLM::EngineCore``), their API servers (HTTP, the OpenAI
+layer, detokenizing), the gateway, the kvmesh stores and this benchmark's own client."""
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def cpu_by_class(
+    engines: list[VLLMEngine], gateway: int, stores: list[int] | None = None
+) -> dict[str, float]:
+    """CPU seconds used so far per `CPU_CLASSES` entry (from /proc; zeros elsewhere)."""
+    out = dict.fromkeys(CPU_CLASSES, 0.0)
+    children = _children()
+    for e in engines:
+        if e.process is None:
+            continue
+        todo = [e.process.pid]
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            comm = _comm(pid)
+            kind = (
+                "model" if "Worker" in comm else "engine core" if "EngineCor" in comm
+                else "API server" if pid == e.process.pid else None
+            )  # fmt: skip
+            if kind is not None:
+                out[kind] += process_cpu_s(pid)
+    out["gateway"] = process_cpu_s(gateway)
+    out["stores"] = sum(process_cpu_s(pid) for pid in stores or [])
+    out["client"] = process_cpu_s(os.getpid())
+    return out
 
 
 async def cache_counters(
@@ -691,6 +746,8 @@ class Measured:
     external: dict[str, float] = field(default_factory=dict)
     spent: dict[str, float] = field(default_factory=dict)
     """`ENGINE_TIMES` over the engines and rounds."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds per `CPU_CLASSES` entry over the rounds' replays."""
     rounds: int = 0
     decisions: list[dict[str, object]] = field(default_factory=list)
     """Per request and round: the gateway's decision record with the turn's index and TTFT."""
@@ -719,6 +776,8 @@ async def measure(
             before = [await cache_counters(client, e) for e in engines]
             times_before = [await engine_times(client, e) for e in engines]
             cpu_before = process_cpu_s(proc.pid)
+            store_pids = [st.process.pid for st in (stores or {}).values() if st.process]
+            classes_before = cpu_by_class(engines, proc.pid, store_pids)
             this = Replay()
             if args.rate is None:
                 wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
@@ -726,6 +785,9 @@ async def measure(
                 wall = await replay_open(url, turns, args.rate, args.max_tokens, this)
             into.replay.merge(this)
             cpu = process_cpu_s(proc.pid) - cpu_before
+            classes_after = cpu_by_class(engines, proc.pid, store_pids)
+            for key in CPU_CLASSES:
+                into.cpu[key] = into.cpu.get(key, 0.0) + classes_after[key] - classes_before[key]
             after = [await cache_counters(client, e) for e in engines]
             times_after = [await engine_times(client, e) for e in engines]
             for was, now in zip(times_before, times_after, strict=True):
@@ -809,6 +871,7 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
         engine_queue_ms=m.spent.get("queue_s", 0.0) * 1000 / done,
         engine_prefill_ms=m.spent.get("prefill_s", 0.0) * 1000 / done,
         engine_ttft_ms=m.spent.get("ttft_s", 0.0) * 1000 / done,
+        cpu_ms_per_request={k: round(v * 1000 / n, 2) for k, v in m.cpu.items()} if n else {},
         gateway_route_ms=_mean_of(m.decisions, "route_ms"),
         gateway_first_byte_ms=_mean_of(m.decisions, "first_byte_ms"),
     )
@@ -851,6 +914,15 @@ def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_inf
             f"= {r.engine_ttft_ms:6.1f}; gateway {r.gateway_route_ms:5.1f} + "
             f"{r.gateway_first_byte_ms:6.1f}; client {r.ttft_mean_ms:6.1f}"
         )
+    if any(r.cpu_ms_per_request for r in results):
+        print("CPU per request, ms: " + ", ".join(CPU_CLASSES))
+        for r in results:
+            cpu = r.cpu_ms_per_request
+            print(
+                f"{r.label:<16} "
+                + " ".join(f"{cpu.get(k, 0.0):7.1f}" for k in CPU_CLASSES)
+                + f"  (all but the model: {sum(cpu.values()) - cpu.get('model', 0.0):.1f})"
+            )
     rr = next((r for r in results if r.policy == "round_robin" and not r.connector), None)
     for r in results:
         if r.connector and r.bound_hit_ratio > 0:

@@ -4,7 +4,14 @@ that wait for their answers (closed loop); a follow-up turn always waits for its
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from fastapi import FastAPI, Request
@@ -13,9 +20,11 @@ from gateway_kit import serve
 
 from kvmesh.app.cli import main
 from kvmesh.benchmarks.bench_engines import (
+    CPU_CLASSES,
     Measured,
     Replay,
     Turn,
+    cpu_by_class,
     previous_turns,
     replay,
     replay_open,
@@ -24,6 +33,7 @@ from kvmesh.benchmarks.bench_engines import (
     to_turns,
 )
 from kvmesh.benchmarks.engine_slices import trace_slice
+from kvmesh.engine_launcher import VLLMEngine
 from kvmesh.errors import ConfigError
 from kvmesh.trace import TraceRequest
 
@@ -141,3 +151,43 @@ def test_the_engines_own_times_are_means_per_request() -> None:
         (50.0, 150.0, 250.0)
     )
     assert r.ttft_mean_ms == pytest.approx(300.0)
+
+
+BURN = """
+import subprocess, sys
+if sys.argv[1] == "parent":
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], "child", sys.argv[2]]).wait()
+else:
+    open("/proc/self/comm", "w").write("VLLM::Worker")
+    while True:
+        pass
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_cpu_is_counted_by_the_engines_process_classes() -> None:
+    """The engine's process tree is walked: a child named as vLLM names its model runner
+    counts as the model, the engine's own process as its API server."""
+    parent = subprocess.Popen([sys.executable, "-c", BURN, "parent", BURN], start_new_session=True)
+    try:
+        engine = cast(VLLMEngine, SimpleNamespace(process=parent))
+        deadline = time.monotonic() + 30
+        during = cpu_by_class([engine], gateway=os.getpid())
+        while during["model"] == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the child has named itself and run a clock tick
+            during = cpu_by_class([engine], gateway=os.getpid())
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+    assert set(during) == set(CPU_CLASSES)
+    assert during["model"] > 0.0
+    assert during["engine core"] == 0.0 and during["stores"] == 0.0
+    assert during["gateway"] > 0.0 and during["client"] > 0.0  # this process played both
+
+
+def test_cpu_per_request_divides_by_the_answered_requests() -> None:
+    m = Measured(wall_s=1.0)
+    m.replay.ttfts = [0.1] * 4
+    m.cpu = {"model": 0.2, "API server": 0.04}
+    r = summarize("round_robin", m, bound=0.7)
+    assert r.cpu_ms_per_request == {"model": 50.0, "API server": 10.0}
