@@ -12,6 +12,7 @@ from kvmesh.connector.blocks import BlockRun, block_run
 from kvmesh.connector.store_client import StoreClient
 from kvmesh.engine_hash import EngineExtraKeys, EngineHasher
 from kvmesh.engine_launcher import VLLMEngine
+from kvmesh.worker.engine_store import EngineStore
 
 BLOCK = 32
 MAX_TOKENS = 12
@@ -81,3 +82,30 @@ def wait_saved(client: StoreClient, prompt: list[int], salt: str | None = None) 
     """Until the store holds every full block of `prompt` (saves run off the engine's step)."""
     run = run_of(prompt, salt)
     wait_until(lambda: client.prepare(run).held == len(run), "the engine's saves to land")
+
+
+def held(store: EngineStore, prompt: list[int]) -> int:
+    """The leading blocks of `prompt` the in-process `store` holds."""
+    return store.service.prefix_length(digests(prompt))  # type: ignore[arg-type]
+
+
+def computed_then_moved(
+    engine: VLLMEngine, own: EngineStore, peer: EngineStore, prompt: list[int]
+) -> list[int]:
+    """`engine` computes `prompt` (saved into its store `own`); the blocks then move to `peer`
+    and the engine's cache is reset, so that only `peer` holds them. The engine's answer."""
+    answer = complete(engine, prompt)
+    mine = StoreClient(own.address, own.control_address)
+    theirs = StoreClient(peer.address, peer.control_address)
+    try:
+        wait_saved(mine, prompt)
+        pages = mine.fetch(digests(prompt))
+        assert all(page is not None for page in pages)
+        theirs.save(run_of(prompt), [page for page in pages if page is not None])
+        mine.forget(digests(prompt))
+    finally:
+        mine.close()
+        theirs.close()
+    reset_prefix_cache(engine)
+    assert held(own, prompt) == 0 and held(peer, prompt) == len(digests(prompt))
+    return answer

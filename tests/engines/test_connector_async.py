@@ -18,19 +18,16 @@ import pytest
 
 from kvmesh.connector.blocks import sealed_page_bytes
 from kvmesh.connector.engine_config import connector_config
-from kvmesh.connector.store_client import StoreClient
 from kvmesh.connector.store_launcher import engine_block_nbytes
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
 from kvmesh.worker.engine_store import EngineStore
 from tests.engines.connector_kit import (
     BLOCK,
     complete,
-    digests,
+    computed_then_moved,
     external_hits,
+    held,
     prompt_of,
-    reset_prefix_cache,
-    run_of,
-    wait_saved,
 )
 
 PAGE_DELAY_S = 0.4  # per page the slow peer streams: a 6-block pull takes 2.4 s
@@ -41,10 +38,6 @@ class SlowPeer:
     engine: VLLMEngine
     own: EngineStore
     slow: EngineStore
-
-
-def held(store: EngineStore, prompt: list[int]) -> int:
-    return store.service.prefix_length(digests(prompt))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -70,31 +63,14 @@ def slow_peer(start_engine) -> Iterator[SlowPeer]:  # type: ignore[no-untyped-de
         yield SlowPeer(engine, own, slow)
 
 
-def only_the_slow_peer_holds(mesh: SlowPeer, prompt: list[int]) -> list[int]:
-    """Compute `prompt` once, move its blocks to the slow peer; the engine's answer."""
-    answer = complete(mesh.engine, prompt)
-    own = StoreClient(mesh.own.address, mesh.own.control_address)
-    slow = StoreClient(mesh.slow.address, mesh.slow.control_address)
-    try:
-        wait_saved(own, prompt)
-        pages = own.fetch(digests(prompt))
-        assert all(page is not None for page in pages)
-        slow.save(run_of(prompt), [page for page in pages if page is not None])
-        own.forget(digests(prompt))
-    finally:
-        own.close()
-        slow.close()
-    reset_prefix_cache(mesh.engine)
-    assert held(mesh.own, prompt) == 0 and held(mesh.slow, prompt) == 6
-    return answer
-
-
 def test_a_slow_pull_does_not_hold_up_another_request_on_the_engine(
     slow_peer: SlowPeer,
 ) -> None:
     held_prompt, pulled_prompt = prompt_of(42), prompt_of(41)
     complete(slow_peer.engine, held_prompt, max_tokens=1)  # its blocks: in the engine's store
-    answer = only_the_slow_peer_holds(slow_peer, pulled_prompt)  # (resets the engine's cache)
+    answer = computed_then_moved(
+        slow_peer.engine, slow_peer.own, slow_peer.slow, pulled_prompt
+    )  # (resets the engine's cache)
     assert held(slow_peer.own, held_prompt) == 6
     before = external_hits(slow_peer.engine)
     results: list[list[int]] = []

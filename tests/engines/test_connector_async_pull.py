@@ -28,19 +28,17 @@ from kvmesh.benchmarks.connector_overhead import connector_samples
 from kvmesh.connector.blocks import sealed_page_bytes
 from kvmesh.connector.engine_config import connector_config
 from kvmesh.connector.hook_timings import TIMINGS_ENV
-from kvmesh.connector.store_client import StoreClient
 from kvmesh.connector.store_launcher import engine_block_nbytes
 from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_model
 from kvmesh.worker.engine_store import EngineStore
 from tests.engines.connector_kit import (
     BLOCK,
     complete,
+    computed_then_moved,
     digests,
     external_hits,
+    held,
     prompt_of,
-    reset_prefix_cache,
-    run_of,
-    wait_saved,
     wait_until,
 )
 
@@ -69,10 +67,6 @@ class Mesh:
                     if s.name == "kvmesh_connector_blocks_total" and s.labels["outcome"] == outcome:
                         total += s.value
         return total
-
-
-def held(store: EngineStore, prompt: list[int]) -> int:
-    return store.service.prefix_length(digests(prompt))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -108,29 +102,12 @@ def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
         yield Mesh(engine, own, peer, timings)
 
 
-def only_the_peer_holds(mesh: Mesh, prompt: list[int]) -> list[int]:
-    """Compute `prompt` once, move its blocks to the peer store; the engine's answer."""
-    answer = complete(mesh.engine, prompt)
-    own = StoreClient(mesh.own.address, mesh.own.control_address)
-    peer = StoreClient(mesh.peer.address, mesh.peer.control_address)
-    try:
-        wait_saved(own, prompt)
-        pages = own.fetch(digests(prompt))
-        assert all(page is not None for page in pages)
-        peer.save(run_of(prompt), [page for page in pages if page is not None])
-        own.forget(digests(prompt))
-    finally:
-        own.close()
-        peer.close()
-    reset_prefix_cache(mesh.engine)
-    assert held(mesh.own, prompt) == 0 and held(mesh.peer, prompt) == 6
-    return answer
-
-
 def test_a_pull_is_loaded_asynchronously_and_never_skips_a_step(mesh: Mesh) -> None:
     held_prompt, pulled_prompt = prompt_of(52), prompt_of(51)
     complete(mesh.engine, held_prompt, max_tokens=1)  # its blocks: in the engine's store
-    answer = only_the_peer_holds(mesh, pulled_prompt)  # (resets the engine's cache)
+    answer = computed_then_moved(
+        mesh.engine, mesh.own, mesh.peer, pulled_prompt
+    )  # (resets the engine's cache)
     assert held(mesh.own, held_prompt) == 6
     wait_until(lambda: mesh.answers("read") > 0, "the connector's answers in its timing file")
     pending, claimed = mesh.answers("pending"), mesh.answers("async")
@@ -155,7 +132,7 @@ def test_a_pull_is_loaded_asynchronously_and_never_skips_a_step(mesh: Mesh) -> N
 
 def test_blocks_the_peer_lost_before_the_pull_are_recomputed(mesh: Mesh) -> None:
     prompt = prompt_of(53)
-    answer = only_the_peer_holds(mesh, prompt)
+    answer = computed_then_moved(mesh.engine, mesh.own, mesh.peer, prompt)
     time.sleep(1.0)  # the timing file is rewritten every 0.5 s
     loaded, undelivered = mesh.blocks("loaded"), mesh.blocks("undelivered")
     # the scheduler claims all six from the peer's directory, but the peer drops the last
@@ -197,7 +174,7 @@ def test_a_peers_blocks_are_copied_out_of_its_arena_in_the_step_with_no_pull(
     direct: Mesh,
 ) -> None:
     prompt = prompt_of(54)
-    answer = only_the_peer_holds(direct, prompt)
+    answer = computed_then_moved(direct.engine, direct.own, direct.peer, prompt)
     time.sleep(1.0)  # the timing file is rewritten every 0.5 s
     before, from_peers = external_hits(direct.engine), direct.answers("peers")
     pending, pulled = direct.answers("pending"), direct.answers("async")
