@@ -69,6 +69,7 @@ from kvmesh.engine_launcher import (
     engine_model,
     free_port,
     local_endpoint,
+    process_tree,
 )
 from kvmesh.errors import ConfigError, DeadlineExceeded, TransportError
 from kvmesh.gateway.config import HISTORY_POLICY
@@ -328,19 +329,6 @@ their engine cores (scheduling, ``VLLM::EngineCore``), their API servers (HTTP, 
 layer, detokenizing), the gateway, the kvmesh stores and this benchmark's own client."""
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        out.setdefault(ppid, []).append(int(entry.name))
-    return out
-
-
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -353,14 +341,10 @@ def cpu_by_class(
 ) -> dict[str, float]:
     """CPU seconds used so far per `CPU_CLASSES` entry (from /proc; zeros elsewhere)."""
     out = dict.fromkeys(CPU_CLASSES, 0.0)
-    children = _children()
     for e in engines:
         if e.process is None:
             continue
-        todo = [e.process.pid]
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
+        for pid in process_tree(e.process.pid):
             comm = _comm(pid)
             kind = (
                 "model" if "Worker" in comm else "engine core" if "EngineCor" in comm

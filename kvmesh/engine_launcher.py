@@ -83,6 +83,55 @@ def local_endpoint(name: str) -> str:
     return f"ipc://{folder}/{name}"
 
 
+def bound_cores(bind: str | None) -> set[int] | None:
+    """The cores a VLLM_CPU_OMP_THREADS_BIND value names ("0", "0-3", "0,2"; "|" between
+    ranks), on which the whole engine runs; None for vLLM's own choice ("auto", "nobind").
+
+    vLLM binds only its model runner's threads there. Its engine core and API
+    server would float onto the other engines' cores, where under load each
+    model runner spins on its step queue between steps (vLLM 0.32's
+    `SpinCondition`): on a 2-core machine that doubled a cached request's TTFT
+    (docs/engines.md, "Where the TTFT goes").
+    """
+    if bind is None or bind.strip() in ("", "auto", "nobind", "all"):
+        return None
+    cores: set[int] = set()
+    try:
+        for part in bind.replace("|", ",").split(","):
+            low, _, high = part.strip().partition("-")
+            first, last = int(low), int(high or low)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cores.update(range(first, last + 1))
+    except ValueError:
+        raise ConfigError(
+            f"cpu_bind {bind!r}: name cores as '0', '0-3' or '0,2' (or 'auto')"
+        ) from None
+    return cores
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc (only `pid` where there is none): an
+    engine's API server, engine core and model runner."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """How to start one vLLM engine; the defaults fit a 2-core, CPU-only machine.
@@ -91,7 +140,9 @@ class EngineSpec:
     block hashes with "vllm-none-hash"); `int_hashes` is
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (events carry the low 64 bits of each
     digest as an int, else the 32-byte digest). `cpu_bind` is
-    VLLM_CPU_OMP_THREADS_BIND (e.g. "0" pins the engine to core 0).
+    VLLM_CPU_OMP_THREADS_BIND (e.g. "0" pins the engine to core 0), and the
+    whole engine (API server, engine core, model runner) runs on those cores
+    (`bound_cores`).
     `replay_buffer_steps` is how many batches the engine keeps for replay.
     """
 
@@ -246,6 +297,17 @@ class VLLMEngine:
             )
         finally:
             log.close()
+        cores = bound_cores(self.spec.cpu_bind)
+        if cores is not None and hasattr(os, "sched_setaffinity"):
+            # before vLLM starts its engine core and model runner, which inherit it
+            try:
+                os.sched_setaffinity(self.process.pid, cores)
+            except OSError as exc:
+                self.stop()
+                raise ConfigError(
+                    f"cpu_bind {self.spec.cpu_bind!r}: cannot run the engine on cores "
+                    f"{sorted(cores)} ({exc}); this machine has {os.cpu_count()}"
+                ) from None
         self.starts += 1
         self.wait_ready(timeout)
         return self

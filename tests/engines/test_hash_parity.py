@@ -11,6 +11,7 @@ with the right configuration (it passes) and a wrong one (it fails loudly).
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
@@ -29,7 +30,14 @@ from kvmesh.engine_hash import (
     EngineHasher,
     MultimodalInput,
 )
-from kvmesh.engine_launcher import EngineSpec, VLLMEngine, engine_python, engine_setup_missing
+from kvmesh.engine_launcher import (
+    EngineSpec,
+    VLLMEngine,
+    bound_cores,
+    engine_python,
+    engine_setup_missing,
+    process_tree,
+)
 from kvmesh.engine_subscriber import (
     EngineEventsEndpoint,
     EngineSubscriber,
@@ -159,6 +167,18 @@ def eventually(check: Callable[[], bool], what: str, bound_s: float = 30.0) -> N
         time.sleep(0.05)
 
 
+def test_each_engine_runs_whole_on_its_own_core(engines: TwoEngines) -> None:
+    """Its API server, engine core and model runner, not only the model's threads."""
+    for engine in (engines.cbor, engines.seeded):
+        assert engine.process is not None
+        cores = bound_cores(engine.spec.cpu_bind)
+        assert cores is not None  # the fixture binds each engine to one core
+        tree = process_tree(engine.process.pid)
+        named = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tree}
+        assert {"VLLM::EngineCor", "VLLM::Worker"} <= named
+        assert all(os.sched_getaffinity(pid) == cores for pid in tree)
+
+
 def test_the_canary_passes_on_sha256_cbor_with_digest_hashes(engines: TwoEngines) -> None:
     result = engines.canary(engines.cbor, CBOR)
     assert [len(h) for h in result.page_hashes] == [32, 32]
@@ -170,8 +190,10 @@ def test_the_canary_passes_on_sha256_cbor_with_digest_hashes(engines: TwoEngines
 def test_the_canary_passes_with_the_engines_pythonhashseed(engines: TwoEngines) -> None:
     result = engines.canary(engines.seeded, SEEDED)
     eventually(
-        lambda: set(result.page_hashes) <= engines.pages(engines.seeded)
-        and not engines.stale(engines.seeded),
+        lambda: (
+            set(result.page_hashes) <= engines.pages(engines.seeded)
+            and not engines.stale(engines.seeded)
+        ),
         "the canary's blocks, fresh",
     )
 
