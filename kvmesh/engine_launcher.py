@@ -90,8 +90,8 @@ def bound_cores(bind: str | None) -> set[int] | None:
     vLLM binds only its model runner's threads there. Its engine core and API
     server would float onto the other engines' cores, where under load each
     model runner spins on its step queue between steps (vLLM 0.32's
-    `SpinCondition`): on a 2-core machine that doubled a cached request's TTFT
-    (docs/engines.md, "Where the TTFT goes").
+    `SpinCondition`): on a 2-core machine that made `kv_aware`'s mean TTFT
+    1.4x longer (docs/engines.md, "Where the TTFT goes").
     """
     if bind is None or bind.strip() in ("", "auto", "nobind", "all"):
         return None
