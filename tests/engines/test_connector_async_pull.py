@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,19 +70,25 @@ class Mesh:
         return total
 
 
-@pytest.fixture(scope="module")
-def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
+@contextmanager
+def pair_of_stores(
+    start_engine: Callable[..., VLLMEngine], timings: Path, *, direct: bool, own_delay_s: float
+) -> Iterator[Mesh]:
+    """An engine whose store is `own` and whose one peer is `peer`, both in process; pulls
+    direct (copied out of the peer's arena in the step) or through `own` (asynchronous)."""
     page_bytes = sealed_page_bytes(engine_block_nbytes(engine_model(), BLOCK), BLOCK)
-    timings = tmp_path_factory.mktemp("hook-timings")
+    kind = "direct" if direct else "async"
     with (
         EngineStore(
             page_bytes=page_bytes,
             block_size=BLOCK,
             num_pages=64,
-            name="own",
-            page_delay_s=PAGE_DELAY_S,
+            name=f"own-{kind}",
+            page_delay_s=own_delay_s,
         ) as own,
-        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="peer") as peer,
+        EngineStore(
+            page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name=f"peer-{kind}"
+        ) as peer,
     ):
         config = connector_config(
             own.address,
@@ -89,7 +96,7 @@ def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
             peers=[peer.address],
             peer_controls=[peer.control_address],
             timeout_s=30.0,
-            direct_pulls=False,
+            direct_pulls=direct,
         )
         engine = start_engine(
             EngineSpec(
@@ -97,9 +104,16 @@ def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mes
                 extra_args=("--kv-transfer-config", config),
                 extra_env={TIMINGS_ENV: str(timings)},
             ),
-            name="connector-async-pull",
+            name=f"connector-{kind}-pull",
         )
         yield Mesh(engine, own, peer, timings)
+
+
+@pytest.fixture(scope="module")
+def mesh(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
+    timings = tmp_path_factory.mktemp("hook-timings")
+    with pair_of_stores(start_engine, timings, direct=False, own_delay_s=PAGE_DELAY_S) as pair:
+        yield pair
 
 
 def test_a_pull_is_loaded_asynchronously_and_never_skips_a_step(mesh: Mesh) -> None:
@@ -149,25 +163,9 @@ def test_blocks_the_peer_lost_before_the_pull_are_recomputed(mesh: Mesh) -> None
 
 @pytest.fixture(scope="module")
 def direct(start_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:  # type: ignore[no-untyped-def]
-    page_bytes = sealed_page_bytes(engine_block_nbytes(engine_model(), BLOCK), BLOCK)
     timings = tmp_path_factory.mktemp("direct-timings")
-    with (
-        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="own2") as own,
-        EngineStore(page_bytes=page_bytes, block_size=BLOCK, num_pages=64, name="peer2") as peer,
-    ):
-        config = connector_config(
-            own.address, own.control_address, peers=[peer.address],
-            peer_controls=[peer.control_address], timeout_s=30.0,
-        )  # fmt: skip
-        engine = start_engine(
-            EngineSpec(
-                block_size=BLOCK,
-                extra_args=("--kv-transfer-config", config),
-                extra_env={TIMINGS_ENV: str(timings)},
-            ),
-            name="connector-direct-pull",
-        )
-        yield Mesh(engine, own, peer, timings)
+    with pair_of_stores(start_engine, timings, direct=True, own_delay_s=0.0) as pair:
+        yield pair
 
 
 def test_a_peers_blocks_are_copied_out_of_its_arena_in_the_step_with_no_pull(
