@@ -142,6 +142,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="clients of the closed loop (--arrival closed, and the --load calibration)",
     )
     parser.add_argument(
+        "--gateways",
+        type=positive_int,
+        default=1,
+        help="gateway replicas per policy, each request sent to the next one in turn (a load "
+        "balancer that knows no conversations, as in front of replicated routers); each replica "
+        "of kv_aware reads the same engine events, each approx_prefix only its own history",
+    )
+    parser.add_argument(
         "--max-tokens", type=positive_int, default=4, help="tokens generated per request"
     )
     parser.add_argument(
@@ -238,6 +246,8 @@ class PolicyResult:
     arrival: str = "closed"
     offered_requests_per_s: float = 0.0
     """With trace arrivals, the rate requests were sent at (answered: `requests_per_s`)."""
+    gateways: int = 1
+    """Gateway replicas the requests were spread over (``--gateways``)."""
 
     @property
     def label(self) -> str:
@@ -337,7 +347,7 @@ def _comm(pid: int) -> str:
 
 
 def cpu_by_class(
-    engines: list[VLLMEngine], gateway: int, stores: list[int] | None = None
+    engines: list[VLLMEngine], gateways: Sequence[int], stores: Sequence[int] = ()
 ) -> dict[str, float]:
     """CPU seconds used so far per `CPU_CLASSES` entry (from /proc; zeros elsewhere)."""
     out = dict.fromkeys(CPU_CLASSES, 0.0)
@@ -352,8 +362,8 @@ def cpu_by_class(
             )  # fmt: skip
             if kind is not None:
                 out[kind] += process_cpu_s(pid)
-    out["gateway"] = process_cpu_s(gateway)
-    out["stores"] = sum(process_cpu_s(pid) for pid in stores or [])
+    out["gateway"] = sum(process_cpu_s(pid) for pid in gateways)
+    out["stores"] = sum(process_cpu_s(pid) for pid in stores)
     out["client"] = process_cpu_s(os.getpid())
     return out
 
@@ -584,6 +594,16 @@ class Replay:
             print(f"request failed: {why}", file=sys.stderr, flush=True)
 
 
+Gateways = str | Sequence[str]
+"""Where a replay sends its requests: one URL, or gateway replicas' URLs taken in turn."""
+
+
+def url_for(urls: Gateways, index: int) -> str:
+    """Turn `index`'s gateway: request by request in turn over the replicas, as a load
+    balancer in front of them does, whatever conversation the request continues."""
+    return urls if isinstance(urls, str) else urls[index % len(urls)]
+
+
 async def one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -654,7 +674,7 @@ def send_times(turns: Sequence[Turn], rate: float) -> list[float]:
 
 
 async def replay(
-    url: str, turns: list[Turn], concurrency: int, max_tokens: int, out: Replay
+    url: Gateways, turns: list[Turn], concurrency: int, max_tokens: int, out: Replay
 ) -> float:
     """Closed loop: `concurrency` clients take the turns in trace order; a turn waits for its
     predecessor.
@@ -673,7 +693,7 @@ async def replay(
                 if before is not None:
                     await done[before].wait()
                 try:
-                    await one_request(client, url, (i, turns[i]), max_tokens, out)
+                    await one_request(client, url_for(url, i), (i, turns[i]), max_tokens, out)
                 finally:
                     done[i].set()
 
@@ -683,7 +703,7 @@ async def replay(
 
 
 async def replay_open(
-    url: str, turns: list[Turn], rate: float, max_tokens: int, out: Replay
+    url: Gateways, turns: list[Turn], rate: float, max_tokens: int, out: Replay
 ) -> float:
     """Open loop, as a service's users arrive: each turn is sent at its `send_times` arrival
     whatever is still in flight, or when its conversation's previous turn is answered if that
@@ -704,7 +724,7 @@ async def replay_open(
                 out.held += 1
                 await done[before].wait()
             try:
-                await one_request(client, url, (i, turns[i]), max_tokens, out)
+                await one_request(client, url_for(url, i), (i, turns[i]), max_tokens, out)
             finally:
                 done[i].set()
 
@@ -745,31 +765,39 @@ async def measure(
     into: Measured,
     stores: dict[str, StoreProcess] | None = None,
 ) -> None:
-    """One replay of the slice under `policy`, after resetting the engines' prefix caches."""
+    """One replay of the slice under `policy`, after resetting the engines' prefix caches,
+    through ``--gateways`` gateway replicas of it."""
     async with httpx.AsyncClient(timeout=30) as client:
         for e in engines:
             await reset_cache(client, e)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port, stores)
+        ports = [free_port() for _ in range(getattr(args, "gateways", 1))]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        procs = [
+            start_gateway(engines, policy, args.block_tokens, args.engine_blocks, port, stores)
+            for port in ports
+        ]
         try:
-            await wait_healthy(client, url, proc)
+            for url, proc in zip(urls, procs, strict=True):
+                await wait_healthy(client, url, proc)
             reads_events = policy_setting(policy).name != HISTORY_POLICY
             if reads_events and all(e.events_endpoint for e in engines):
-                await wait_in_step(client, url)  # the history router reads no events
+                for url in urls:
+                    await wait_in_step(client, url)  # the history router reads no events
             before = [await cache_counters(client, e) for e in engines]
             times_before = [await engine_times(client, e) for e in engines]
-            cpu_before = process_cpu_s(proc.pid)
+            pids = [proc.pid for proc in procs]
+            cpu_before = sum(process_cpu_s(pid) for pid in pids)
             store_pids = [st.process.pid for st in (stores or {}).values() if st.process]
-            classes_before = cpu_by_class(engines, proc.pid, store_pids)
+            classes_before = cpu_by_class(engines, pids, store_pids)
             this = Replay()
+            target: Gateways = urls[0] if len(urls) == 1 else urls
             if args.rate is None:
-                wall = await replay(url, turns, args.concurrency, args.max_tokens, this)
+                wall = await replay(target, turns, args.concurrency, args.max_tokens, this)
             else:
-                wall = await replay_open(url, turns, args.rate, args.max_tokens, this)
+                wall = await replay_open(target, turns, args.rate, args.max_tokens, this)
             into.replay.merge(this)
-            cpu = process_cpu_s(proc.pid) - cpu_before
-            classes_after = cpu_by_class(engines, proc.pid, store_pids)
+            cpu = sum(process_cpu_s(pid) for pid in pids) - cpu_before
+            classes_after = cpu_by_class(engines, pids, store_pids)
             for key in CPU_CLASSES:
                 into.cpu[key] = into.cpu.get(key, 0.0) + classes_after[key] - classes_before[key]
             after = [await cache_counters(client, e) for e in engines]
@@ -777,23 +805,28 @@ async def measure(
             for was, now in zip(times_before, times_after, strict=True):
                 for key in ENGINE_TIMES:
                     into.spent[key] = into.spent.get(key, 0.0) + now[key] - was[key]
-            view = (await client.get(url + "/metrics")).text
-            records = (await client.get(url + "/kvmesh/decisions")).json()["decisions"]
+            views = [(await client.get(url + "/metrics")).text for url in urls]
+            records = [
+                (await client.get(url + "/kvmesh/decisions")).json()["decisions"] for url in urls
+            ]
             into.decisions += joined(records, this, turns, into.rounds)
             print(
-                f"  {policy}: {routing_view(view)}; the gateway's CPU during the replay "
-                f"{cpu:.1f} s of {wall:.1f} s, {len(this.ttfts) / wall:.2f} requests/s"
+                f"  {policy}: {'; '.join(routing_view(v) for v in views)}; the "
+                f"{'gateway' if len(urls) == 1 else f'{len(urls)} gateways'}' CPU during the "
+                f"replay {cpu:.1f} s of {wall:.1f} s, {len(this.ttfts) / wall:.2f} requests/s"
                 + (f", {this.held} follow-ups held for their answer" if this.held else ""),
                 file=sys.stderr,
                 flush=True,
             )
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
     into.wall_s += wall
     into.rounds += 1
     for e, a, b in zip(engines, after, before, strict=True):
@@ -803,14 +836,16 @@ async def measure(
 
 
 def joined(
-    records: list[dict[str, object]], replay_: Replay, turns: list[Turn], round_: int
+    records: Sequence[list[dict[str, object]]], replay_: Replay, turns: list[Turn], round_: int
 ) -> list[dict[str, object]]:
-    """The gateway's decision records of one replay, each with its turn (index, conversation,
-    TTFT in ms, round); records of requests retried on another engine are left out."""
-    by_id = {int(str(r["id"])): r for r in records}
+    """The gateways' decision records of one replay (one list per gateway replica, turn `i`
+    sent to replica ``i % len(records)``), each with its turn (index, conversation, TTFT in
+    ms, round, gateway); records of requests retried on another engine are left out."""
+    by_id = [{int(str(r["id"])): r for r in per_gateway} for per_gateway in records]
     out: list[dict[str, object]] = []
     for index, rid in sorted(replay_.decision_of.items()):
-        record = by_id.get(rid)
+        gateway = index % len(by_id)
+        record = by_id[gateway].get(rid)
         if record is None:
             continue
         ttft = replay_.ttft_of.get(index)
@@ -820,6 +855,7 @@ def joined(
                 "turn": index,
                 "conversation": turns[index].conversation,
                 "round": round_,
+                "gateway": gateway,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
             }
         )
@@ -863,6 +899,11 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
 
 def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_info: str) -> None:
     print(slice_info)
+    if args.gateways > 1:
+        print(
+            f"{args.gateways} gateway replicas per policy, requests sent to each in turn "
+            "(kv_aware's read the same engine events; approx_prefix's each its own history)"
+        )
     served = getattr(args, "served", None)  # set when --load calibrated the rate
     if args.rate is None:
         print(f"closed loop: {args.concurrency} clients, each waiting for its answer")
@@ -936,7 +977,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--policies names no policy")
     for label in policies:
         policy_setting(label)  # a malformed setting is refused before the engines start
-    for name in ("requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds"):
+    for name in (
+        "requests", "min_turns", "concurrency", "max_tokens", "engine_blocks", "rounds", "gateways"
+    ):  # fmt: skip
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if args.arrival == "closed" and args.rate is not None:
@@ -1000,7 +1043,10 @@ def run(args: argparse.Namespace) -> int:
     if args.connector:
         results += run_connector(spec, turns, bound, args)
     results = [
-        replace(r, arrival=args.arrival, offered_requests_per_s=args.rate or 0.0) for r in results
+        replace(
+            r, arrival=args.arrival, offered_requests_per_s=args.rate or 0.0, gateways=args.gateways
+        )
+        for r in results
     ]
     if args.json:
         for r in results:

@@ -25,6 +25,7 @@ from kvmesh.benchmarks.bench_engines import (
     Replay,
     Turn,
     cpu_by_class,
+    joined,
     previous_turns,
     replay,
     replay_open,
@@ -130,6 +131,41 @@ async def test_the_closed_loop_keeps_at_most_its_clients_in_flight() -> None:
         assert engine.arrived[i] >= engine.answered[i - 3]
 
 
+async def test_requests_are_spread_over_gateway_replicas_in_turn() -> None:
+    """A load balancer in front of replicas knows no conversations: request `i` goes to
+    replica ``i % N``, so a conversation's turns reach different replicas."""
+    first, second = SlowEngine(delay_s=0.01), SlowEngine(delay_s=0.01)
+    served = [await serve(first.app()), await serve(second.app())]
+    try:
+        turns = turns_at(*((i % 2, 0.0) for i in range(5)))  # two conversations, alternating
+        out = Replay()
+        await replay([s.url for s in served], turns, concurrency=2, max_tokens=1, out=out)
+        opened = Replay()
+        await replay_open([s.url for s in served], turns, rate=1000.0, max_tokens=1, out=opened)
+    finally:
+        for s in served:
+            await s.stop()
+    assert out.errors == 0 and opened.errors == 0
+    assert sorted(first.arrived) == [0, 2, 4] and sorted(second.arrived) == [1, 3]
+
+
+def test_decision_records_are_joined_per_gateway_replica() -> None:
+    """Each replica numbers its decisions from its own counter: the same id on two replicas
+    names two requests."""
+    turns = turns_at((0, 0.0), (1, 0.0), (0, 1.0))
+    replay_ = Replay(decision_of={0: 1, 1: 1, 2: 2}, ttft_of={0: 0.5, 1: 0.25, 2: 0.125})
+    records = [
+        [{"id": 1, "engine": "engine-0"}, {"id": 2, "engine": "engine-1"}],  # turns 0 and 2
+        [{"id": 1, "engine": "engine-1"}],  # turn 1
+    ]
+    out = joined(records, replay_, turns, round_=0)
+    assert [(r["turn"], r["gateway"], r["engine"], r["ttft_ms"]) for r in out] == [
+        (0, 0, "engine-0", 500.0),
+        (1, 1, "engine-1", 250.0),
+        (2, 0, "engine-1", 125.0),
+    ]
+
+
 def test_a_rate_with_the_closed_loop_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "engines", "--arrival", "closed", "--rate", "2"])
     assert code != 0
@@ -172,10 +208,10 @@ def test_cpu_is_counted_by_the_engines_process_classes() -> None:
     try:
         engine = cast(VLLMEngine, SimpleNamespace(process=parent))
         deadline = time.monotonic() + 30
-        during = cpu_by_class([engine], gateway=os.getpid())
+        during = cpu_by_class([engine], gateways=[os.getpid()])
         while during["model"] == 0.0 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the child has named itself and run a clock tick
-            during = cpu_by_class([engine], gateway=os.getpid())
+            during = cpu_by_class([engine], gateways=[os.getpid()])
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(10)
