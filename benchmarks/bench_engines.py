@@ -22,6 +22,14 @@ requests/s, each engine's own prefix-cache hit rate from its ``/metrics``
 (one infinite shared cache). The engines run from ``.venv-engine``
 (`scripts/setup-engine-venv.sh`), pinned to one core each.
 
+``--gateways N`` runs each policy behind N gateway replicas, request ``i``
+sent to replica ``i % N`` (a load balancer in front of replicated routers
+knows no conversations). The replicas of an event-fed policy read the same
+engine events; each ``approx_prefix`` replica knows only what it routed
+itself, which is where reading the engines' caches and keeping a history
+part ways: with one gateway that knows the engines' capacity, the history
+is the cache (docs/engines.md).
+
 ``--connector`` adds, in the same run, ``kv_mesh`` (`kv_aware` with pulls
 through the mesh in its cost: route + pull + recompute) and ``round_robin`` on
 two engines that load kvmesh's KV connector (`kvmesh.connector`), each with
