@@ -71,6 +71,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the engine's kvmesh store's --events-replay endpoint, in --engine order",
     )
     g.add_argument(
+        "--events-connect",
+        action="store_true",
+        help="connect to every --events endpoint instead of binding tcp:// ones: for engines "
+        "whose publisher binds (--kv-events-config endpoint tcp://*:PORT; give here "
+        "tcp://ENGINE_HOST:PORT), which any number of gateway replicas can follow",
+    )
+    g.add_argument(
         "--events-topic",
         default="",
         help="the topic in the engines' --kv-events-config (vLLM's default: empty)",
@@ -225,7 +232,13 @@ def build_gateway(args: argparse.Namespace) -> Gateway:
     stores = {t.name: store_worker_id(t.name) for t in config.engines if t.store_events}
     if (followed or stores) and config.policy != HISTORY_POLICY:
         endpoints = [
-            EngineEventsEndpoint(t.name, t.events, t.replay, args.events_topic)
+            EngineEventsEndpoint(
+                t.name,
+                t.events,
+                t.replay,
+                args.events_topic,
+                mode="connect" if args.events_connect else "auto",
+            )
             for t in config.engines
             if t.events is not None
         ]

@@ -188,7 +188,7 @@ class EngineEventsEndpoint:
         if self.mode != "connect" and "*" in self.endpoint:
             raise ConfigError(
                 f"the engine binds {self.endpoint!r}: give kvmesh its reachable address "
-                "(tcp://HOST:PORT) with mode='connect'"
+                "(tcp://HOST:PORT) with mode='connect' (kvmesh gateway: --events-connect)"
             )
 
     @classmethod
@@ -397,12 +397,16 @@ class EngineSubscriber:
     def engines(self) -> list[str]:
         return sorted(self._endpoints)
 
-    def worker_ids(self, engine_id: str) -> list[WorkerId]:
-        """The index workers of an engine, one per data-parallel rank."""
+    def endpoint(self, engine_id: str) -> EngineEventsEndpoint:
+        """Where and how engine `engine_id`'s events are attached; `UnknownWorker` if none."""
         endpoint = self._endpoints.get(engine_id)
         if endpoint is None:
             raise UnknownWorker(f"engine {engine_id!r} is not followed")
-        return [s.worker_id for s in endpoint.streams()]
+        return endpoint
+
+    def worker_ids(self, engine_id: str) -> list[WorkerId]:
+        """The index workers of an engine, one per data-parallel rank."""
+        return [s.worker_id for s in self.endpoint(engine_id).streams()]
 
     def stream_state(self, worker_id: WorkerId) -> EngineStreamState:
         stream = self._streams.get(worker_id)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.app.cli import build_parser, main
+from kvmesh.engine_subscriber import EngineSubscriber
 from kvmesh.gateway.command import build_gateway, describe
 from kvmesh.gateway.routing import HistoryRouter, IndexRouter
 
@@ -38,6 +39,23 @@ def test_flags_build_engines_in_order_with_their_event_sockets(tokenizer_dir: Pa
     assert "policy kv_aware" in line and "blocks of 32" in line
 
 
+def test_events_connect_follows_engines_that_bind_so_replicas_can_share_them(
+    tokenizer_dir: Path,
+) -> None:
+    """An engine publishing on ``tcp://*:PORT`` binds: every gateway replica connects to it.
+    By default a tcp:// endpoint is bound here, which one gateway alone can do."""
+    by_default = build_gateway(parse(*ENGINES, *EVENTS, "--tokenizer", str(tokenizer_dir)))
+    subscriber = by_default.sources[0]
+    assert isinstance(subscriber, EngineSubscriber)
+    assert [s.bind for s in subscriber.endpoint("engine-0").streams()] == [True]
+    args = parse(*ENGINES, *EVENTS, "--events-connect", "--tokenizer", str(tokenizer_dir))
+    subscriber = build_gateway(args).sources[0]
+    assert isinstance(subscriber, EngineSubscriber)
+    for name in ("engine-0", "engine-1"):
+        assert subscriber.endpoint(name).mode == "connect"
+        assert [s.bind for s in subscriber.endpoint(name).streams()] == [False]
+
+
 def test_approx_prefix_follows_no_events(tokenizer_dir: Path) -> None:
     args = parse(*ENGINES, *EVENTS, "--tokenizer", str(tokenizer_dir), "--policy", "approx_prefix")
     gateway = build_gateway(args)
@@ -57,6 +75,11 @@ def test_approx_prefix_follows_no_events(tokenizer_dir: Path) -> None:
         (["--host", "0.0.0.0"], "refusing to bind 0.0.0.0"),
         (["--request-timeout", "0"], "argument --request-timeout: must be a positive number"),
         (["--name", "a", "--name", "a"], "engine names must be unique"),
+        (
+            ["--events", "tcp://*:5557", "--events", "tcp://*:5567"],
+            "give kvmesh its reachable address (tcp://HOST:PORT) with mode='connect' "
+            "(kvmesh gateway: --events-connect)",
+        ),
     ],
 )
 def test_bad_flags_are_one_clear_line_and_exit_2(
