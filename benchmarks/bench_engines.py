@@ -907,9 +907,10 @@ def summarize(policy: str, m: Measured, bound: float, connector: bool = False) -
 
 def print_table(results: list[PolicyResult], args: argparse.Namespace, slice_info: str) -> None:
     print(slice_info)
-    if args.gateways > 1:
+    gateways = getattr(args, "gateways", 1)
+    if gateways > 1:
         print(
-            f"{args.gateways} gateway replicas per policy, requests sent to each in turn "
+            f"{gateways} gateway replicas per policy, requests sent to each in turn "
             "(kv_aware's read the same engine events; approx_prefix's each its own history)"
         )
     served = getattr(args, "served", None)  # set when --load calibrated the rate

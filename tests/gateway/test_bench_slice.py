@@ -285,3 +285,6 @@ def test_the_table_sets_ttft_beside_the_prefill_work_each_policy_left(
         "mean TTFT round_robin / kv_aware = 3.00x (prompt tokens computed per request: 2.00x)"
         in out
     )
+    assert "gateway replicas" not in out  # one gateway: nothing to say
+    print_table([kv, rr], argparse.Namespace(rate=None, concurrency=4, gateways=2), "slice")
+    assert "2 gateway replicas per policy, requests sent to each in turn" in capsys.readouterr().out
