@@ -794,18 +794,16 @@ async def measure(
             before = [await cache_counters(client, e) for e in engines]
             times_before = [await engine_times(client, e) for e in engines]
             pids = [proc.pid for proc in procs]
-            cpu_before = sum(process_cpu_s(pid) for pid in pids)
             store_pids = [st.process.pid for st in (stores or {}).values() if st.process]
             classes_before = cpu_by_class(engines, pids, store_pids)
             this = Replay()
-            target: Gateways = urls[0] if len(urls) == 1 else urls
             if args.rate is None:
-                wall = await replay(target, turns, args.concurrency, args.max_tokens, this)
+                wall = await replay(urls, turns, args.concurrency, args.max_tokens, this)
             else:
-                wall = await replay_open(target, turns, args.rate, args.max_tokens, this)
+                wall = await replay_open(urls, turns, args.rate, args.max_tokens, this)
             into.replay.merge(this)
-            cpu = sum(process_cpu_s(pid) for pid in pids) - cpu_before
             classes_after = cpu_by_class(engines, pids, store_pids)
+            cpu = classes_after["gateway"] - classes_before["gateway"]
             for key in CPU_CLASSES:
                 into.cpu[key] = into.cpu.get(key, 0.0) + classes_after[key] - classes_before[key]
             after = [await cache_counters(client, e) for e in engines]
