@@ -368,9 +368,10 @@ class ConversationPlacement:
     request of a holder that is busy enough.
     """
 
-    def __init__(self, index: GlobalIndex) -> None:
+    def __init__(self, index: GlobalIndex, stored_weight: float = 1.0) -> None:
         self.work = EngineWork(index)
         self.branches = PrefixBranches(index)
+        self.stored_weight = stored_weight
 
     def choose(
         self,
@@ -391,7 +392,7 @@ class ConversationPlacement:
         size = request.page_size
         queued = [load.active_prefill_tokens for load in cands.loads]
         work = [
-            self.work.blocks(load.worker_id) + q / size
+            self.stored_weight * self.work.blocks(load.worker_id) + q / size
             for load, q in zip(cands.loads, queued, strict=True)
         ]
         everyone = range(len(held))
@@ -460,7 +461,7 @@ class IndexRouter:
         self._policy: RoutingPolicy = make_policy(policy, config, self._rng)
         self.placement = BalancedPlacement(shared_prefix_blocks) if shared_prefix_blocks else None
         self.conversations = (
-            ConversationPlacement(index)
+            ConversationPlacement(index, config.stored_weight)
             if placement == CONVERSATIONS and self.placement is None
             else None
         )

@@ -234,3 +234,23 @@ def test_the_rule_before_stays_one_setting_away_and_bad_settings_are_refused() -
         make_router("kv_mesh", index, CoordinatorConfig(), placement="conversations")
     with pytest.raises(ConfigError, match="unknown placement 'x'"):
         GatewayConfig((EngineTarget("e", "http://127.0.0.1:1"),), placement="x")
+
+
+def test_stored_weight_trades_the_blocks_stored_lately_against_the_queue_of_the_moment() -> None:
+    """A stored 20 blocks lately and nothing is queued there; B stored none but has 8 blocks of
+    prefill queued. By blocks stored (weight 1) the new conversation goes to B; with the
+    stored term weighted 0.25 (5 blocks) A's empty queue wins; weight 0 is the queue alone."""
+    placed = {}
+    for weight in (1.0, 0.25, 0.0):
+        engines = Engines()
+        router = make_router("kv_aware", engines.index, CoordinatorConfig(stored_weight=weight))
+        engines.store(A, h(*range(100, 120)))
+        engines.store(B, h(900))  # B is a known engine with one block
+        loads = [WorkerLoad(A), WorkerLoad(B, active_prefill_tokens=8 * BLOCK)]
+        placed[weight] = router.route(request(7, 8, 9), loads, b"k").worker_id
+    assert placed == {1.0: B, 0.25: A, 0.0: A}
+
+
+def test_a_negative_stored_weight_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="stored_weight"):
+        CoordinatorConfig(stored_weight=-1.0)
