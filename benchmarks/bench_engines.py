@@ -816,10 +816,11 @@ async def measure(
                 (await client.get(url + "/kvmesh/decisions")).json()["decisions"] for url in urls
             ]
             into.decisions += joined(records, this, turns, into.rounds)
+            whose = "gateway's" if len(urls) == 1 else f"{len(urls)} gateways'"
             print(
-                f"  {policy}: {'; '.join(routing_view(v) for v in views)}; the "
-                f"{'gateway' if len(urls) == 1 else f'{len(urls)} gateways'}' CPU during the "
-                f"replay {cpu:.1f} s of {wall:.1f} s, {len(this.ttfts) / wall:.2f} requests/s"
+                f"  {policy}: {'; '.join(routing_view(v) for v in views)}; the {whose} CPU "
+                f"during the replay {cpu:.1f} s of {wall:.1f} s, "
+                f"{len(this.ttfts) / wall:.2f} requests/s"
                 + (f", {this.held} follow-ups held for their answer" if this.held else ""),
                 file=sys.stderr,
                 flush=True,
