@@ -355,7 +355,10 @@ class ConversationPlacement:
       goes to the engine with the least of the blocks it stored lately, its
       queued prefill and the blocks it would compute for this request (all
       in blocks, `EngineWork`), so each cache takes an even share of what
-      must be kept: balanced by work, not by request count.
+      must be kept: balanced by work, not by request count. A queued block
+      weighs `queue_weight` blocks (``placement_queue_weight``): above 1 the
+      queue of the moment counts more, so a burst of new conversations is
+      split, while with nothing queued the caches' shares decide as before.
     - Otherwise the engine holding the longest prefix keeps the request. It
       yields only to an idle engine (nothing queued) and only when its own
       queued prefill exceeds `MOVE_PRICE` times the blocks it holds beyond
@@ -368,10 +371,10 @@ class ConversationPlacement:
     request of a holder that is busy enough.
     """
 
-    def __init__(self, index: GlobalIndex, stored_weight: float = 1.0) -> None:
+    def __init__(self, index: GlobalIndex, queue_weight: float = 1.0) -> None:
         self.work = EngineWork(index)
         self.branches = PrefixBranches(index)
-        self.stored_weight = stored_weight
+        self.queue_weight = queue_weight
 
     def choose(
         self,
@@ -392,7 +395,7 @@ class ConversationPlacement:
         size = request.page_size
         queued = [load.active_prefill_tokens for load in cands.loads]
         work = [
-            self.stored_weight * self.work.blocks(load.worker_id) + q / size
+            self.work.blocks(load.worker_id) + self.queue_weight * q / size
             for load, q in zip(cands.loads, queued, strict=True)
         ]
         everyone = range(len(held))
@@ -461,7 +464,7 @@ class IndexRouter:
         self._policy: RoutingPolicy = make_policy(policy, config, self._rng)
         self.placement = BalancedPlacement(shared_prefix_blocks) if shared_prefix_blocks else None
         self.conversations = (
-            ConversationPlacement(index, config.stored_weight)
+            ConversationPlacement(index, config.placement_queue_weight)
             if placement == CONVERSATIONS and self.placement is None
             else None
         )

@@ -303,9 +303,10 @@ class CoordinatorConfig:
     # ratio from 0.32 to 0.25. Raise it when decode shares the accelerator with prefill.
     decode_weight: float = 0.0
     queue_weight: float = 1.0  # kv_aware: weight of the prefill pages already queued
-    # kv_aware's conversation placement: weight of each block an engine stored lately against
-    # a block of its queued or new prefill, when a new conversation is placed (docs/engines.md)
-    stored_weight: float = 1.0
+    # kv_aware's conversation placement: what a block of an engine's queued prefill weighs,
+    # against a block it stored lately or would compute, when a new conversation is placed
+    # (1: all alike; more: the queue of the moment counts more; docs/engines.md)
+    placement_queue_weight: float = 1.0
     pull_cost: float = 0.16  # pulling a page / computing it (6.4 ms vs ~41 ms per 512 tokens)
     # kv_aware by tier (coordinator/tiers.py), as fractions of recomputing a page (capped at 1),
     # from `kvmesh bench tiers` on the tiny model (docs/tiers.md: 0.68 / 6.11 vs 20.1 ms a page)
@@ -366,7 +367,7 @@ class CoordinatorConfig:
                 "temperature",
                 "decode_weight",
                 "queue_weight",
-                "stored_weight",
+                "placement_queue_weight",
                 "max_load_ratio",
                 "host_hit_cost",
                 "disk_hit_cost",

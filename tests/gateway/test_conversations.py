@@ -70,8 +70,8 @@ def idle() -> list[WorkerLoad]:
     return [WorkerLoad(A), WorkerLoad(B)]
 
 
-def kv_aware(engines: Engines) -> IndexRouter:
-    router = make_router("kv_aware", engines.index, CoordinatorConfig())
+def kv_aware(engines: Engines, config: CoordinatorConfig | None = None) -> IndexRouter:
+    router = make_router("kv_aware", engines.index, config or CoordinatorConfig())
     assert isinstance(router, IndexRouter) and router.conversations is not None
     return router
 
@@ -98,13 +98,16 @@ def test_one_client_no_longer_puts_every_conversation_on_the_engine_with_the_sys
     assert min(placed.count(A), placed.count(B)) >= 5
 
 
-def test_an_engine_holding_only_a_long_shared_prompt_does_not_attract_every_new_conversation() -> (
-    None
-):
+@pytest.mark.parametrize("queue_weight", [1.0, 4.0])
+def test_an_engine_holding_only_a_long_shared_prompt_does_not_attract_every_new_conversation(
+    queue_weight: float,
+) -> None:
     """A's cache holds a 6-block system prompt that several conversations continued; B (just
-    started, or restarted) holds nothing. The prompt is where prompts part: no affinity."""
+    started, or restarted) holds nothing. The prompt is where prompts part: no affinity. With
+    nothing queued the queue's weight changes nothing."""
     engines = Engines()
-    router = kv_aware(engines)  # a gateway following the engines from their start
+    # a gateway following the engines from their start
+    router = kv_aware(engines, CoordinatorConfig(placement_queue_weight=queue_weight))
     system = (1, 2, 3, 4, 5, 6)
     for c in range(PARTED_WAYS):
         engines.store(A, h(*system, 500 + c))
@@ -236,21 +239,23 @@ def test_the_rule_before_stays_one_setting_away_and_bad_settings_are_refused() -
         GatewayConfig((EngineTarget("e", "http://127.0.0.1:1"),), placement="x")
 
 
-def test_stored_weight_trades_the_blocks_stored_lately_against_the_queue_of_the_moment() -> None:
-    """A stored 20 blocks lately and nothing is queued there; B stored none but has 8 blocks of
-    prefill queued. By blocks stored (weight 1) the new conversation goes to B; with the
-    stored term weighted 0.25 (5 blocks) A's empty queue wins; weight 0 is the queue alone."""
+
+def test_placement_queue_weight_trades_the_blocks_stored_lately_against_the_queue() -> None:
+    """A stored 20 blocks lately and nothing is queued there; B stored one and has 8 blocks of
+    prefill queued. At weight 1 (20 + 3 against 1 + 8 + 3) the new conversation goes to B;
+    at 4 B's queue weighs 32 blocks and A's empty queue wins."""
     placed = {}
-    for weight in (1.0, 0.25, 0.0):
+    for weight in (1.0, 4.0):
         engines = Engines()
-        router = make_router("kv_aware", engines.index, CoordinatorConfig(stored_weight=weight))
+        config = CoordinatorConfig(placement_queue_weight=weight)
+        router = make_router("kv_aware", engines.index, config)
         engines.store(A, h(*range(100, 120)))
-        engines.store(B, h(900))  # B is a known engine with one block
+        engines.store(B, h(900))
         loads = [WorkerLoad(A), WorkerLoad(B, active_prefill_tokens=8 * BLOCK)]
         placed[weight] = router.route(request(7, 8, 9), loads, b"k").worker_id
-    assert placed == {1.0: B, 0.25: A, 0.0: A}
+    assert placed == {1.0: B, 4.0: A}
 
 
-def test_a_negative_stored_weight_is_refused_naming_the_field() -> None:
-    with pytest.raises(ConfigError, match="stored_weight"):
-        CoordinatorConfig(stored_weight=-1.0)
+def test_a_negative_placement_queue_weight_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="placement_queue_weight"):
+        CoordinatorConfig(placement_queue_weight=-1.0)
