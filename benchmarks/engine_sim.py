@@ -140,8 +140,8 @@ class SimBlockPool:
 
     Invariant: ``len(free) + len(used) + uncached <= capacity`` whenever the
     running requests fit (vLLM would not schedule one that does not; here it
-    is scheduled anyway and the pool runs over until it finishes, which the
-    bench's slice, at most ~127 blocks a prompt beside 384, never needs).
+    is scheduled anyway and the pool runs over until one finishes, when it evicts back
+    down; the bench's slice, at most ~127 blocks a prompt beside 384, never needs it).
     """
 
     def __init__(self, capacity: int, block_tokens: int, publish: Callable[[list[dict]], None]):
@@ -207,7 +207,9 @@ class SimBlockPool:
         }
 
     def release(self, job: _Job) -> None:
-        """The request finished: its cached blocks go to the free queue, last block first."""
+        """The request finished: its cached blocks go to the free queue, last block first; a
+        pool that ran over (requests scheduled together that did not fit) evicts back down to
+        its capacity, so it never holds more than vLLM's would once they are done."""
         for h in reversed(job.held):
             n = self.used[h] - 1
             if n:
@@ -216,6 +218,11 @@ class SimBlockPool:
                 del self.used[h]
                 self.free[h] = None
         self.uncached -= job.uncached
+        evicted: list[PageHash] = []
+        while self.free and len(self.free) + len(self.used) + self.uncached > self.capacity:
+            evicted.append(self.free.popitem(last=False)[0])
+        if evicted:
+            self.publish([{"type": "BlockRemoved", "block_hashes": _ints(evicted)}])
 
 
 def _ints(hashes: Sequence[PageHash]) -> list[int]:
