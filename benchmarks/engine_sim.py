@@ -165,13 +165,9 @@ class SimBlockPool:
         job.held = list(hashes[:hit])
         job.hit_blocks = hit
         need = -(-(len(job.turn.token_ids) + max_tokens) // size) - hit
-        evicted: list[PageHash] = []
-        while self.free and len(self.free) + len(self.used) + self.uncached + need > self.capacity:
-            evicted.append(self.free.popitem(last=False)[0])
+        self._evict(need)
         self.uncached += need
         job.uncached = need
-        if evicted:
-            self.publish([{"type": "BlockRemoved", "block_hashes": _ints(evicted)}])
 
     def prefilled(self, job: _Job) -> None:
         """The prompt's full blocks beyond the hit are cached (a block cached meanwhile by
@@ -218,8 +214,12 @@ class SimBlockPool:
                 del self.used[h]
                 self.free[h] = None
         self.uncached -= job.uncached
+        self._evict(0)
+
+    def _evict(self, need: int) -> None:
+        """Free blocks out, oldest first, until `need` more fit (or none is left to evict)."""
         evicted: list[PageHash] = []
-        while self.free and len(self.free) + len(self.used) + self.uncached > self.capacity:
+        while self.free and len(self.free) + len(self.used) + self.uncached + need > self.capacity:
             evicted.append(self.free.popitem(last=False)[0])
         if evicted:
             self.publish([{"type": "BlockRemoved", "block_hashes": _ints(evicted)}])

@@ -371,7 +371,7 @@ class ConversationPlacement:
     request of a holder that is busy enough.
     """
 
-    def __init__(self, index: GlobalIndex, queue_weight: float = 1.0) -> None:
+    def __init__(self, index: GlobalIndex, queue_weight: float) -> None:
         self.work = EngineWork(index)
         self.branches = PrefixBranches(index)
         self.queue_weight = queue_weight

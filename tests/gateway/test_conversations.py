@@ -239,7 +239,6 @@ def test_the_rule_before_stays_one_setting_away_and_bad_settings_are_refused() -
         GatewayConfig((EngineTarget("e", "http://127.0.0.1:1"),), placement="x")
 
 
-
 def test_placement_queue_weight_trades_the_blocks_stored_lately_against_the_queue() -> None:
     """A stored 20 blocks lately and nothing is queued there; B stored one and has 8 blocks of
     prefill queued. At weight 1 (20 + 3 against 1 + 8 + 3) the new conversation goes to B;
