@@ -75,6 +75,7 @@ from kvmesh.coordinator.index import GlobalIndex
 from kvmesh.coordinator.policies import RouteRequest, WorkerLoad, make_policy
 from kvmesh.coordinator.service import Coordinator
 from kvmesh.coordinator.shards import ShardedCoordinator
+from kvmesh.errors import InvalidInput
 from kvmesh.events import PagesRemoved, PagesStored, decode_batch, encode_batch, make_batch
 from kvmesh.stats import percentile
 from kvmesh.types import PageHash, WorkerId
@@ -84,9 +85,10 @@ SYSTEM_PAGES = 4
 GROUP = 32
 BATCH_CONVS = 16
 PAGE_SIZE = 16
-ROUTE_CPU_PASSES = 3
-"""With --shards: passes over the routes whose least CPU time counts (a shared machine's
-noise only ever adds)."""
+ROUTE_CPU_PASSES = 5
+"""With --shards: passes over the ingest and the routes, each through every shard count in
+turn. The least CPU time of each count counts (a shared machine's noise only ever adds), and
+the ratios between counts are also taken pass by pass (`paired_ratios`)."""
 
 
 LABELS = {
@@ -595,24 +597,28 @@ def _sharded_in_process(
     count in turn, so the counts compared meet the same moments of the machine:
     measured one count after the other, the ingest's CPU moved by up to a tenth
     between counts with the same code, as much as the gap between them.
+    ``cpu_per_op_ratio_paired_median`` (and ``_range``, and the batched pair) take
+    each pass's ratio to the first count alone (`paired_ratios`).
     """
     counts = list(shard_counts)
     ingest_s = [math.inf] * len(counts)
-    ingest_cpu = [math.inf] * len(counts)
+    ingest_passes: list[list[float]] = []  # process CPU s, [pass][count]
     for _ in range(ROUTE_CPU_PASSES):
+        ingest_passes.append([])
         for k, shards in enumerate(counts):
             # each into a fresh coordinator, dropped at once: every build meets the same
             # live memory (a build beside others' indexes ran up to 15 % slower)
             coord, wall, cpu = _ingested(wl, shards, seed)
             del coord
             gc.collect()
-            ingest_s[k], ingest_cpu[k] = min(ingest_s[k], wall), min(ingest_cpu[k], cpu)
+            ingest_s[k] = min(ingest_s[k], wall)
+            ingest_passes[-1].append(cpu)
+    ingest_cpu = [min(column) for column in zip(*ingest_passes, strict=True)]
     built = [_ingested(wl, shards, seed)[0] for shards in counts]  # routed side by side
     queries = [RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE) for p in prompts]
     batches = [queries[k : k + route_batch] for k in range(0, len(queries), route_batch)]
     times: list[list[float]] = []
     cpu_times: list[list[float]] = []
-    route_cpu: list[float] = []
     for coord in built:
         rng = random.Random(seed)
         for w in wl.worker_ids:
@@ -621,31 +627,36 @@ def _sharded_in_process(
             )
         wall_ms: list[float] = []
         cpu_ms: list[float] = []
-        c0 = time.process_time()
         for query in queries:
             c = time.thread_time_ns()
             t = time.perf_counter_ns()
             coord.route(query)
             wall_ms.append((time.perf_counter_ns() - t) / 1e6)
             cpu_ms.append((time.thread_time_ns() - c) / 1e6)
-        route_cpu.append(time.process_time() - c0)
         times.append(wall_ms)
         cpu_times.append(cpu_ms)
     # CPU per route: the least of a few passes, one call per route and `route_batch` routes
     # per call (`route_many`: one call per shard per batch, as a router asks for the routes
     # that arrive together) in turn, every count in each pass. Looks (no request id)
     # change nothing, so every pass routes the same.
-    batched_cpu = [math.inf] * len(built)
+    batched_passes: list[list[float]] = []
+    route_passes: list[list[float]] = []
     for _ in range(ROUTE_CPU_PASSES):
-        for k, coord in enumerate(built):
+        batched_passes.append([])
+        route_passes.append([])
+        for coord in built:
             c0 = time.process_time()
             for batch in batches:
                 coord.route_many(batch)
-            batched_cpu[k] = min(batched_cpu[k], time.process_time() - c0)
+            batched_passes[-1].append(time.process_time() - c0)
             c0 = time.process_time()
             for query in queries:
                 coord.route(query)
-            route_cpu[k] = min(route_cpu[k], time.process_time() - c0)
+            route_passes[-1].append(time.process_time() - c0)
+    batched_cpu = [min(column) for column in zip(*batched_passes, strict=True)]
+    route_cpu = [min(column) for column in zip(*route_passes, strict=True)]
+    paired = paired_ratios(_pass_totals(ingest_passes, route_passes))
+    paired_batched = paired_ratios(_pass_totals(ingest_passes, batched_passes))
     ops = wl.stored_events + len(prompts)
     return [
         {
@@ -664,9 +675,38 @@ def _sharded_in_process(
             "route_batch": route_batch,
             "batched_cpu_s_per_million_ops": round((ingest_cpu[k] + batched_cpu[k]) / ops * 1e6, 3),
             "batched_route_cpu_us_per_call": round(batched_cpu[k] / len(prompts) * 1e6, 1),
+            "cpu_per_op_ratio_paired_median": paired[k][0],
+            "cpu_per_op_ratio_paired_range": list(paired[k][1:]),
+            "batched_cpu_per_op_ratio_paired_median": paired_batched[k][0],
+            "batched_cpu_per_op_ratio_paired_range": list(paired_batched[k][1:]),
         }
         for k in range(len(built))
     ]
+
+
+def _pass_totals(ingest: list[list[float]], routes: list[list[float]]) -> list[list[float]]:
+    """Each pass's ingest plus route CPU seconds, per shard count: [pass][count]."""
+    return [[i + r for i, r in zip(a, b, strict=True)] for a, b in zip(ingest, routes, strict=True)]
+
+
+def paired_ratios(totals: Sequence[Sequence[float]]) -> list[tuple[float, float, float]]:
+    """For each shard count, the median, least and greatest over passes of its CPU in a pass
+    over the first count's in the same pass.
+
+    The counts of one pass run minutes apart at most, so a machine that slows for a while
+    (another tenant's memory traffic moved this bench's ingest by a third from run to run)
+    slows every count of that pass alike: a ratio taken within passes keeps what the least
+    CPU of each count, taken in different passes, can lose.
+    """
+    if not totals or not totals[0]:
+        raise InvalidInput("paired_ratios needs at least one pass of at least one count")
+    out = []
+    for k in range(len(totals[0])):
+        ratios = [row[k] / row[0] for row in totals]
+        out.append(
+            (round(statistics.median(ratios), 3), round(min(ratios), 3), round(max(ratios), 3))
+        )
+    return out
 
 
 def _ray_routes(routers: Sequence[Any], prompts: list[list[PageHash]]) -> list[list[float]]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvmesh.benchmarks import bench_router
+from kvmesh.errors import InvalidInput
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -52,6 +53,11 @@ def test_sharded_json_has_one_object_per_shard_count_with_the_promised_keys(
         assert r["route_cpu_p50_ms"] <= r["route_cpu_p99_ms"]
     assert results[0]["cpu_per_op_ratio_vs_first"] == 1.0
     assert results[0]["batched_cpu_per_op_ratio_vs_first"] == 1.0
+    for prefix in ("", "batched_"):
+        assert results[0][f"{prefix}cpu_per_op_ratio_paired_median"] == 1.0
+        assert results[0][f"{prefix}cpu_per_op_ratio_paired_range"] == [1.0, 1.0]
+        low, high = results[1][f"{prefix}cpu_per_op_ratio_paired_range"]
+        assert 0 < low <= results[1][f"{prefix}cpu_per_op_ratio_paired_median"] <= high
 
 
 def test_the_table_says_where_each_route_latency_was_measured(
@@ -104,7 +110,7 @@ def test_json_keeps_stdout_for_the_json_whatever_is_printed_while_it_measures(
     while the bench measures all land on stderr: stdout is one JSON object per line."""
     measured = bench_router._sharded_in_process
 
-    def noisy(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    def noisy(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         print("(raylet) a line from Ray's log thread")
         os.write(1, b"(raylet) straight to descriptor 1\n")
         subprocess.run([sys.executable, "-c", "print('(raylet) from a child process')"], check=True)
@@ -175,3 +181,18 @@ def test_each_cpu_pass_measures_every_shard_count_in_turn(
     assert ingested == [1, 2, 4] * bench_router.ROUTE_CPU_PASSES + [1, 2, 4]
     assert [f["route_batch"] for f in figures] == [8, 8, 8]
     assert all(f["batched_route_cpu_us_per_call"] > 0 for f in figures)
+
+
+def test_paired_ratios_compare_the_counts_within_each_pass() -> None:
+    """The first count met a fast moment of the machine in one pass and the others never
+    did: the least CPU of each count, taken from different passes, reads 2.4 and 3 where
+    two passes of three say 1.2 and 1.5."""
+    totals = [[1.0, 2.4, 3.0], [2.0, 2.4, 3.0], [2.0, 2.4, 3.0]]
+    assert bench_router.paired_ratios(totals) == [(1.0, 1.0, 1.0), (1.2, 1.2, 2.4), (1.5, 1.5, 3.0)]
+    least = [min(column) for column in zip(*totals, strict=True)]
+    assert [x / least[0] for x in least] == [1.0, 2.4, 3.0]
+
+
+def test_paired_ratios_refuse_no_passes() -> None:
+    with pytest.raises(InvalidInput, match="at least one pass"):
+        bench_router.paired_ratios([])
