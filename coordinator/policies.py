@@ -542,3 +542,29 @@ def make_policy(
         raise ConfigError(f"unknown routing policy {name!r}; choose one of {sorted(REGISTRY)}")
     cfg = config or CoordinatorConfig()
     return cls(cfg, rng if rng is not None else random.Random(cfg.seed))
+
+
+class Policies:
+    """The policies a coordinator or router decides with, by name, each built on first use
+    and kept: a policy has state of its own (round robin's turn, the generator it draws
+    from), so a route naming one must meet the instance the last route used."""
+
+    def __init__(self, config: CoordinatorConfig, rng: random.Random) -> None:
+        self.config = config
+        self.rng = rng
+        self._built: dict[str, RoutingPolicy] = {}
+
+    @staticmethod
+    def check(name: str | None) -> None:
+        """Raise `ConfigError` naming the known policies if `name` is none of them (None:
+        the config's), before a route changes anything."""
+        if name is not None and name not in REGISTRY:
+            make_policy(name)
+
+    def get(self, name: str | None) -> RoutingPolicy:
+        """The policy named `name` (None: the config's); raises `ConfigError` for unknown names."""
+        key = name or self.config.policy
+        policy = self._built.get(key)
+        if policy is None:
+            policy = self._built[key] = make_policy(key, self.config, self.rng)
+        return policy

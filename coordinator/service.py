@@ -39,12 +39,10 @@ from kvmesh.coordination import ReportMark, RouteQuery, WorkerRegistration, Work
 from kvmesh.coordinator.index import GlobalIndex, MatchResult, PrefixTable
 from kvmesh.coordinator.index_store import PromptKeys
 from kvmesh.coordinator.policies import (
-    REGISTRY,
+    Policies,
     RouteDecision,
     RouteRequest,
-    RoutingPolicy,
     WorkerLoad,
-    make_policy,
 )
 from kvmesh.coordinator.registry import WorkerInfo, WorkerRegistry
 from kvmesh.coordinator.tenant_shares import TenantShare, TenantShares
@@ -261,9 +259,8 @@ class Coordinator:
         )
         self.index.add_observer(self.tenant_shares)
         self.registry = WorkerRegistry(clock)
-        self._policies: dict[str, RoutingPolicy] = {
-            self.config.policy: make_policy(self.config.policy, self.config, self._rng)
-        }
+        self._policies = Policies(self.config, self._rng)
+        self._policies.get(None)  # an unknown policy in the config fails here, not at a route
         self._loads: dict[Role | None, tuple[WorkerLoad, ...]] = {}
         # Each change of the loads takes a new version, random-based so that two
         # coordinators (a shard and its restart, two replicas) never share one: a
@@ -481,14 +478,6 @@ class Coordinator:
             loads = self._loads[role] = tuple(built)
         return loads
 
-    def _policy(self, name: str | None) -> RoutingPolicy:
-        key = name or self.config.policy
-        policy = self._policies.get(key)
-        if policy is None:
-            policy = make_policy(key, self.config, self._rng)
-            self._policies[key] = policy
-        return policy
-
     def tenant_share_view(self) -> dict[str, TenantShare]:
         """Each tenant's pages across the cluster against its fair share (from the events)."""
         with self._lock:
@@ -608,8 +597,7 @@ class Coordinator:
         if query.split:
             prefill, decode = query.halves()
             return replace(self.route(prefill), decode=self.route(decode))
-        if query.policy is not None and query.policy not in REGISTRY:
-            make_policy(query.policy)  # raises ConfigError naming the known policies
+        Policies.check(query.policy)
         with self._lock:
             t0 = time.perf_counter_ns()
             crowded = None
@@ -619,7 +607,7 @@ class Coordinator:
             request = policy_request(query, crowded)
             matched = self.index.match(request.hashes)
             tiers = self.index.tier_pages(request.hashes, matched)
-            decision = self._policy(query.policy).choose(
+            decision = self._policies.get(query.policy).choose(
                 request, matched.pages, self._current_loads(query.role), tiers
             )
             elapsed_s = (time.perf_counter_ns() - t0) / 1e9

@@ -52,12 +52,11 @@ from kvmesh.coordination import RouteQuery, WorkerRegistration, WorkerReport
 from kvmesh.coordinator.index import MatchResult
 from kvmesh.coordinator.index_store import PromptKeys
 from kvmesh.coordinator.policies import (
-    REGISTRY,
+    Policies,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
     WorkerLoad,
-    make_policy,
 )
 from kvmesh.coordinator.registry import WorkerInfo
 from kvmesh.coordinator.service import (
@@ -330,26 +329,20 @@ class ShardRouter:
         self.config = config
         self.per_request_rng = per_request_rng
         self._rng = rng if rng is not None else random.Random(config.seed)
-        self._policies: dict[str, RoutingPolicy] = {}
+        self._policies = Policies(config, self._rng)
         self.tenant_weights = TenantWeights.parse(config.tenant_weights)
         # its decisions count in kvmesh.metrics under its own name, as a Coordinator's do
         self.name = COORDINATOR_NAMES.claim(self, name or f"{config.actor_name}-router")
 
     def policy(self, name: str | None) -> RoutingPolicy:
         """The policy named `name` (None: the config's); raises `ConfigError` for unknown names."""
-        key = name or self.config.policy
-        policy = self._policies.get(key)
-        if policy is None:
-            policy = make_policy(key, self.config, self._rng)
-            self._policies[key] = policy
-        return policy
+        return self._policies.get(name)
 
     def decide(self, query: RouteQuery, view: RouteView) -> RouteDecision:
         """The policy's decision on `view` (the shards' merged views for `query`, tenant
         counts included when it names a tenant); raises `NoWorkers` when it has no load."""
         policy = query.policy
-        if policy is not None and policy not in REGISTRY:
-            make_policy(policy)  # raises ConfigError naming the known policies
+        Policies.check(policy)
         chosen = self.policy(policy)
         t0 = time.perf_counter_ns()
         crowded = None

@@ -12,6 +12,7 @@ from kvmesh.config import CoordinatorConfig
 from kvmesh.coordinator.policies import (
     REGISTRY,
     KVAwarePolicy,
+    Policies,
     RouteRequest,
     WorkerLoad,
     candidates,
@@ -292,3 +293,21 @@ def test_bad_policy_settings_are_config_errors() -> None:
         make_policy("consistent_hash", CoordinatorConfig(consistent_hash_load_factor=0.5))
     with pytest.raises(ConfigError):
         make_policy("cache_aware", CoordinatorConfig(cache_threshold=2.0))
+
+
+def test_policies_keep_each_policy_built_once_so_its_state_carries_over() -> None:
+    policies = Policies(CoordinatorConfig(policy="kv_aware"), random.Random(0))
+    assert policies.get(None) is policies.get("kv_aware")
+    turns = policies.get("round_robin")
+    assert policies.get("round_robin") is turns  # round robin's turn goes on between routes
+    assert policies.get(None) is not turns
+
+
+def test_policies_refuse_an_unknown_name_naming_the_known_ones() -> None:
+    policies = Policies(CoordinatorConfig(), random.Random(0))
+    with pytest.raises(ConfigError, match="round_robin"):
+        policies.get("fastest")
+    with pytest.raises(ConfigError, match="kv_aware"):
+        Policies.check("fastest")
+    Policies.check(None)  # the config's, whatever it is
+    Policies.check("round_robin")
