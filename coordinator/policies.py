@@ -563,7 +563,7 @@ class Policies:
 
     def get(self, name: str | None) -> RoutingPolicy:
         """The policy named `name` (None: the config's); raises `ConfigError` for unknown names."""
-        key = name or self.config.policy
+        key = self.config.policy if name is None else name
         policy = self._built.get(key)
         if policy is None:
             policy = self._built[key] = make_policy(key, self.config, self.rng)

@@ -307,6 +307,8 @@ def test_policies_refuse_an_unknown_name_naming_the_known_ones() -> None:
     policies = Policies(CoordinatorConfig(), random.Random(0))
     with pytest.raises(ConfigError, match="round_robin"):
         policies.get("fastest")
+    with pytest.raises(ConfigError):
+        policies.get("")  # not the config's: a name, and none of them
     with pytest.raises(ConfigError, match="kv_aware"):
         Policies.check("fastest")
     Policies.check(None)  # the config's, whatever it is
