@@ -93,9 +93,6 @@ _TIERS_OF_BITS: tuple[tuple[str, ...], ...] = tuple(
     tuple(name for i, name in enumerate(TIER_NAMES) if bits >> i & 1) for bits in range(16)
 )
 _GPU_ONLY = _TIERS_OF_BITS[1]
-SCALAR_PAGES = 12
-"""Pages of a prompt a one-route lookup reads one at a time before it turns to numpy
-(`GlobalIndex._held_ids`): past this, a round of numpy calls costs less than the pages."""
 SNAPSHOT_FORMAT = "kvmesh-index"
 SNAPSHOT_VERSION = 1
 
@@ -582,42 +579,23 @@ class GlobalIndex:
     def match(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> MatchResult:
         """Each worker's longest held prefix of `hashes`; one pass, stops at the first page no
         one holds. `keys`: `PromptKeys.of([hashes])`, made once for several indexes (shards)."""
-        return self._walk(self._held_ids(hashes, keys), len(hashes))
-
-    def _held_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None) -> list[int]:
-        """`PageStore.holder_ids` of `hashes` as far as the walk can go: the first
-        `SCALAR_PAGES` read page by page (`head_holder_ids`), the rest in one round of
-        numpy calls only while some worker holds every page so far. A walk that ends
-        early (a shard holding nothing past the shared system prompt) pays no numpy call."""
-        store = self._store
         if keys is None:
             keys = PromptKeys.of((hashes,))
-        head = store.head_holder_ids(hashes, keys, SCALAR_PAGES)
-        if head is None:
-            return store.holder_ids(hashes, keys)
-        if len(head) < SCALAR_PAGES or len(head) == len(hashes):
-            return head  # ended at a page not indexed (or nobody's), or the whole prompt
-        alive = self._ones
-        last = -1
-        masks = store.masks
-        for mid in head:
-            if mid != last:
-                last = mid
-                m = masks[mid]
-                x = m | m >> 2
-                alive &= x | x >> 1
-        if not alive:
-            return head
-        return head + store.holder_ids(hashes, keys, SCALAR_PAGES)
+        pages = self._walked(keys)
+        if pages is not None:
+            return MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), len(hashes), True)
+        return self._walk(self._store.holder_ids(hashes, keys), len(hashes))
 
     def match_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
     ) -> list[MatchResult]:
-        """`match` of each prompt, their pages looked up together (`PageStore.holder_ids_many`):
-        a batch of routes pays the lookup's fixed cost once. `keys`: `PromptKeys.of(prompts)`."""
+        """`match` of each prompt, walked together in one compiled call (`PageStore.walk`):
+        a batch of routes pays the call once. `keys`: `PromptKeys.of(prompts)`."""
         return [
-            self._walk(ids, len(p))
-            for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
+            self.match(p)
+            if pages is None
+            else MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), len(p), True)
+            for pages, p in zip(self._walked_many(prompts, keys), prompts, strict=True)
         ]
 
     def overlaps(
@@ -626,33 +604,89 @@ class GlobalIndex:
         """`match(hashes).pages` and their `tier_pages`: what a route's view needs, without
         the `MatchResult` and its tiers dict in the common case (every page on the device),
         a share of each shard's fixed cost per route."""
-        return self._overlaps(self._held_ids(hashes, keys), hashes)
+        if keys is None:
+            keys = PromptKeys.of((hashes,))
+        pages = self._walked(keys)
+        if pages is not None:
+            return pages, {}
+        return self._overlaps(self._store.holder_ids(hashes, keys), hashes)
 
     def overlaps_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
     ) -> list[tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]]:
-        """`overlaps` of each prompt, their pages looked up together (as `match_many`)."""
+        """`overlaps` of each prompt, walked together (as `match_many`)."""
         return [
-            self._overlaps(ids, p)
-            for ids, p in zip(self._store.holder_ids_many(prompts, keys), prompts, strict=True)
+            self.overlaps(p) if pages is None else (pages, {})
+            for pages, p in zip(self._walked_many(prompts, keys), prompts, strict=True)
         ]
 
     def prefix_table(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
     ) -> PrefixTable:
-        """`overlaps_many` as a `PrefixTable`: the batch's pages looked up and every worker's
-        prefix of every prompt found in one round of numpy calls, with no Python step per
-        prompt (but for the prompts with pages off the device, counted as `overlaps`
-        counts them). What a sharded router asks each shard for a batch of routes."""
-        store = self._store
-        grid = store.holder_grid(prompts, keys)
-        lengths = store.prefix_lengths(grid)[:, : len(self._by_slot)]
+        """`overlaps_many` as a `PrefixTable`: every worker's prefix of every prompt of the
+        batch from one compiled call, laid out with two numpy calls and no Python step per
+        prompt (but for the prompts with pages off the device, or of another width, counted
+        as `overlaps` counts them). What a sharded router asks each shard for a batch of
+        routes."""
+        lengths = np.zeros((len(prompts), len(self._by_slot)), np.int64)
         tiered: dict[int, Overlaps] = {}
-        if self._ones:  # a prompt with a page off the device counts its tiers
-            off = store.off_device(grid)
-            for i in np.flatnonzero(off).tolist():
-                tiered[i] = self._overlaps(grid[i].tolist(), prompts[i])
+        if keys is None:
+            keys = PromptKeys.of(prompts)
+        walker = self._store.walker
+        k = self._store.walk(keys) if prompts else 0
+        general: Iterable[int] = range(len(prompts))
+        if k is not None:
+            lengths[walker.prompt[:k], walker.slot[:k]] = walker.length[:k]
+            general = np.flatnonzero(walker.flagged[: len(prompts)]).tolist()
+        for i in general:
+            pages, tiers = found = self.overlaps(prompts[i])
+            for wid, n in pages.items():
+                lengths[i, self._workers[wid].shift // _BITS] = n
+            if tiers:
+                tiered[i] = found
         return PrefixTable(tuple(self._by_slot), lengths, tiered)
+
+    def _walked(self, keys: PromptKeys) -> dict[WorkerId, int] | None:
+        """The compiled walk's answer for `keys`' one prompt: each worker's held prefix, or
+        None where the general path answers (digests of another width, a page held off the
+        device, whose tiers it counts)."""
+        store = self._store
+        k = store.walk(keys)
+        if k is None:
+            return None
+        walker = store.walker
+        if walker.flagged[0]:
+            return None
+        names = map(self._live_slots().__getitem__, walker.slot[:k].tolist())
+        return dict(zip(names, walker.length[:k].tolist(), strict=True))
+
+    def _walked_many(
+        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None
+    ) -> list[dict[WorkerId, int] | None]:
+        """`_walked` of each prompt, from one compiled call for them all."""
+        if keys is None:
+            keys = PromptKeys.of(prompts)
+        store = self._store
+        k = store.walk(keys) if prompts else 0
+        if k is None:
+            return [None] * len(prompts)
+        walker = store.walker
+        names = list(map(self._live_slots().__getitem__, walker.slot[:k].tolist()))
+        lengths = walker.length[:k].tolist()
+        counts = np.bincount(walker.prompt[:k], minlength=len(prompts)).tolist()
+        flagged = walker.flagged[: len(prompts)].tolist()
+        out: list[dict[WorkerId, int] | None] = []
+        at = 0
+        for n, off in zip(counts, flagged, strict=True):
+            pages = dict(zip(names[at : at + n], lengths[at : at + n], strict=True))
+            out.append(None if off else pages)
+            at += n
+        return out
+
+    def _live_slots(self) -> list[WorkerId]:
+        """Worker ids by slot, for slots a walk found in some holder mask: only live slots'
+        bits are in masks (`check_invariants`), so none of them is None."""
+        return cast(list[WorkerId], self._by_slot)
 
     def _overlaps(
         self, holder_ids: Sequence[int], hashes: Sequence[PageHash]

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 from pyroaring import BitMap
 
+from kvmesh.coordinator.index_walk import Walker
 from kvmesh.errors import InvariantViolation
 from kvmesh.types import PageHash
 
@@ -165,8 +166,8 @@ class PromptKeys:
     take their general path. `mixed` holds, for that width, each digest's first
     8 bytes as a uint64 times the constant (a table's home slot is its top
     bits); `ends`, where each prompt ends in `flat`. Not frozen (a frozen init costs
-    a route a few tenths of a µs), but never changed after `of`: only its cache of
-    home slots per table size fills.
+    a route a few tenths of a µs), but never changed after `of`: only its caches
+    (home slots per table size, the walk's arrays) fill.
     """
 
     flat: Sequence[PageHash]
@@ -177,26 +178,10 @@ class PromptKeys:
     _homes: dict[int, npt.NDArray[np.int64]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _head_homes: dict[tuple[int, int], list[int]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _grid: tuple[Rows, Rows, Rows, Rows, int] | None = field(
+    _rows: npt.NDArray[np.uint64] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-
-    def grid(self) -> tuple[Rows, Rows, Rows, Rows, int]:
-        """Where each page of `flat` sits in a grid of a row per prompt: (row, column, each
-        prompt's start in `flat` and length, columns); made once, shared by the shards.
-        The grid has a column more than the longest prompt, so every row ends in a 0."""
-        if self._grid is None:
-            ends = np.asarray(self.ends, np.int64)
-            sizes = np.diff(ends, prepend=0)
-            starts = ends - sizes
-            owner = np.repeat(np.arange(len(ends)), sizes)
-            column = np.arange(len(self.flat)) - np.repeat(starts, sizes)
-            columns = int(sizes.max()) + 1 if len(sizes) else 1
-            self._grid = (owner, column, starts, sizes, columns)
-        return self._grid
+    _ends: npt.NDArray[np.int64] | None = field(default=None, init=False, repr=False, compare=False)
 
     def homes(self, shift: int) -> npt.NDArray[np.int64]:
         """Each digest's home slot in a table of `64 - shift` bits: shards of one size share
@@ -207,13 +192,18 @@ class PromptKeys:
             home = self._homes[shift] = (self.mixed >> np.uint64(shift)).view(np.int64)
         return home
 
-    def head_homes(self, shift: int, count: int) -> list[int]:
-        """The first `count` home slots of `homes(shift)` as Python ints, for a scalar
-        lookup (`PageStore.head_holder_ids`); made once per table size, as `homes` is."""
-        head = self._head_homes.get((shift, count))
-        if head is None:
-            head = self._head_homes[shift, count] = self.homes(shift)[:count].tolist()
-        return head
+    def rows(self) -> npt.NDArray[np.uint64]:
+        """The digests end to end, a uint64 row of `width` bytes each, for the compiled walk
+        (`PageStore.walk`); made once, shared by the shards."""
+        if self._rows is None:
+            self._rows = np.frombuffer(self.joined, np.uint64).reshape(-1, self.width // 8)
+        return self._rows
+
+    def ends_array(self) -> npt.NDArray[np.int64]:
+        """`ends` as an array, for the compiled walk; made once."""
+        if self._ends is None:
+            self._ends = np.asarray(self.ends, np.int64)
+        return self._ends
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[PageHash]]) -> PromptKeys:
@@ -256,9 +246,9 @@ class PageStore:
         self._refresh_views()
         self.masks: list[int] = [0]
         # Per mask id, beside `masks`: which worker slots it names (a bit each, packed,
-        # slot 0 first) and whether it has a page off the device, so a batch of prompts
-        # finds every worker's prefix in a few numpy calls (`prefix_lengths`).
-        self._present = np.zeros((1, 64), np.uint8)  # [byte of slots, mask id]
+        # slot 0 first; a row per mask id, so a walk reads one cache line for it) and
+        # whether it has a page off the device: what the compiled walk reads (`walk`).
+        self._present = np.zeros((64, 1), np.uint8)  # [mask id, byte of slots]
         self._off_device = np.zeros(64, bool)
         self._undescribed: set[int] = set()  # mask ids whose rows of those two are not made
         self._mask_ids: dict[int, int] = {0: 0}
@@ -266,6 +256,7 @@ class PageStore:
         self._free_mask_ids: list[int] = []
         self._held = 0
         self._slots: list[BitMap] = []
+        self.walker = Walker()
 
     # ------------------------------------------------------------------ rows
 
@@ -302,12 +293,11 @@ class PageStore:
         return rows
 
     def _refresh_views(self) -> None:
-        """Memoryviews (`ndarray.data`) of the digest and holder columns, for
-        `head_holder_ids`' scalar reads: an item of a memoryview costs a quarter of numpy's
-        `item`. Made again whenever a column is replaced by a grown copy, as the lookup
-        table's is in `_new_table`."""
+        """Memoryviews (`ndarray.data`) of the digest and length columns, for the scalar
+        probes (`_probe_rest`, `_probe_one`): an item of a memoryview costs a quarter of
+        numpy's `item`. Made again whenever a column is replaced by a grown copy, as the
+        lookup table's is in `_new_table`."""
         self._digest_view = self._digest.reshape(-1).view(np.uint8).data
-        self._holders_view = self._holders.data
         self._length_view = self._length.data
 
     def _encode(
@@ -579,7 +569,7 @@ class PageStore:
         self._undescribed.clear()
         if mids[-1] >= len(self._off_device):
             rows = max(mids[-1] + 1, 2 * len(self._off_device))
-            self._present = _resized(self._present, len(self._present), rows)
+            self._present = _resized(self._present, rows, self._present.shape[1])
             self._off_device = np.concatenate(
                 [self._off_device, np.zeros(rows - len(self._off_device), bool)]
             )
@@ -592,11 +582,11 @@ class PageStore:
         np.not_equal(nibbles & _WORKER_BITS, 0, out=slots[:, 0::2])
         np.not_equal(nibbles >> _BITS, 0, out=slots[:, 1::2])
         packed = np.packbits(slots, axis=1, bitorder="little")
-        if packed.shape[1] > len(self._present):
-            self._present = _resized(self._present, packed.shape[1], self._present.shape[1])
+        if packed.shape[1] > self._present.shape[1]:
+            self._present = _resized(self._present, len(self._present), packed.shape[1])
         at = np.asarray(mids)
-        self._present[:, at] = 0
-        self._present[: packed.shape[1], at] = packed.T
+        self._present[at] = 0
+        self._present[at, : packed.shape[1]] = packed
         self._off_device[at] = (nibbles & _OFF_DEVICE_BITS).any(axis=1)
 
     def _recount(self, mid: int, delta: int) -> None:
@@ -655,8 +645,8 @@ class PageStore:
     def ensure_slot(self, slot: int) -> None:
         while len(self._slots) <= slot:
             self._slots.append(BitMap())
-        if slot >= 8 * len(self._present):  # a bit per slot for `prefix_lengths`
-            self._present = _resized(self._present, slot // 8 + 1, self._present.shape[1])
+        if slot >= 8 * self._present.shape[1]:  # a bit per slot for the walk
+            self._present = _resized(self._present, len(self._present), slot // 8 + 1)
 
     def store(
         self, events: Sequence[tuple[Sequence[PageHash], PageHash | None]], slot: int, bit: int
@@ -779,58 +769,36 @@ class PageStore:
         lengths = self._length[rows].tolist()
         return [PageHash(raw[i * width : i * width + n]) for i, n in enumerate(lengths)]
 
-    def head_holder_ids(
-        self, hashes: Sequence[PageHash], keys: PromptKeys | None, count: int
-    ) -> list[int] | None:
-        """`holder_ids` of the first `count` pages of `hashes`, read one page at a time with
-        no numpy call; None where the prompt takes the general path (`holder_ids` then).
-
-        A lookup's numpy calls cost a few µs whatever the prompt's length, and a walk
-        often ends within its first pages: in a shard none of whose workers holds the
-        prompt's own pages, at the first of them (only the shared system prompt is
-        there). Read page by page, such a walk costs a fraction of a µs a page, so a
-        shard that contributes little to a route costs it little.
-        """
-        if not self._top or not hashes:
-            return []
-        width = self._words * 8
-        if keys is None:
-            keys = PromptKeys.of((hashes,))
-        if self._narrow or keys.width != width:
+    def walk(self, keys: PromptKeys) -> int | None:
+        """Every worker slot's held prefix of each of `keys`' prompts, by the compiled walk
+        (`index_walk`): how many rows of `walker`'s (prompt, slot, length) buffers now hold
+        them, `walker.flagged` marking the prompts with a page off the device. None where
+        the prompts take the general path (`holder_ids`): digests of several widths, or
+        another width than the store's."""
+        if self._narrow or keys.width != self._words * 8 or not self._top:
             return None
-        table, digests, holders = self._table_view, self._digest_view, self._holders_view
-        mask = self._table_mask
-        out: list[int] = []
-        for pos, page in zip(keys.head_homes(self._table_shift_int, count), hashes, strict=False):
-            while True:  # linear probing from the home slot; an empty slot: nowhere
-                row = table[pos]
-                if row == _EMPTY:
-                    return out
-                if row >= 0 and digests[row * width : row * width + width] == page:
-                    break
-                pos = (pos + 1) & mask
-            mid = holders[row]
-            out.append(mid)
-            if not mid:  # a ghost: nobody holds it, the walk ends here
-                return out
-        return out
+        if self._undescribed:
+            self._describe()
+        return self.walker.walk(
+            self._table,
+            self._table_mask,
+            self._digest,
+            self._holders,
+            self._present,
+            self._off_device,
+            keys.homes(self._table_shift_int),
+            keys.rows(),
+            keys.ends_array(),
+        )
 
-    def holder_ids(
-        self, hashes: Sequence[PageHash], keys: PromptKeys | None = None, start: int = 0
-    ) -> list[int]:
-        """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed.
+    def holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> list[int]:
+        """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed:
+        the general path, where `walk` does not serve (digests of several widths) or its
+        answer is not all (a page off the device: the tiers are counted from these).
 
         `keys`: `PromptKeys.of([hashes])`, when the caller made them for several stores.
-        A 0 may end the list (a page nobody holds); callers stop at the first 0. With
-        `start`, the pages from `start` on (the ones before it were looked up already,
-        `head_holder_ids`).
+        A 0 may end the list (a page nobody holds); callers stop at the first 0.
         """
-        if start:
-            if keys is None:
-                keys = PromptKeys.of((hashes,))
-            if self._narrow or keys.width != self._words * 8:
-                return self.holder_ids(hashes[start:])
-            return self._holder_ids(hashes, keys, start)
         if not self._top or not hashes:
             return []
         width = self._words * 8
@@ -844,21 +812,21 @@ class PageStore:
                 found >= 0, self._holders.take(found, mode="clip"), 0
             ).tolist()
             return ids
-        return self._holder_ids(hashes, keys, 0)
+        return self._holder_ids(hashes, keys)
 
-    def _holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys, start: int) -> list[int]:
-        """`holder_ids` from page `start` on, for a prompt of the store's one width."""
+    def _holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys) -> list[int]:
+        """`holder_ids` of a prompt of the store's one width."""
         width = self._words * 8
-        joined = keys.joined[start * width :]
+        joined = keys.joined
         # The hot path (a prompt of one hash width): take each page's home slot's
         # row, compare all those digests with the prompt's bytes at once, and
         # probe on only where a home slot held another page. The first page
         # found nowhere ends the walk, as a page nobody holds would, and so does
         # an empty home slot at once (linear probing: nowhere), with no probe.
-        home = keys.homes(self._table_shift_int)[start : len(hashes)]
+        home = keys.homes(self._table_shift_int)[: len(hashes)]
         rows = self._table.take(home)
         stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
-        n = len(hashes) - start
+        n = len(hashes)
         done = 0
         while done < n:
             if stored[done * width :] == joined[done * width :]:
@@ -882,162 +850,6 @@ class PageStore:
             done += 1
         held: list[int] = self._holders.take(rows[:done], mode="clip").tolist()
         return held
-
-    def holder_ids_many(
-        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
-    ) -> list[list[int]]:
-        """`holder_ids` of each prompt, in one round of numpy calls over all their pages.
-
-        A route costs each shard a fixed handful of numpy calls whatever the
-        prompt's length, and with N shards a route pays it N times: a router
-        asking for its concurrent routes in one call pays it once per batch.
-        `keys`: `PromptKeys.of(prompts)`, when the caller made them for several stores.
-        """
-        width = self._words * 8
-        if len(prompts) < 2 or not self._top:
-            return [self.holder_ids(p) for p in prompts]
-        if keys is None:
-            keys = PromptKeys.of(prompts)
-        if self._narrow or keys.width != width:
-            return [self.holder_ids(p) for p in prompts]
-        rows, cuts = self._rows_many(keys)
-        held: list[int] = self._holders.take(rows, mode="clip").tolist()
-        return [held[start:cut] for start, cut in zip([0, *keys.ends[:-1]], cuts, strict=True)]
-
-    def holder_grid(
-        self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
-    ) -> npt.NDArray[np.int64]:
-        """`holder_ids` of each prompt as a row of a grid (`PromptKeys.grid`), 0 from the
-        prompt's first page not indexed on: the input of `prefix_lengths`, in one round of
-        numpy calls for the whole batch."""
-        if keys is None:
-            keys = PromptKeys.of(prompts)
-        owner, column, starts, sizes, columns = keys.grid()
-        grid = np.zeros((len(prompts), columns), np.int64)
-        if not self._top or not len(owner):
-            return grid
-        if self._narrow or keys.width != self._words * 8:
-            for k, held in enumerate(self.holder_ids(p) for p in prompts):
-                grid[k, : len(held)] = held
-            return grid
-        width = keys.width
-        home = keys.homes(self._table_shift_int)
-        rows = self._table.take(home)
-        stored = self._digest.take(rows, axis=0, mode="clip")
-        if stored.tobytes() == keys.joined:  # every page at home: the walks need no probe
-            grid[owner, column] = self._holders.take(rows)
-            return grid
-        keys_of = np.frombuffer(keys.joined, np.uint64).reshape(-1, width // 8)
-        found = self._same(stored, keys_of)
-        ids = np.where(found, self._holders.take(rows, mode="clip"), 0)
-        # A page whose home slot holds another page may sit further on (linear probing);
-        # one whose home slot is empty is nowhere, and ends its prompt's walk. The pages
-        # before such an end are probed for, one by one (a dozen or two a batch: a round of
-        # numpy calls cost more), a prompt's probes stopping at its first page found nowhere.
-        empty = rows == _EMPTY
-        maybe = np.flatnonzero(~found & ~empty)
-        if len(maybe):
-            if empty.any() and sizes.all():  # each prompt's first page found nowhere
-                gone_at = np.where(empty, _positions(len(empty)), len(empty))
-                maybe = maybe[maybe < np.minimum.reduceat(gone_at, starts)[owner[maybe]]]
-            ids[maybe] = self._probed_ids(maybe, home, owner, keys.flat)
-        grid[owner, column] = ids
-        return grid
-
-    def _probed_ids(
-        self, maybe: Rows, home: Rows, owner: Rows, flat: Sequence[PageHash]
-    ) -> list[int]:
-        """The holder ids of the pages `maybe` (positions in `flat`, in order) whose home
-        slots hold other pages, probed one by one (a batch has a dozen or two): 0 for a
-        page found nowhere, and for the pages of its prompt after it, which no walk reads."""
-        out: list[int] = []
-        holders = self._holders_view
-        mask = self._table_mask
-        ended = -1
-        for i, start, prompt in zip(
-            maybe.tolist(), home[maybe].tolist(), owner[maybe].tolist(), strict=True
-        ):
-            if prompt == ended:
-                out.append(0)
-                continue
-            row = self._probe_one((start + 1) & mask, flat[i])
-            if row < 0:
-                ended = prompt
-                out.append(0)
-            else:
-                out.append(holders[row])
-        return out
-
-    def _same(
-        self, stored: npt.NDArray[np.uint64], digests: npt.NDArray[np.uint64]
-    ) -> npt.NDArray[np.bool_]:
-        """Whether each row of `stored` (digests taken from the store) is the digest beside
-        it in `digests` (full width, the store's)."""
-        eq = stored == digests
-        same = eq[..., 0]
-        for word in range(1, self._words):  # a reduction over the last axis costs 3x these
-            same = same & eq[..., word]
-        return same
-
-    def prefix_lengths(self, grid: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Each worker slot's held prefix of each row of `holder_grid` (a row per prompt, a
-        column per slot, at least as many columns as slots): how many pages from the
-        first its slot holds, the first page it misses found by one `argmin`."""
-        if self._undescribed:
-            self._describe()
-        # [slot, prompt, page]: the pages of a prompt side by side, so the search runs along
-        # the last axis (several times faster than along the middle one)
-        held = np.unpackbits(self._present.take(grid, axis=1), axis=0, bitorder="little")
-        lengths: npt.NDArray[np.int64] = held.view(bool).argmin(axis=2).T
-        return lengths
-
-    def off_device(self, grid: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """For each row of `holder_grid`: whether some page of it is held off the device
-        by someone (so its tiers must be counted, `GlobalIndex.tier_pages`)."""
-        if self._undescribed:
-            self._describe()
-        return np.asarray(self._off_device[grid].any(axis=1))
-
-    def _rows_many(self, keys: PromptKeys) -> tuple[Rows, list[int]]:
-        """The rows of `keys`' pages (one width, the store's), and where each prompt's run of
-        indexed pages ends (`cuts`); a row from a prompt's cut on means nothing."""
-        flat, joined, width = keys.flat, keys.joined, keys.width
-        keys_of = np.frombuffer(joined, np.uint64).reshape(len(flat), self._words)
-        rows_home = keys.homes(self._table_shift_int)
-        rows = self._table.take(rows_home)
-        stored = self._digest.take(rows, axis=0, mode="clip")
-        ends = keys.ends
-        cuts = list(ends)  # where each prompt's run of indexed pages ends
-        if stored.tobytes() != joined:
-            eq = stored == keys_of
-            same = eq[:, 0]
-            for word in range(1, self._words):  # a reduction over axis 1 costs 3x these
-                same = same & eq[:, word]
-            # A page whose home slot is empty is nowhere (linear probing): the first
-            # such page ends its prompt's walk, as a page found nowhere does in
-            # `holder_ids`. Pages before it whose home slot holds another page
-            # probe on, one by one (a few per prompt at a third full).
-            gone = np.flatnonzero(~same & (rows == _EMPTY))
-            if len(gone):
-                owner = np.searchsorted(ends, gone, side="right")
-                first = np.flatnonzero(np.diff(owner, prepend=-1))  # `gone` is sorted
-                for k, i in zip(owner[first].tolist(), gone[first].tolist(), strict=True):
-                    cuts[k] = i
-            far = np.flatnonzero(~same & (rows != _EMPTY))
-            if len(far):
-                far = far[far < np.asarray(cuts)[np.searchsorted(ends, far, side="right")]]
-            k = 0
-            for i in far.tolist():
-                while i >= ends[k]:
-                    k += 1
-                if i < cuts[k]:
-                    at = i * width
-                    row = self._probe_one(int(rows_home[i]), joined[at : at + width])
-                    if row < 0:
-                        cuts[k] = i
-                    else:
-                        rows[i] = row
-        return rows, cuts
 
     def _probe_one(self, pos: int, digest: bytes) -> int:
         """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""
@@ -1172,6 +984,16 @@ class PageStore:
         for mid in set(ids.tolist()):
             if self.masks[mid] & ~allowed:
                 raise InvariantViolation(f"holder mask {self.masks[mid]:#x} names a free slot")
+        if self._undescribed:
+            self._describe()
+        for mid in set(ids.tolist()):  # what the compiled walk reads of each mask
+            mask, row = self.masks[mid], self._present[mid]
+            named = [s for s in range(8 * len(row)) if row[s // 8] >> (s % 8) & 1]
+            if named != [s for s in range(8 * len(row)) if mask >> (s * _BITS) & _WORKER_BITS]:
+                raise InvariantViolation(f"holder mask {mask:#x}: its slot bits say {named}")
+            off = int.from_bytes(bytes([_OFF_DEVICE_BITS]) * (mask.bit_length() // 8 + 1), "little")
+            if self._off_device[mid] != bool(mask & off):
+                raise InvariantViolation(f"holder mask {mask:#x}: its off-device flag is wrong")
         for slot, pages in enumerate(self._slots):
             mine = _WORKER_BITS << (slot * _BITS)
             with_slot = [mid for mid in set(ids.tolist()) if self.masks[mid] & mine]

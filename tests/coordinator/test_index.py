@@ -411,10 +411,16 @@ def test_apply_many_runs_in_order_batches_of_one_worker_as_one() -> None:
     assert ix.match(P).pages == {A: 6}
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_match_many_gives_what_matching_one_prompt_at_a_time_gives(seed: int) -> None:
+def test_match_many_gives_what_matching_one_prompt_at_a_time_gives(seed: int, narrow: bool) -> None:
+    """A batch's lookups (`match_many`, `overlaps_many`, `prefix_table`: one compiled walk
+    for them all) answer as one prompt at a time does, tiers included; with `narrow`, a
+    short digest in the store sends every lookup down the general path."""
     rng = random.Random(seed)
     ix = GlobalIndex()
+    if narrow:
+        ix.apply(batch(WorkerId("worker-e"), 0, stored([PageHash(b"engine-8")])))
     pages = chain(40)
     prompts = [
         [],
@@ -431,3 +437,11 @@ def test_match_many_gives_what_matching_one_prompt_at_a_time_gives(seed: int) ->
         medium = rng.choice(("gpu", "cpu", "disk"))
         ix.apply(batch(tiered, seq, stored(pages[start : start + 6], medium=medium)))
         assert ix.match_many(prompts) == [ix.match(p) for p in prompts]
+        overlaps = [ix.overlaps(p) for p in prompts]
+        assert ix.overlaps_many(prompts) == overlaps
+        assert [o[0] for o in overlaps] == [ix.match(p).pages for p in prompts]
+        table = ix.prefix_table(prompts)
+        assert [table.overlaps(i) for i in range(len(prompts))] == overlaps
+        for i, (found, _) in enumerate(overlaps):  # the row holds the prefixes, tiered or not
+            row = table.lengths[i]
+            assert {w: int(row[k]) for k, w in enumerate(table.workers) if row[k]} == found

@@ -73,14 +73,12 @@ class DictStore:
         self.remove(pages, slot, _WORKER_BITS << (slot * 4))
         return len(pages)
 
-    def head_holder_ids(self, hashes: Sequence[PageHash], keys: object, count: int) -> list[int]:
-        return self.holder_ids(hashes[:count])
+    def walk(self, keys: object) -> None:
+        return None  # no compiled walk: `GlobalIndex` takes the general path
 
-    def holder_ids(
-        self, hashes: Sequence[PageHash], keys: object = None, start: int = 0
-    ) -> list[int]:
+    def holder_ids(self, hashes: Sequence[PageHash], keys: object = None) -> list[int]:
         ids = []
-        for h in hashes[start:]:
+        for h in hashes:
             self.masks.append(self.holders.get(h, 0))
             ids.append(len(self.masks) - 1 if self.masks[-1] else 0)
         return ids
@@ -281,8 +279,8 @@ def test_many_pages_and_merges_keep_the_reference_answers(
 
 # One hash width (the prompt fast path): SHA-256 chains, the all-zero digest (a
 # freed row is zeroed) and a digest whose compact key is 0; a lookup table that
-# starts tiny, so it grows and is rebuilt every few keys.
-# longer than `SCALAR_PAGES`: a match reads its first pages one by one, the rest with numpy
+# starts tiny, so it grows and is rebuilt every few keys. `GlobalIndex` answers these by
+# the compiled walk (`PageStore.walk`); the reference, by the general path.
 WIDE: list[list[PageHash]] = [[_digest(f"wide{c}", i, 32) for i in range(12)] for c in range(3)]
 WIDE[2][3] = PageHash(bytes(32))
 WIDE[1][0] = PageHash(bytes(8) + _digest("zero-key", 0, 24))

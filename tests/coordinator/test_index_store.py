@@ -1,5 +1,5 @@
 """The columnar page store's growth (columns grow in place, the lookup table stays half
-empty) and its batched lookups."""
+empty) and its lookups: the general path's and the compiled walk's (`PageStore.walk`)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.types import PageHash
 
 
-def _h(i: int) -> PageHash:
-    return PageHash(hashlib.sha256(i.to_bytes(8, "little")).digest())
+def _h(i: int, width: int = 32) -> PageHash:
+    return PageHash(hashlib.sha256(i.to_bytes(8, "little")).digest()[:width])
 
 
-def _chain(start: int, n: int) -> list[PageHash]:
-    return [_h(start + k) for k in range(n)]
+def _chain(start: int, n: int, width: int = 32) -> list[PageHash]:
+    return [_h(start + k, width) for k in range(n)]
 
 
 def test_pages_survive_the_columns_growing() -> None:
@@ -93,7 +93,7 @@ def _displaced(store: PageStore, hashes: list[PageHash]) -> int:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_holder_ids_many_gives_each_prompts_holder_ids(seed: int) -> None:
+def test_keys_made_once_for_several_stores_look_up_as_each_store_alone(seed: int) -> None:
     rng = random.Random(seed)
     store = PageStore(min_slots=16)
     for slot in range(3):
@@ -108,14 +108,9 @@ def test_holder_ids_many_gives_each_prompts_holder_ids(seed: int) -> None:
         c[: rng.randint(0, 40)] + _chain(10**6 + 100 * i, rng.randint(0, 4))
         for i, c in enumerate(rng.sample(chains, 24))
     ]
-    prompts += [[], _chain(10**7, 3), chains[0][5:9]]
-    assert _displaced(store, [h for p in prompts for h in p]) > 0  # probing is exercised
-    assert store.holder_ids_many(prompts) == [store.holder_ids(p) for p in prompts]
-    narrow = [[PageHash(b"short")], chains[1][:4]]  # another width: the general path
-    assert store.holder_ids_many(narrow) == [store.holder_ids(p) for p in narrow]
-    # keys made once for several stores (a sharded router) look up as each store alone
-    assert store.holder_ids_many(prompts, PromptKeys.of(prompts)) == store.holder_ids_many(prompts)
-    for p in [*prompts, *narrow]:
+    prompts += [[], _chain(10**7, 3), chains[0][5:9], [PageHash(b"short")]]
+    assert _displaced(store, [h for p in prompts[:-1] for h in p]) > 0  # probing is exercised
+    for p in prompts:
         assert store.holder_ids(p, PromptKeys.of([p])) == store.holder_ids(p)
 
 
@@ -187,16 +182,9 @@ def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path
         keys = PromptKeys.of([prompt])
         for store in (small, large, small):
             assert _trimmed(store.holder_ids(prompt, keys)) == _holder_ids_by_find(store, prompt)
-            # a prompt's first pages read one by one, and the rest with numpy from there
-            for count in (1, 5, 8, 41):
-                by_find = _holder_ids_by_find(store, prompt[:count])
-                assert store.head_holder_ids(prompt, keys, count) == by_find
-                assert _trimmed(store.holder_ids(prompt, keys, count)) == _holder_ids_by_find(
-                    store, prompt[count:]
-                )
 
 
-_OFF_DEVICE = int("e" * 12, 16)  # the cpu, disk and other bits of 12 slots
+_OFF_DEVICE = int("e" * 20, 16)  # the cpu, disk and other bits of 20 slots
 
 
 def _prefix_by_find(store: PageStore, prompt: list[PageHash], slot: int) -> int:
@@ -209,55 +197,90 @@ def _prefix_by_find(store: PageStore, prompt: list[PageHash], slot: int) -> int:
     return n
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _walked(
+    store: PageStore, prompts: list[list[PageHash]], slots: int
+) -> tuple[list[list[tuple[int, int]]], list[bool]]:
+    """`store.walk` of `prompts`: per prompt its (slot, length) rows in the order given, and
+    whether it was flagged (a page off the device)."""
+    k = store.walk(PromptKeys.of(prompts))
+    assert k is not None
+    w = store.walker
+    rows: list[list[tuple[int, int]]] = [[] for _ in prompts]
+    found = zip(w.prompt[:k].tolist(), w.slot[:k].tolist(), w.length[:k].tolist(), strict=True)
+    for p, slot, n in found:
+        assert 0 <= slot < slots and n > 0
+        rows[p].append((slot, n))
+    return rows, w.flagged[: len(prompts)].tolist()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    slots=st.integers(1, 12),
+    slots=st.integers(1, 20),
+    width=st.sampled_from([8, 16, 32]),
     chains=st.integers(1, 60),
-    stored=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 11), st.integers(0, 3)), max_size=40),
-    removed=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 39), st.integers(0, 11)), max_size=10),
+    stored=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 19), st.integers(0, 3)), max_size=40),
+    removed=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 39), st.integers(0, 19)), max_size=10),
     kept=st.lists(st.tuples(st.integers(0, 59), st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=20),
     seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_a_batchs_prefix_lengths_are_each_slots_walk_by_the_general_path(
+def test_the_compiled_walk_gives_every_slots_prefix_as_the_general_path(
     slots: int,
+    width: int,
     chains: int,
     stored: list[tuple[int, int, int]],
     removed: list[tuple[int, int, int]],
     kept: list[tuple[int, int, int]],
     seed: int,
 ) -> None:
-    """`holder_grid` + `prefix_lengths` (a batch's lookup in rounds of numpy calls, probing
-    a small, crowded table) give every slot's prefix of every prompt as `find` does, with
-    masks interned between lookups described before the next; `off_device` flags every
-    prompt whose walked pages have a holder off the device."""
+    """`walk` (one compiled call for a batch, probing a small, crowded table) gives every
+    slot's prefix of every prompt as `find` and the masks do, slots in the order they drop
+    out (depth, then slot: the general path's order), with masks interned between walks
+    described before the next; it flags exactly the prompts with a page held off the
+    device within some slot's prefix. Engine (8-byte) and SHA-256 digests alike."""
     rng = random.Random(seed)
     store = PageStore(min_slots=16)
     for slot in range(slots):
         store.ensure_slot(slot)
-    all_chains = [_chain(k * 100, 40) for k in range(chains)]
+    all_chains = [_chain(k * 100, 40, width) for k in range(chains)]
     for k, slot, tier in stored:
         chain = all_chains[k % chains]
-        store.store([(chain[: rng.randint(1, 40)], None)], slot % slots, 1 << tier)
+        slot %= slots
+        store.store([(chain[: rng.randint(1, 40)], None)], slot, 1 << tier << 4 * slot)
     for k, start, slot in removed:  # holes, ghosts and tombstones
-        store.remove(all_chains[k % chains][start : start + 3], slot % slots, 0b1111)
+        slot %= slots
+        store.remove(all_chains[k % chains][start : start + 3], slot, 0b1111 << 4 * slot)
     prompts = [
-        all_chains[k % chains][:n] + _chain(10**6 + 100 * i, fresh)
+        all_chains[k % chains][:n] + _chain(10**6 + 100 * i, fresh, width)
         for i, (k, n, fresh) in enumerate(kept)
     ]
-    for _ in range(2):  # a second lookup after more masks were interned
-        grid = store.holder_grid(prompts)
-        lengths = store.prefix_lengths(grid)
-        off = store.off_device(grid)
+    if not store._top or not any(prompts):  # nothing to walk: the general path answers
+        assert store.walk(PromptKeys.of(prompts)) is None
+        return
+    for _ in range(2):  # a second walk after more masks were interned
+        rows, flagged = _walked(store, prompts, slots)
         for i, prompt in enumerate(prompts):
-            assert _trimmed(grid[i].tolist()) == _trimmed([*_holder_ids_by_find(store, prompt), 0])
-            assert [int(n) for n in lengths[i, :slots]] == [
-                _prefix_by_find(store, prompt, slot) for slot in range(slots)
-            ]
-            walked = _holder_ids_by_find(store, prompt)
-            if any(store.masks[mid] & _OFF_DEVICE for mid in walked):
-                assert off[i]
+            want = [(slot, _prefix_by_find(store, prompt, slot)) for slot in range(slots)]
+            held = sorted([(s, n) for s, n in want if n], key=lambda sn: (sn[1], sn[0]))
+            assert rows[i] == held
+            longest = max((n for _, n in held), default=0)
+            walked = _holder_ids_by_find(store, prompt)[:longest]
+            assert flagged[i] == any(store.masks[mid] & _OFF_DEVICE for mid in walked)
         chain = all_chains[rng.randrange(chains)]
-        store.store([(chain[:5], None)], rng.randrange(slots), 0b0010)  # new masks, off device
+        slot = rng.randrange(slots)
+        store.store([(chain[:5], None)], slot, 0b0010 << 4 * slot)  # new masks, off device
+    store.check_invariants(list(range(slots)))
+
+
+def test_the_walk_leaves_digests_of_several_widths_to_the_general_path() -> None:
+    store = PageStore(min_slots=16)
+    store.ensure_slot(0)
+    chain = _chain(0, 6)
+    store.store([(chain, None)], 0, 1)
+    assert store.walk(PromptKeys.of([chain[:3]])) == 1  # one slot holds a prefix
+    assert store.walk(PromptKeys.of([_chain(0, 3, 8)])) is None  # not the store's width
+    assert store.walk(PromptKeys.of([[*chain[:2], PageHash(b"x" * 16)]])) is None
+    store.store([([PageHash(b"short")], None)], 0, 1)  # now narrow: compares lengths
+    assert store.walk(PromptKeys.of([chain[:3]])) is None
 
 
 def test_a_batchs_lookup_probes_past_a_long_run_of_full_slots() -> None:
@@ -270,8 +293,6 @@ def test_a_batchs_lookup_probes_past_a_long_run_of_full_slots() -> None:
     assert _displaced(store, crowd) >= 12
     missing = PageHash(b"samekey!" + (99).to_bytes(24, "little"))
     prompts = [crowd, [*crowd[:3], missing], [missing], crowd[::-1]]
-    grid = store.holder_grid(prompts)
-    lengths = store.prefix_lengths(grid)
-    assert lengths[:, 0].tolist() == [19, 3, 0, 19]
-    for i, prompt in enumerate(prompts):
-        assert _trimmed(grid[i].tolist()) == _trimmed([*_holder_ids_by_find(store, prompt), 0])
+    rows, flagged = _walked(store, prompts, 1)
+    assert rows == [[(0, 19)], [(0, 3)], [], [(0, 19)]]
+    assert flagged == [False] * 4
