@@ -32,6 +32,39 @@ Ints = npt.NDArray[np.int64]
 
 
 @njit(cache=True, nogil=True)
+def _row(table: Any, slot_mask: int, digest: Any, keys: Any, i: int, pos: int) -> int:
+    """The row of digest `i` of `keys`, probing from its home slot `pos`; -1: nowhere."""
+    while True:  # linear probing; an empty slot: nowhere
+        r = table[pos]
+        if r == -1:
+            return -1
+        if r >= 0:
+            same = True
+            for w in range(digest.shape[1]):
+                if digest[r, w] != keys[i, w]:
+                    same = False
+                    break
+            if same:
+                return int(r)
+        pos = (pos + 1) & slot_mask
+
+
+@njit(cache=True, nogil=True)
+def _emit(
+    bits: int, byte: int, p: int, n: int, k: int, out_prompt: Any, out_slot: Any, out_len: Any
+) -> int:
+    """Writes (prompt `p`, slot, `n`) for each slot set in `bits` (byte `byte` of the slots),
+    from row `k` on; returns the next free row."""
+    for j in range(8):
+        if bits >> j & 1:
+            out_prompt[k] = p
+            out_slot[k] = byte * 8 + j
+            out_len[k] = n
+            k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
 def _walk(
     table: Any,
     slot_mask: int,
@@ -46,8 +79,7 @@ def _walk(
     out_slot: Any,
     out_len: Any,
     flagged: Any,
-) -> int:  # pragma: no cover - compiled; tests/coordinator/test_index_walk.py pins it
-    words = digest.shape[1]
+) -> int:  # pragma: no cover - compiled; tests/coordinator/test_index_store.py pins it
     nbytes = present.shape[1]
     alive = np.zeros(nbytes, np.uint8)
     k = 0
@@ -58,22 +90,7 @@ def _walk(
         n = 0
         last = -1
         for i in range(start, end):
-            pos = homes[i]
-            row = -1
-            while True:  # linear probing from the home slot; an empty slot: nowhere
-                r = table[pos]
-                if r == -1:
-                    break
-                if r >= 0:
-                    same = True
-                    for w in range(words):
-                        if digest[r, w] != keys[i, w]:
-                            same = False
-                            break
-                    if same:
-                        row = r
-                        break
-                pos = (pos + 1) & slot_mask
+            row = _row(table, slot_mask, digest, keys, i, homes[i])
             if row < 0:
                 break
             mid = holders[row]
@@ -87,14 +104,8 @@ def _walk(
             for b in range(nbytes):
                 was = alive[b] if n else np.uint8(255)
                 now = was & present[mid, b]
-                gone = was & ~now
-                if n and gone:
-                    for j in range(8):
-                        if gone >> j & 1:
-                            out_prompt[k] = p
-                            out_slot[k] = b * 8 + j
-                            out_len[k] = n
-                            k += 1
+                if n:
+                    k = _emit(was & ~now, b, p, n, k, out_prompt, out_slot, out_len)
                 alive[b] = now
                 held |= now
             if not held:
@@ -104,14 +115,7 @@ def _walk(
             n += 1
         if n:
             for b in range(nbytes):
-                a = alive[b]
-                if a:
-                    for j in range(8):
-                        if a >> j & 1:
-                            out_prompt[k] = p
-                            out_slot[k] = b * 8 + j
-                            out_len[k] = n
-                            k += 1
+                k = _emit(alive[b], b, p, n, k, out_prompt, out_slot, out_len)
         start = end
     return k
 
