@@ -117,19 +117,6 @@ def _mapped(array: npt.NDArray[Any]) -> bool:
     return isinstance(base, mmap.mmap)
 
 
-def _positions(n: int) -> Rows:
-    """0, 1, ..., n - 1 (a read-only view of one cached range)."""
-    global _POSITIONS
-    if n > len(_POSITIONS):
-        _POSITIONS = np.arange(max(n, 2 * len(_POSITIONS)))
-        _POSITIONS.flags.writeable = False
-    return _POSITIONS[:n]
-
-
-_POSITIONS: Rows = np.arange(4096)
-_POSITIONS.flags.writeable = False
-
-
 def _resized(table: npt.NDArray[Any], rows: int, columns: int) -> npt.NDArray[Any]:
     """`table` (2-d) with `rows` rows and `columns` columns, zeros where it had none."""
     out = np.zeros((rows, columns), table.dtype)
