@@ -75,7 +75,8 @@ def front(start_engine) -> Iterator[Front]:  # type: ignore[no-untyped-def]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
     f = Front(f"http://127.0.0.1:{port}", {e.name: e for e in engines}, proc)
     try:
-        wait_until(lambda: _healthy(f), "the gateway's /health")
+        # on 2 busy cores (the whole suite beside it) a start past 30 s was seen once
+        wait_until(lambda: _healthy(f), "the gateway's /health", timeout=90.0)
         yield f
     finally:
         proc.terminate()
