@@ -583,8 +583,8 @@ class GlobalIndex:
             keys = PromptKeys.of((hashes,))
         pages = self._walked(keys)
         if pages is not None:
-            return MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), len(hashes), True)
-        return self._walk(self._store.holder_ids(hashes, keys), len(hashes))
+            return self._result(pages, 0, len(hashes))
+        return self._walk(hashes, keys)
 
     def match_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
@@ -592,9 +592,7 @@ class GlobalIndex:
         """`match` of each prompt, walked together in one compiled call (`PageStore.walk`):
         a batch of routes pays the call once. `keys`: `PromptKeys.of(prompts)`."""
         return [
-            self.match(p)
-            if pages is None
-            else MatchResult(pages, dict.fromkeys(pages, _GPU_ONLY), len(p), True)
+            self._walk(p) if pages is None else self._result(pages, 0, len(p))
             for pages, p in zip(self._walked_many(prompts, keys), prompts, strict=True)
         ]
 
@@ -609,14 +607,14 @@ class GlobalIndex:
         pages = self._walked(keys)
         if pages is not None:
             return pages, {}
-        return self._overlaps(self._store.holder_ids(hashes, keys), hashes)
+        return self._overlaps(hashes, keys)
 
     def overlaps_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
     ) -> list[tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]]:
         """`overlaps` of each prompt, walked together (as `match_many`)."""
         return [
-            self.overlaps(p) if pages is None else (pages, {})
+            self._overlaps(p) if pages is None else (pages, {})
             for pages, p in zip(self._walked_many(prompts, keys), prompts, strict=True)
         ]
 
@@ -633,13 +631,13 @@ class GlobalIndex:
         if keys is None:
             keys = PromptKeys.of(prompts)
         walker = self._store.walker
-        k = self._store.walk(keys) if prompts else 0
+        k = self._store.walk(keys)
         general: Iterable[int] = range(len(prompts))
         if k is not None:
             lengths[walker.prompt[:k], walker.slot[:k]] = walker.length[:k]
             general = np.flatnonzero(walker.flagged[: len(prompts)]).tolist()
         for i in general:
-            pages, tiers = found = self.overlaps(prompts[i])
+            pages, tiers = found = self._overlaps(prompts[i])
             for wid, n in pages.items():
                 lengths[i, self._workers[wid].shift // _BITS] = n
             if tiers:
@@ -667,7 +665,7 @@ class GlobalIndex:
         if keys is None:
             keys = PromptKeys.of(prompts)
         store = self._store
-        k = store.walk(keys) if prompts else 0
+        k = store.walk(keys)
         if k is None:
             return [None] * len(prompts)
         walker = store.walker
@@ -689,18 +687,21 @@ class GlobalIndex:
         return cast(list[WorkerId], self._by_slot)
 
     def _overlaps(
-        self, holder_ids: Sequence[int], hashes: Sequence[PageHash]
+        self, hashes: Sequence[PageHash], keys: PromptKeys | None = None
     ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]:
-        pages, tiers = self._prefixes(holder_ids)
+        """`overlaps` by the general path (`PageStore.holder_ids`, then `_prefixes`), tiers
+        counted: where the compiled walk does not serve or flagged a page off the device."""
+        pages, tiers = self._prefixes(self._store.holder_ids(hashes, keys))
         if not tiers & self._ones * 0b1110:
             return pages, {}
         return pages, self.tier_pages(hashes, self._result(pages, tiers, len(hashes)))
 
-    def _walk(self, holder_ids: Sequence[int], num_hashes: int) -> MatchResult:
-        """The match of a prompt whose pages' holder-mask ids (up to its first page not
-        indexed) are `holder_ids`."""
-        pages, tiers = self._prefixes(holder_ids)
-        return self._result(pages, tiers, num_hashes)
+    def _walk(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> MatchResult:
+        """`match` by the general path (`PageStore.holder_ids`, then `_prefixes`), with each
+        worker's tiers: where the compiled walk does not serve or flagged a page off the
+        device."""
+        pages, tiers = self._prefixes(self._store.holder_ids(hashes, keys))
+        return self._result(pages, tiers, len(hashes))
 
     def _result(self, pages: dict[WorkerId, int], tiers: int, num_hashes: int) -> MatchResult:
         """The `MatchResult` of `_prefixes`' answer."""
