@@ -86,9 +86,11 @@ GROUP = 32
 BATCH_CONVS = 16
 PAGE_SIZE = 16
 ROUTE_CPU_PASSES = 5
-"""With --shards: passes over the ingest and the routes, each through every shard count in
-turn. The least CPU time of each count counts (a shared machine's noise only ever adds), and
-the ratios between counts are also taken pass by pass (`paired_ratios`)."""
+"""With --shards: passes over the ingest and the routes, each through every shard count side
+by side (`_side_by_side`). The least CPU time of each count counts (a shared machine's noise
+only ever adds), and the ratios between counts are also taken pass by pass (`paired_ratios`)."""
+INGEST_CHUNK = 32
+"""With --shards: stored batches (16 conversations each) fed to each shard count in turn."""
 
 
 LABELS = {
@@ -567,14 +569,47 @@ def _shard_counts(text: str) -> list[int]:
     return _comma_counts(text, "shard", "1,2,4", 1)
 
 
-def _ingested(wl: _Workload, shards: int, seed: int) -> tuple[ShardedCoordinator, float, float]:
-    """A fresh `ShardedCoordinator` fed every stored batch through `report`; with the wall
-    and process CPU seconds the reports took."""
-    coord = ShardedCoordinator(
-        CoordinatorConfig(policy="kv_aware", index_shards=shards), rng=random.Random(seed)
-    )
-    wall_s, cpu_s = _fed(wl, coord)
-    return coord, wall_s, cpu_s
+def _side_by_side(
+    wl: _Workload, shard_counts: Sequence[int], seed: int
+) -> tuple[list[ShardedCoordinator], list[float], list[float]]:
+    """A fresh `ShardedCoordinator` of each count, every one fed every stored batch through
+    `report`, with each count's wall and thread CPU seconds in those reports.
+
+    The batches go `INGEST_CHUNK` at a time, each chunk to every count in turn,
+    the count that goes first rotating chunk by chunk: the counts compared meet
+    the same moments of a shared machine and the same live memory (all of them
+    are built together), where counts built one after another, each alone,
+    measured the machine's minute as much as their own cost.
+    """
+    coords = [
+        ShardedCoordinator(
+            CoordinatorConfig(policy="kv_aware", index_shards=shards), rng=random.Random(seed)
+        )
+        for shards in shard_counts
+    ]
+    for coord in coords:
+        for w in wl.worker_ids:
+            coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
+    gc.collect()
+    wall_ns = [0] * len(coords)
+    cpu_ns = [0] * len(coords)
+    batches = wl.stored_batches
+    for j, at in enumerate(range(0, len(batches), INGEST_CHUNK)):
+        reports = [WorkerReport(wid, [data]) for wid, data in batches[at : at + INGEST_CHUNK]]
+        for k in _rotated(len(coords), j):
+            coord = coords[k]
+            c, t = time.thread_time_ns(), time.perf_counter_ns()
+            for report in reports:
+                coord.report(report)
+            wall_ns[k] += time.perf_counter_ns() - t
+            cpu_ns[k] += time.thread_time_ns() - c
+    return coords, [ns / 1e9 for ns in wall_ns], [ns / 1e9 for ns in cpu_ns]
+
+
+def _rotated(n: int, turn: int) -> list[int]:
+    """0..n-1 starting at `turn` modulo n: which count goes first changes every turn."""
+    first = turn % n
+    return [*range(first, n), *range(first)]
 
 
 def _sharded_in_process(
@@ -591,40 +626,48 @@ def _sharded_in_process(
     design costs per operation (the fan-out and merge included), not the
     wall-clock gain of shards on separate cores. Routes are measured one call
     each (``cpu_s_per_million_ops``) and ``route_batch`` to a call
-    (``batched_...``: `route_many`, what a router does with concurrent routes);
-    ingest and routes each count the least CPU of ``ROUTE_CPU_PASSES`` passes
-    (a shared machine's noise only ever adds), and each pass measures every
-    count in turn, so the counts compared meet the same moments of the machine:
-    measured one count after the other, the ingest's CPU moved by up to a tenth
-    between counts with the same code, as much as the gap between them.
-    ``cpu_per_op_ratio_paired_median`` (and ``_range``, and the batched pair) take
-    each pass's ratio to the first count alone (`paired_ratios`).
+    (``batched_...``: `route_many`, what a router does with concurrent routes).
+    Each of ``ROUTE_CPU_PASSES`` passes builds every count's index side by side
+    (`_side_by_side`) and routes every count a batch at a time in turn, so the
+    counts compared meet the same moments of the machine (its CPU figures moved
+    by a third between runs of the same code). The absolute figures are the
+    least of the passes (noise only ever adds); ``cpu_per_op_ratio_paired_median``
+    (and ``_range``, the batched pair, and ``route_cpu_ratio_paired_...`` for the
+    routes alone) take each pass's ratio to the first count (`paired_ratios`).
     """
     counts = list(shard_counts)
     ingest_s = [math.inf] * len(counts)
-    ingest_passes: list[list[float]] = []  # process CPU s, [pass][count]
-    for _ in range(ROUTE_CPU_PASSES):
-        ingest_passes.append([])
-        for k, shards in enumerate(counts):
-            # each into a fresh coordinator, dropped at once: every build meets the same
-            # live memory (a build beside others' indexes ran up to 15 % slower)
-            coord, wall, cpu = _ingested(wl, shards, seed)
-            del coord
-            gc.collect()
-            ingest_s[k] = min(ingest_s[k], wall)
-            ingest_passes[-1].append(cpu)
-    ingest_cpu = [min(column) for column in zip(*ingest_passes, strict=True)]
-    built = [_ingested(wl, shards, seed)[0] for shards in counts]  # routed side by side
+    ingest_passes: list[list[float]] = []  # thread CPU s, [pass][count]
+    batched_passes: list[list[float]] = []
+    route_passes: list[list[float]] = []
     queries = [RouteQuery(p, CONV_PAGES * PAGE_SIZE, page_size=PAGE_SIZE) for p in prompts]
     batches = [queries[k : k + route_batch] for k in range(0, len(queries), route_batch)]
+    built: list[ShardedCoordinator] = []
+    for _ in range(ROUTE_CPU_PASSES):
+        built = []  # the last pass's indexes go before the next pass builds its own
+        gc.collect()
+        built, wall, cpu = _side_by_side(wl, counts, seed)
+        ingest_s = [min(a, b) for a, b in zip(ingest_s, wall, strict=True)]
+        ingest_passes.append(cpu)
+        _heartbeats(wl, built, seed)
+        # Looks (no request id) change nothing, so every pass routes the same.
+        batched_ns = [0] * len(counts)
+        route_ns = [0] * len(counts)
+        for j, batch in enumerate(batches):
+            for k in _rotated(len(counts), j):
+                coord = built[k]
+                c = time.thread_time_ns()
+                coord.route_many(batch)
+                batched_ns[k] += time.thread_time_ns() - c
+                c = time.thread_time_ns()
+                for query in batch:
+                    coord.route(query)
+                route_ns[k] += time.thread_time_ns() - c
+        batched_passes.append([ns / 1e9 for ns in batched_ns])
+        route_passes.append([ns / 1e9 for ns in route_ns])
     times: list[list[float]] = []
     cpu_times: list[list[float]] = []
-    for coord in built:
-        rng = random.Random(seed)
-        for w in wl.worker_ids:
-            coord.heartbeat(
-                w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
-            )
+    for coord in built:  # single calls' latency, for the percentiles
         wall_ms: list[float] = []
         cpu_ms: list[float] = []
         for query in queries:
@@ -635,28 +678,16 @@ def _sharded_in_process(
             cpu_ms.append((time.thread_time_ns() - c) / 1e6)
         times.append(wall_ms)
         cpu_times.append(cpu_ms)
-    # CPU per route: the least of a few passes, one call per route and `route_batch` routes
-    # per call (`route_many`: one call per shard per batch, as a router asks for the routes
-    # that arrive together) in turn, every count in each pass. Looks (no request id)
-    # change nothing, so every pass routes the same.
-    batched_passes: list[list[float]] = []
-    route_passes: list[list[float]] = []
-    for _ in range(ROUTE_CPU_PASSES):
-        batched_passes.append([])
-        route_passes.append([])
-        for coord in built:
-            c0 = time.process_time()
-            for batch in batches:
-                coord.route_many(batch)
-            batched_passes[-1].append(time.process_time() - c0)
-            c0 = time.process_time()
-            for query in queries:
-                coord.route(query)
-            route_passes[-1].append(time.process_time() - c0)
+    ingest_cpu = [min(column) for column in zip(*ingest_passes, strict=True)]
     batched_cpu = [min(column) for column in zip(*batched_passes, strict=True)]
     route_cpu = [min(column) for column in zip(*route_passes, strict=True)]
-    paired = paired_ratios(_pass_totals(ingest_passes, route_passes))
-    paired_batched = paired_ratios(_pass_totals(ingest_passes, batched_passes))
+    paired = {
+        "cpu_per_op_ratio": paired_ratios(_pass_totals(ingest_passes, route_passes)),
+        "batched_cpu_per_op_ratio": paired_ratios(_pass_totals(ingest_passes, batched_passes)),
+        "route_cpu_ratio": paired_ratios(route_passes),
+        "batched_route_cpu_ratio": paired_ratios(batched_passes),
+        "ingest_cpu_ratio": paired_ratios(ingest_passes),
+    }
     ops = wl.stored_events + len(prompts)
     return [
         {
@@ -675,13 +706,24 @@ def _sharded_in_process(
             "route_batch": route_batch,
             "batched_cpu_s_per_million_ops": round((ingest_cpu[k] + batched_cpu[k]) / ops * 1e6, 3),
             "batched_route_cpu_us_per_call": round(batched_cpu[k] / len(prompts) * 1e6, 1),
-            "cpu_per_op_ratio_paired_median": paired[k][0],
-            "cpu_per_op_ratio_paired_range": list(paired[k][1:]),
-            "batched_cpu_per_op_ratio_paired_median": paired_batched[k][0],
-            "batched_cpu_per_op_ratio_paired_range": list(paired_batched[k][1:]),
+            **{
+                f"{name}_paired_{part}": value
+                for name, ratios in paired.items()
+                for part, value in (("median", ratios[k][0]), ("range", list(ratios[k][1:])))
+            },
         }
         for k in range(len(built))
     ]
+
+
+def _heartbeats(wl: _Workload, coords: Sequence[ShardedCoordinator], seed: int) -> None:
+    """The same loads for every worker in each of `coords`."""
+    for coord in coords:
+        rng = random.Random(seed)
+        for w in wl.worker_ids:
+            coord.heartbeat(
+                w, WorkerLoad(w, rng.randrange(0, 4096), rng.randrange(0, 2048), 50_000, 100_000)
+            )
 
 
 def _pass_totals(ingest: list[list[float]], routes: list[list[float]]) -> list[list[float]]:

@@ -8,12 +8,12 @@ import os
 import random
 import subprocess
 import sys
-import weakref
 from typing import Any
 
 import pytest
 
 from kvmesh.benchmarks import bench_router
+from kvmesh.coordinator.shards import ShardedCoordinator
 from kvmesh.errors import InvalidInput
 
 
@@ -154,33 +154,50 @@ def test_json_of_a_small_run_on_ray_is_pure_json_on_stdout() -> None:
     assert all(r["ray_route_p50_ms"] > 0 for r in results)
 
 
-def test_each_cpu_pass_measures_every_shard_count_in_turn(
+def test_each_cpu_pass_measures_every_shard_count_side_by_side(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The shard counts compared meet the same moments of a shared machine: each ingest
-    pass (and each route pass) goes through every count before the next pass starts, and
-    every timed build meets the same live memory (the one before it is dropped)."""
-    ingested: list[int] = []
-    timed = 3 * bench_router.ROUTE_CPU_PASSES
-    built: list[weakref.ref[Any]] = []
-    ingest = bench_router._ingested
+    """The shard counts compared meet the same moments of a shared machine: in every pass
+    each chunk of stored batches (and each batch of routes) goes to every count in turn,
+    the count that goes first rotating, and every count gets every batch in order."""
+    calls: list[tuple[str, int, Any]] = []
+    report, route_many = ShardedCoordinator.report, ShardedCoordinator.route_many
 
-    def recorded(wl: Any, shards: int, seed: int) -> Any:
-        if len(ingested) < timed:
-            assert all(ref() is None for ref in built), "a timed build beside another index"
-        ingested.append(shards)
-        out = ingest(wl, shards, seed)
-        built.append(weakref.ref(out[0]))
-        return out
+    def reported(self: ShardedCoordinator, r: Any) -> Any:
+        calls.append(("report", len(self.shards), r))
+        return report(self, r)
 
-    monkeypatch.setattr(bench_router, "_ingested", recorded)
+    def routed(self: ShardedCoordinator, queries: Any) -> Any:
+        calls.append(("route_many", len(self.shards), queries))
+        return route_many(self, queries)
+
+    monkeypatch.setattr(ShardedCoordinator, "report", reported)
+    monkeypatch.setattr(ShardedCoordinator, "route_many", routed)
+    monkeypatch.setattr(bench_router, "INGEST_CHUNK", 2)
     wl = bench_router._Workload(4, 1000, seed=0)
     prompts = wl.prompts(20, random.Random(1))
     figures = bench_router._sharded_in_process(wl, prompts, [1, 2, 4], 0, 8)
-    # timed passes, each coordinator dropped at once; then the ones routed side by side
-    assert ingested == [1, 2, 4] * bench_router.ROUTE_CPU_PASSES + [1, 2, 4]
+    batches = len(wl.stored_batches)
+    assert batches > 4  # several chunks
+    per_pass = 3 * batches + 3 * 3  # every batch to each count; 3 route batches to each
+    assert len(calls) == bench_router.ROUTE_CPU_PASSES * per_pass
+    first = calls[:per_pass]
+    reports = [(shards, r.batches) for kind, shards, r in first if kind == "report"]
+    for shards in (1, 2, 4):  # each count got every batch, in order
+        assert [b for n, b in reports if n == shards] == [(d,) for _, d in wl.stored_batches]
+    runs = [
+        shards for j, (shards, _) in enumerate(reports) if j == 0 or reports[j - 1][0] != shards
+    ]
+    chunks = -(-batches // 2)
+    assert runs == [[1, 2, 4][(j + k) % 3] for j in range(chunks) for k in range(3)]
+    routes = [shards for kind, shards, _ in first if kind == "route_many"]
+    assert routes == [1, 2, 4, 2, 4, 1, 4, 1, 2]
     assert [f["route_batch"] for f in figures] == [8, 8, 8]
     assert all(f["batched_route_cpu_us_per_call"] > 0 for f in figures)
+    for name in ("route_cpu_ratio", "batched_route_cpu_ratio", "ingest_cpu_ratio"):
+        assert figures[0][f"{name}_paired_median"] == 1.0
+        low, high = figures[2][f"{name}_paired_range"]
+        assert 0 < low <= figures[2][f"{name}_paired_median"] <= high
 
 
 def test_paired_ratios_compare_the_counts_within_each_pass() -> None:
