@@ -655,8 +655,8 @@ class GlobalIndex:
         walker = store.walker
         if walker.flagged[0]:
             return None
-        names = map(self._live_slots().__getitem__, walker.slot[:k].tolist())
-        return dict(zip(names, walker.length[:k].tolist(), strict=True))
+        slots, lengths = walker.out[1:, :k].tolist()
+        return dict(zip(map(self._live_slots().__getitem__, slots), lengths, strict=True))
 
     def _walked_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None
@@ -669,8 +669,8 @@ class GlobalIndex:
         if k is None:
             return [None] * len(prompts)
         walker = store.walker
-        names = list(map(self._live_slots().__getitem__, walker.slot[:k].tolist()))
-        lengths = walker.length[:k].tolist()
+        slots, lengths = walker.out[1:, :k].tolist()
+        names = list(map(self._live_slots().__getitem__, slots))
         counts = np.bincount(walker.prompt[:k], minlength=len(prompts)).tolist()
         flagged = walker.flagged[: len(prompts)].tolist()
         out: list[dict[WorkerId, int] | None] = []

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 from pyroaring import BitMap
 
+from kvmesh.coordinator.index_walk import GOLDEN as _GOLDEN
 from kvmesh.coordinator.index_walk import Walker
 from kvmesh.errors import InvariantViolation
 from kvmesh.types import PageHash
@@ -131,8 +132,6 @@ def _grown(column: npt.NDArray[Any], rows: int) -> npt.NDArray[Any]:
     return out
 
 
-_GOLDEN_INT = 0x9E3779B97F4A7C15
-_GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _EMPTY, _DELETED = -1, -2
 _NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
@@ -768,12 +767,11 @@ class PageStore:
             self._describe()
         return self.walker.walk(
             self._table,
-            self._table_mask,
+            self._table_shift,
             self._digest,
             self._holders,
             self._present,
             self._off_device,
-            keys.homes(self._table_shift_int),
             keys.rows(),
             keys.ends_array(),
         )

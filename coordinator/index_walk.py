@@ -31,9 +31,17 @@ from numba import njit
 Ints = npt.NDArray[np.int64]
 
 
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+"""The Fibonacci constant `PageStore` spreads a digest's first word by: the top bits of the
+product are its home slot (`PromptKeys.homes`)."""
+
+
 @njit(cache=True, nogil=True)
-def _row(table: Any, slot_mask: int, digest: Any, keys: Any, i: int, pos: int) -> int:
-    """The row of digest `i` of `keys`, probing from its home slot `pos`; -1: nowhere."""
+def _row(table: Any, shift: Any, digest: Any, keys: Any, i: int) -> int:
+    """The row of digest `i` of `keys`, probing from its home slot (the top bits of its
+    first word times `GOLDEN`, `shift` the bits below them); -1: nowhere."""
+    slot_mask = table.shape[0] - 1
+    pos = np.int64((keys[i, 0] * GOLDEN) >> shift)
     while True:  # linear probing; an empty slot: nowhere
         r = table[pos]
         if r == -1:
@@ -50,16 +58,14 @@ def _row(table: Any, slot_mask: int, digest: Any, keys: Any, i: int, pos: int) -
 
 
 @njit(cache=True, nogil=True)
-def _emit(
-    bits: int, byte: int, p: int, n: int, k: int, out_prompt: Any, out_slot: Any, out_len: Any
-) -> int:
-    """Writes (prompt `p`, slot, `n`) for each slot set in `bits` (byte `byte` of the slots),
-    from row `k` on; returns the next free row."""
+def _emit(bits: int, byte: int, p: int, n: int, k: int, out: Any) -> int:
+    """Writes (prompt `p`, slot, `n`) for each slot set in `bits` (byte `byte` of the slots)
+    in column `k` of `out` on; returns the next free column."""
     for j in range(8):
         if bits >> j & 1:
-            out_prompt[k] = p
-            out_slot[k] = byte * 8 + j
-            out_len[k] = n
+            out[0, k] = p
+            out[1, k] = byte * 8 + j
+            out[2, k] = n
             k += 1
     return k
 
@@ -67,17 +73,14 @@ def _emit(
 @njit(cache=True, nogil=True)
 def _walk(
     table: Any,
-    slot_mask: int,
+    shift: Any,
     digest: Any,
     holders: Any,
     present: Any,
     off_device: Any,
-    homes: Any,
     keys: Any,
     ends: Any,
-    out_prompt: Any,
-    out_slot: Any,
-    out_len: Any,
+    out: Any,
     flagged: Any,
 ) -> int:  # pragma: no cover - compiled; tests/coordinator/test_index_store.py pins it
     nbytes = present.shape[1]
@@ -90,7 +93,7 @@ def _walk(
         n = 0
         last = -1
         for i in range(start, end):
-            row = _row(table, slot_mask, digest, keys, i, homes[i])
+            row = _row(table, shift, digest, keys, i)
             if row < 0:
                 break
             mid = holders[row]
@@ -105,7 +108,7 @@ def _walk(
                 was = alive[b] if n else np.uint8(255)
                 now = was & present[mid, b]
                 if n:
-                    k = _emit(was & ~now, b, p, n, k, out_prompt, out_slot, out_len)
+                    k = _emit(was & ~now, b, p, n, k, out)
                 alive[b] = now
                 held |= now
             if not held:
@@ -115,7 +118,7 @@ def _walk(
             n += 1
         if n:
             for b in range(nbytes):
-                k = _emit(alive[b], b, p, n, k, out_prompt, out_slot, out_len)
+                k = _emit(alive[b], b, p, n, k, out)
         start = end
     return k
 
@@ -131,21 +134,16 @@ def warm_up() -> None:
     if _warm:
         return
     keys = np.frombuffer(bytes(8), np.uint64).reshape(1, 1)  # read-only, as `PromptKeys`'
-    ends = np.ones(1, np.int64)
-    out = np.zeros(8, np.int64)
     _walk(
         np.full(2, -1, np.int32),
-        1,
+        np.uint64(63),
         np.zeros((1, 1), np.uint64),
         np.zeros(1, np.int32),
         np.zeros((1, 1), np.uint8),
         np.zeros(1, np.bool_),
-        np.zeros(1, np.int64),
         keys,
-        ends,
-        out,
-        out.copy(),
-        out.copy(),
+        np.ones(1, np.int64),
+        np.zeros((3, 8), np.int64),
         np.zeros(1, np.bool_),
     )
     _warm = True
@@ -155,15 +153,17 @@ class Walker:
     """`_walk` with its output buffers kept between calls (grown as needed), so a route
     allocates nothing. Not thread-safe: its store's owner serializes lookups.
 
-    After `walk` returned k: rows [0, k) of `prompt`, `slot`, `length` are the
-    (prompt, worker slot, prefix length) of every slot holding a prefix of some
-    prompt, prompt by prompt; `flagged[p]` says prompt p has a page off the device.
+    After `walk` returned k: columns [0, k) of `out`, whose rows are `prompt`,
+    `slot` and `length`, are the (prompt, worker slot, prefix length) of every
+    slot holding a prefix of some prompt, prompt by prompt; `flagged[p]` says
+    prompt p has a page off the device.
     """
 
     def __init__(self) -> None:
         self._cap = 0
         self._prompts = 0
-        self.prompt = self.slot = self.length = np.empty(0, np.int64)
+        self.out = np.empty((3, 0), np.int64)
+        self.prompt, self.slot, self.length = self.out
         self.flagged = np.empty(0, np.bool_)
         self._grow(512, 16)
         warm_up()
@@ -171,9 +171,8 @@ class Walker:
     def _grow(self, cap: int, prompts: int) -> None:
         if cap > self._cap:
             self._cap = max(cap, 2 * self._cap)
-            self.prompt = np.empty(self._cap, np.int64)
-            self.slot = np.empty(self._cap, np.int64)
-            self.length = np.empty(self._cap, np.int64)
+            self.out = np.empty((3, self._cap), np.int64)
+            self.prompt, self.slot, self.length = self.out
         if prompts > self._prompts:
             self._prompts = max(prompts, 2 * self._prompts)
             self.flagged = np.zeros(self._prompts, np.bool_)
@@ -181,36 +180,24 @@ class Walker:
     def walk(
         self,
         table: npt.NDArray[np.int32],
-        slot_mask: int,
+        shift: np.uint64,
         digest: npt.NDArray[np.uint64],
         holders: npt.NDArray[np.int32],
         present: npt.NDArray[np.uint8],
         off_device: npt.NDArray[np.bool_],
-        homes: Ints,
         keys: npt.NDArray[np.uint64],
         ends: Ints,
     ) -> int:
-        """The number of rows of answers (see the class docstring). `table`: the lookup
-        table of rows (-1 empty, -2 deleted) and `slot_mask` its size less one; `digest`,
-        `holders`: the store's columns; `present[mid]`: mask id mid's worker slots, a bit
-        each, packed; `off_device[mid]`: whether it has a page off the device. `keys`:
-        the prompts' digests end to end, a row each at the store's width, `homes` their
-        home slots, `ends` where each prompt ends in them."""
-        self._grow(len(ends) * present.shape[1] * 8, len(ends))
+        """The number of columns of answers (see the class docstring). `table`: the lookup
+        table of rows (-1 empty, -2 deleted), a power of two long, `shift` 64 less its
+        bits; `digest`, `holders`: the store's columns; `present[mid]`: mask id mid's
+        worker slots, a bit each, packed; `off_device[mid]`: whether it has a page off
+        the device. `keys`: the prompts' digests end to end, a row each at the store's
+        width, `ends` where each prompt ends in them."""
+        prompts = len(ends)
+        if prompts * present.shape[1] * 8 > self._cap or prompts > self._prompts:
+            self._grow(prompts * present.shape[1] * 8, prompts)
+        out, flagged = self.out, self.flagged
         return int(
-            _walk(
-                table,
-                slot_mask,
-                digest,
-                holders,
-                present,
-                off_device,
-                homes,
-                keys,
-                ends,
-                self.prompt,
-                self.slot,
-                self.length,
-                self.flagged,
-            )
+            _walk(table, shift, digest, holders, present, off_device, keys, ends, out, flagged)
         )
