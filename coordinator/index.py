@@ -584,7 +584,7 @@ class GlobalIndex:
         pages = self._walked(keys)
         if pages is not None:
             return self._result(pages, 0, len(hashes))
-        return self._walk(hashes, keys)
+        return self._walk(hashes)
 
     def match_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
@@ -607,7 +607,7 @@ class GlobalIndex:
         pages = self._walked(keys)
         if pages is not None:
             return pages, {}
-        return self._overlaps(hashes, keys)
+        return self._overlaps(hashes)
 
     def overlaps_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
@@ -687,20 +687,20 @@ class GlobalIndex:
         return cast(list[WorkerId], self._by_slot)
 
     def _overlaps(
-        self, hashes: Sequence[PageHash], keys: PromptKeys | None = None
+        self, hashes: Sequence[PageHash]
     ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages]]:
         """`overlaps` by the general path (`PageStore.holder_ids`, then `_prefixes`), tiers
         counted: where the compiled walk does not serve or flagged a page off the device."""
-        pages, tiers = self._prefixes(self._store.holder_ids(hashes, keys))
+        pages, tiers = self._prefixes(self._store.holder_ids(hashes))
         if not tiers & self._ones * 0b1110:
             return pages, {}
         return pages, self.tier_pages(hashes, self._result(pages, tiers, len(hashes)))
 
-    def _walk(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> MatchResult:
+    def _walk(self, hashes: Sequence[PageHash]) -> MatchResult:
         """`match` by the general path (`PageStore.holder_ids`, then `_prefixes`), with each
         worker's tiers: where the compiled walk does not serve or flagged a page off the
         device."""
-        pages, tiers = self._prefixes(self._store.holder_ids(hashes, keys))
+        pages, tiers = self._prefixes(self._store.holder_ids(hashes))
         return self._result(pages, tiers, len(hashes))
 
     def _result(self, pages: dict[WorkerId, int], tiers: int, num_hashes: int) -> MatchResult:

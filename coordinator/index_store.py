@@ -52,8 +52,8 @@ import numpy as np
 import numpy.typing as npt
 from pyroaring import BitMap
 
-from kvmesh.coordinator.index_walk import GOLDEN as _GOLDEN
-from kvmesh.coordinator.index_walk import Walker
+from kvmesh.coordinator.index_kernels import EMPTY as _EMPTY
+from kvmesh.coordinator.index_kernels import Walker, find_rows, place_rows, unplace_rows
 from kvmesh.errors import InvariantViolation
 from kvmesh.types import PageHash
 
@@ -133,10 +133,7 @@ def _grown(column: npt.NDArray[Any], rows: int) -> npt.NDArray[Any]:
 
 
 _U64 = (1 << 64) - 1
-_EMPTY, _DELETED = -1, -2
-_NO_KEYS: npt.NDArray[np.uint64] = np.empty(0, np.uint64)
 _MIN_SLOTS = 1 << 12
-_SCALAR_PROBES = 64  # digests `_find` probes one by one once its first round is done
 _LOAD_DIVISOR = 3  # slots in use (tombstones included) stay under a third
 
 
@@ -146,37 +143,21 @@ class PromptKeys:
 
     A sharded router asks every shard about the same prompts; what a lookup
     derives from the prompts alone (their bytes end to end, a check of their
-    widths, each digest's compact key spread by the Fibonacci constant) is then
-    paid once per route, not once per shard. `width` is the hashes' one length
-    when they share one (a multiple of 8, no all-zero digest), else 0: stores
-    take their general path. `mixed` holds, for that width, each digest's first
-    8 bytes as a uint64 times the constant (a table's home slot is its top
-    bits); `ends`, where each prompt ends in `flat`. Not frozen (a frozen init costs
-    a route a few tenths of a µs), but never changed after `of`: only its caches
-    (home slots per table size, the walk's arrays) fill.
+    widths) is then paid once per route, not once per shard. `width` is the
+    hashes' one length when they share one (a multiple of 8, no all-zero
+    digest), else 0: stores take their general path. `ends`, where each prompt
+    ends in `flat`. Not frozen (a frozen init costs a route a few tenths of a
+    µs), but never changed after `of`: only its caches (the walk's arrays) fill.
     """
 
     flat: Sequence[PageHash]
     joined: bytes
     width: int
-    mixed: npt.NDArray[np.uint64]
     ends: list[int]
-    _homes: dict[int, npt.NDArray[np.int64]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
     _rows: npt.NDArray[np.uint64] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     _ends: npt.NDArray[np.int64] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def homes(self, shift: int) -> npt.NDArray[np.int64]:
-        """Each digest's home slot in a table of `64 - shift` bits: shards of one size share
-        it, so a route pays the shift and the cast once, not once per shard."""
-        home = self._homes.get(shift)
-        if home is None:
-            # the shift leaves the top bit clear: a view as int64 is exact and copies nothing
-            home = self._homes[shift] = (self.mixed >> np.uint64(shift)).view(np.int64)
-        return home
 
     def rows(self) -> npt.NDArray[np.uint64]:
         """The digests end to end, a uint64 row of `width` bytes each, for the compiled walk
@@ -193,7 +174,7 @@ class PromptKeys:
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[PageHash]]) -> PromptKeys:
-        """The keys of `prompts` (one pass over their bytes and a few numpy calls)."""
+        """The keys of `prompts` (one pass over their bytes)."""
         flat = prompts[0] if len(prompts) == 1 else list(itertools.chain.from_iterable(prompts))
         joined = b"".join(flat)
         width = len(flat[0]) if flat else 0
@@ -205,9 +186,8 @@ class PromptKeys:
             # freed rows are zeroed: a zero digest takes the general path
             or bytes(width) in joined
         ):
-            return cls(flat, joined, 0, _NO_KEYS, list(itertools.accumulate(map(len, prompts))))
-        mixed = np.frombuffer(joined, np.uint64)[:: width // 8] * _GOLDEN
-        return cls(flat, joined, width, mixed, list(itertools.accumulate(map(len, prompts))))
+            width = 0
+        return cls(flat, joined, width, list(itertools.accumulate(map(len, prompts))))
 
 
 class PageStore:
@@ -229,7 +209,6 @@ class PageStore:
         self._free_rows: list[int] = []
         self._slots_used = 0  # live and deleted slots
         self._new_table(min_slots)
-        self._refresh_views()
         self.masks: list[int] = [0]
         # Per mask id, beside `masks`: which worker slots it names (a bit each, packed,
         # slot 0 first; a row per mask id, so a walk reads one cache line for it) and
@@ -257,7 +236,6 @@ class PageStore:
         self._holders = _grown(self._holders, new)
         self._parent = _grown(self._parent, new)
         self._kids = _grown(self._kids, new)
-        self._refresh_views()
 
     def _widen(self, words: int) -> None:
         if words > self._words:
@@ -266,7 +244,6 @@ class PageStore:
             wider[:, : self._words] = self._digest
             self._digest = wider
             self._words = words
-            self._refresh_views()
 
     def _alloc(self, n: int) -> Rows:
         reused = self._free_rows[-n:] if n else []
@@ -277,14 +254,6 @@ class PageStore:
         self._parent[self._top : self._top + fresh] = -1  # freed rows were unlinked already
         self._top += fresh
         return rows
-
-    def _refresh_views(self) -> None:
-        """Memoryviews (`ndarray.data`) of the digest and length columns, for the scalar
-        probes (`_probe_rest`, `_probe_one`): an item of a memoryview costs a quarter of
-        numpy's `item`. Made again whenever a column is replaced by a grown copy, as the
-        lookup table's is in `_new_table`."""
-        self._digest_view = self._digest.reshape(-1).view(np.uint8).data
-        self._length_view = self._length.data
 
     def _encode(
         self, hashes: Sequence[bytes]
@@ -310,20 +279,13 @@ class PageStore:
         bits = max(4, (size - 1).bit_length())
         self._table = _zeros(1 << bits, np.int32)
         self._table.fill(_EMPTY)
-        self._table_mask = (1 << bits) - 1
         self._table_shift = np.uint64(64 - bits)
-        self._table_shift_int = 64 - bits
         self._slots_used = 0
-        self._table_view = self._table.data
 
-    def _home(self, keys: npt.NDArray[np.uint64]) -> Rows:
-        return ((keys * _GOLDEN) >> self._table_shift).astype(np.int64)
-
-    def _make_room(self, more: int) -> bool:
-        """Grow (or clean tombstones out of) the table so `more` rows fit under the load;
-        True if it was rebuilt (slots found before are stale)."""
+    def _make_room(self, more: int) -> None:
+        """Grow (or clean tombstones out of) the table so `more` rows fit under the load."""
         if (self._slots_used + more) * _LOAD_DIVISOR <= len(self._table):
-            return False
+            return
         rows = self._table[self._table >= 0].astype(np.int64)
         # The next power of two past the load limit: 3-6 slots, 12-24 bytes, a page
         # (at most half full, 8-16 bytes, lookups cost a fifth more probing rounds).
@@ -331,127 +293,29 @@ class PageStore:
         self._new_table(size)
         if len(rows):
             self._place(rows)
-        return True
-
-    def _place_at(self, rows: Rows, slots: Rows) -> None:
-        """`_place`, given the empty slot each row's lookup ended at: one slot each, and
-        the rows that met another at the same slot go through `_place`."""
-        order = np.argsort(slots, kind="stable")
-        ordered = slots[order]
-        first = np.ones(len(ordered), bool)
-        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-        self._table[ordered[first]] = rows[order[first]]
-        self._slots_used += int(first.sum())
-        if not first.all():
-            self._place(rows[order[~first]])
 
     def _place(self, rows: Rows) -> None:
         """Put distinct rows, whose digests are not in the table yet, into free slots."""
-        keys = np.ascontiguousarray(self._digest[rows, 0])
-        pos = self._home(keys)
-        todo = np.arange(len(rows))
-        placed = np.zeros(len(rows), bool)
-        while len(todo):
-            free = self._table[pos] < 0
-            cand, at = todo[free], pos[free]
-            order = np.argsort(at, kind="stable")  # one winner per slot: the first
-            at_sorted = at[order]
-            first = np.ones(len(at_sorted), bool)
-            np.not_equal(at_sorted[1:], at_sorted[:-1], out=first[1:])
-            win, win_at = cand[order[first]], at_sorted[first]
-            self._slots_used += int((self._table[win_at] == _EMPTY).sum())
-            self._table[win_at] = rows[win]
-            placed[win] = True
-            left = ~placed[todo]
-            todo, pos = todo[left], (pos[left] + 1) & self._table_mask
+        self._slots_used += place_rows(self._table, self._table_shift, self._digest, rows)
 
     def _unplace(self, rows: Rows) -> None:
         """Tombstone the slots of these rows (all in the table)."""
-        pos = self._home(np.ascontiguousarray(self._digest[rows, 0]))
-        todo = np.arange(len(rows))
-        while len(todo):
-            slots = self._table[pos]
-            hit = slots == rows[todo]
-            if (slots[~hit] == _EMPTY).any():
-                raise InvariantViolation("a row to forget is not in the lookup table")
-            self._table[pos[hit]] = _DELETED
-            todo, pos = todo[~hit], (pos[~hit] + 1) & self._table_mask
+        if unplace_rows(self._table, self._table_shift, self._digest, rows) >= 0:
+            raise InvariantViolation("a row to forget is not in the lookup table")
 
-    def _find(
-        self,
-        digests: npt.NDArray[np.uint64],
-        lengths: npt.NDArray[np.uint8],
-    ) -> tuple[Rows, Rows]:
-        """(rows, stops): each digest's row or -1, and for a missing one the empty slot
-        its probe ended at (where it may be placed). Probing rounds, each a fixed
-        number of numpy calls, then the last few digests one by one: a store's new pages
-        probe on to an empty slot, and their last rounds, for a handful of digests in the
-        longest runs of full slots, cost more in calls than the probes themselves."""
-        n = len(lengths)
-        out = np.full(n, -1, np.int64)
-        stops = np.full(n, -1, np.int64)
-        if not self._top:
-            stops[:] = self._home(np.ascontiguousarray(digests[:, 0]))
-            return out, stops
-        wide = digests[:, : self._words]
-        pos = self._home(np.ascontiguousarray(digests[:, 0]))
-        todo = np.arange(n)
-        rounds = 0
-        while len(todo):
-            if rounds and len(todo) <= _SCALAR_PROBES:
-                self._probe_rest(todo, pos, wide, lengths, out, stops)
-                break
-            rounds += 1
-            rows = self._table[pos].astype(np.int64)
-            same = (self._length.take(rows, mode="clip") == lengths[todo]) & (
-                self._digest.take(rows, axis=0, mode="clip") == wide[todo]
-            ).all(axis=1)
-            same &= rows >= 0
-            out[todo[same]] = rows[same]
-            empty = rows == _EMPTY
-            stops[todo[empty]] = pos[empty]
-            go_on = ~empty & ~same
-            todo, pos = todo[go_on], (pos[go_on] + 1) & self._table_mask
-        return out, stops
-
-    def _probe_rest(
-        self,
-        todo: Rows,
-        pos: Rows,
-        wide: npt.NDArray[np.uint64],
-        lengths: npt.NDArray[np.uint8],
-        out: Rows,
-        stops: Rows,
-    ) -> None:
-        """`_find`'s probing for the few digests `todo` left at slots `pos`, one by one."""
-        table, digests, length_of = self._table_view, self._digest_view, self._length_view
-        width = self._words * 8
-        mask = self._table_mask
-        raw = np.ascontiguousarray(wide[todo]).tobytes()
-        for k, (i, at, n) in enumerate(
-            zip(todo.tolist(), pos.tolist(), lengths[todo].tolist(), strict=True)
-        ):
-            digest = raw[k * width : k * width + width]
-            while True:
-                row = table[at]
-                if row == _EMPTY:
-                    stops[i] = at
-                    break
-                if (
-                    row >= 0
-                    and length_of[row] == n
-                    and digests[row * width : row * width + width] == digest
-                ):
-                    out[i] = row
-                    break
-                at = (at + 1) & mask
+    def _find(self, digests: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint8]) -> Rows:
+        """Each digest's row or -1 (`digests`: zero-padded rows at least the store's width,
+        `lengths` their lengths)."""
+        out = np.empty(len(lengths), np.int64)
+        find_rows(self._table, self._table_shift, self._digest, self._length, digests, lengths, out)
+        return out
 
     def find(self, hashes: Sequence[bytes]) -> Rows:
         """Each digest's row, or -1 where none exists (ghost rows included)."""
         if not hashes:
             return _NO_ROWS
         digests, lengths = self._encode(hashes)
-        return self._find(digests, lengths)[0]
+        return self._find(digests, lengths)
 
     def _rows_for(self, hashes: Sequence[bytes]) -> tuple[Rows, Rows | None]:
         """Each digest's row, creating (as ghosts) the missing ones.
@@ -460,7 +324,7 @@ class PageStore:
         distinct (None when some digest repeats among them).
         """
         digests, lengths = self._encode(hashes)
-        rows, stops = self._find(digests, lengths)
+        rows = self._find(digests, lengths)
         new = np.flatnonzero(rows < 0)
         if not len(new):
             return rows, new
@@ -483,10 +347,8 @@ class PageStore:
         self._length[made] = lengths[first]
         if not self._narrow and (lengths[first] != self._words * 8).any():
             self._narrow = True
-        if self._make_room(len(made)):
-            self._place(made)
-        else:
-            self._place_at(made, stops[first])
+        self._make_room(len(made))
+        self._place(made)
         return rows, new if one_each else None
 
     def _free(self, rows: Rows) -> None:
@@ -769,6 +631,7 @@ class PageStore:
             self._table,
             self._table_shift,
             self._digest,
+            self._length,
             self._holders,
             self._present,
             self._off_device,
@@ -776,77 +639,16 @@ class PageStore:
             keys.ends_array(),
         )
 
-    def holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys | None = None) -> list[int]:
-        """Holder-mask ids of the pages at the head of `hashes` up to the first one not indexed:
+    def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
+        """Holder-mask ids of the pages of `hashes`, 0 for a page nobody holds or not indexed:
         the general path, where `walk` does not serve (digests of several widths) or its
         answer is not all (a page off the device: the tiers are counted from these).
-
-        `keys`: `PromptKeys.of([hashes])`, when the caller made them for several stores.
-        A 0 may end the list (a page nobody holds); callers stop at the first 0.
-        """
+        Callers stop at the first 0."""
         if not self._top or not hashes:
             return []
-        width = self._words * 8
-        if keys is None:
-            keys = PromptKeys.of((hashes,))
-        # Digests of several widths take the general path (a shorter one, zero-padded,
-        # could look like another), and so does a zero digest (freed rows are zeroed).
-        if self._narrow or keys.width != width:
-            found = self.find(hashes)
-            ids: list[int] = np.where(
-                found >= 0, self._holders.take(found, mode="clip"), 0
-            ).tolist()
-            return ids
-        return self._holder_ids(hashes, keys)
-
-    def _holder_ids(self, hashes: Sequence[PageHash], keys: PromptKeys) -> list[int]:
-        """`holder_ids` of a prompt of the store's one width."""
-        width = self._words * 8
-        joined = keys.joined
-        # The hot path (a prompt of one hash width): take each page's home slot's
-        # row, compare all those digests with the prompt's bytes at once, and
-        # probe on only where a home slot held another page. The first page
-        # found nowhere ends the walk, as a page nobody holds would, and so does
-        # an empty home slot at once (linear probing: nowhere), with no probe.
-        home = keys.homes(self._table_shift_int)[: len(hashes)]
-        rows = self._table.take(home)
-        stored = self._digest.take(rows, axis=0, mode="clip").tobytes()
-        n = len(hashes)
-        done = 0
-        while done < n:
-            if stored[done * width :] == joined[done * width :]:
-                done = n
-                break
-            lo, hi = done, n - 1  # the longest equal run from `done`, by halving
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if stored[done * width : mid * width] == joined[done * width : mid * width]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            done = lo
-            if rows.item(done) == _EMPTY:
-                break
-            at = done * width
-            row = self._probe_one(home.item(done), joined[at : at + width])
-            if row < 0:
-                break
-            rows[done] = row
-            done += 1
-        held: list[int] = self._holders.take(rows[:done], mode="clip").tolist()
-        return held
-
-    def _probe_one(self, pos: int, digest: bytes) -> int:
-        """The row of one full-width digest from its home slot, or -1; scalar, no arrays built."""
-        table, digests, mask = self._table_view, self._digest_view, self._table_mask
-        width = self._words * 8
-        while True:
-            row = table[pos]
-            if row == _EMPTY:
-                return -1
-            if row >= 0 and digests[row * width : row * width + width] == digest:
-                return row
-            pos = (pos + 1) & mask
+        found = self.find(hashes)
+        ids: list[int] = np.where(found >= 0, self._holders.take(found, mode="clip"), 0).tolist()
+        return ids
 
     def _row(self, page_hash: PageHash) -> int:
         """The row of an indexed page, or -1."""

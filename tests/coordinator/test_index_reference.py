@@ -76,7 +76,7 @@ class DictStore:
     def walk(self, keys: object) -> None:
         return None  # no compiled walk: `GlobalIndex` takes the general path
 
-    def holder_ids(self, hashes: Sequence[PageHash], keys: object = None) -> list[int]:
+    def holder_ids(self, hashes: Sequence[PageHash]) -> list[int]:
         ids = []
         for h in hashes:
             self.masks.append(self.holders.get(h, 0))

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.coordinator.index_kernels import GOLDEN
 from kvmesh.coordinator.index_store import PageStore, PromptKeys
 from kvmesh.types import PageHash
 
@@ -88,33 +89,43 @@ def test_extra_bytes_counts_the_mapped_columns_tracemalloc_cannot_see() -> None:
 def _displaced(store: PageStore, hashes: list[PageHash]) -> int:
     """How many of `hashes` sit past their home slot (a lookup must probe on for them)."""
     keys = np.frombuffer(b"".join(hashes), np.uint64)[:: store._words]
-    homes = store._table[store._home(np.ascontiguousarray(keys))]
+    homes = store._table[((keys * GOLDEN) >> store._table_shift).astype(np.int64)]
     return int((homes != store.find(hashes)).sum())
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_keys_made_once_for_several_stores_look_up_as_each_store_alone(seed: int) -> None:
+def test_find_gives_every_digest_its_row_in_a_crowded_table_with_tombstones(seed: int) -> None:
+    """The compiled table (`find_rows`, `place_rows`, `unplace_rows`): after stores and
+    removals in a small table that grows, with digests crowding one home slot and digests
+    of two widths, every row in use is found by its digest and nothing else is found."""
     rng = random.Random(seed)
     store = PageStore(min_slots=16)
     for slot in range(3):
         store.ensure_slot(slot)
-    chains = [_chain(k * 100, 40) for k in range(60)]
+    crowd = [PageHash(b"samekey!" + k.to_bytes(24, "little")) for k in range(1, 30)]
+    chains = [_chain(k * 100, 40) for k in range(60)] + [crowd]
+    chains += [_chain(10**5 + k * 100, 10, 16) for k in range(5)]  # narrow: lengths compared
     for c in chains:
-        store.store([(c, None)], rng.randrange(3), 1 << rng.randrange(4))
-    for c in rng.sample(chains, 20):  # holes, ghosts and tombstones in the table
-        start = rng.randrange(40)
-        store.remove(c[start : start + rng.randint(1, 5)], 0, 0b1111)
-    prompts = [
-        c[: rng.randint(0, 40)] + _chain(10**6 + 100 * i, rng.randint(0, 4))
-        for i, c in enumerate(rng.sample(chains, 24))
-    ]
-    prompts += [[], _chain(10**7, 3), chains[0][5:9], [PageHash(b"short")]]
-    assert _displaced(store, [h for p in prompts[:-1] for h in p]) > 0  # probing is exercised
-    for p in prompts:
-        assert store.holder_ids(p, PromptKeys.of([p])) == store.holder_ids(p)
+        slot = rng.randrange(3)
+        store.store([(c, None)], slot, 1 << rng.randrange(4) << 4 * slot)
+    for c in rng.sample(chains, 30):  # holes, ghosts and tombstones in the table
+        start = rng.randrange(len(c))
+        for slot in range(3):
+            store.remove(c[start : start + rng.randint(1, 8)], slot, 0b1111 << 4 * slot)
+    used = np.flatnonzero(store._length[: store._top] > 0)
+    digests = store._digests(used)
+    assert _displaced(store, [d for d in digests if len(d) == 32]) > 0  # probing on is exercised
+    assert np.array_equal(store.find(digests), used)
+    gone = [h for c in chains for h in c if h not in set(digests)]
+    never = [*_chain(10**7, 50), PageHash(b"samekey!" + (99).to_bytes(24, "little"))]
+    never += [h[:16] for h in chains[0]] + [h[:8] for h in crowd]  # a prefix of a digest
+    never += [PageHash(h + bytes(16)) for h in chains[-1]]  # a narrow one's padded words
+    assert len(gone) > 0
+    assert (store.find(gone + never) == -1).all()
+    store.check_invariants([0, 1, 2])
 
 
-def test_prompt_keys_send_other_widths_and_zero_digests_down_the_general_path() -> None:
+def test_prompt_keys_of_other_widths_and_zero_digests_take_the_general_path() -> None:
     store = PageStore(min_slots=16)
     store.ensure_slot(0)
     chain = _chain(0, 6)
@@ -123,10 +134,8 @@ def test_prompt_keys_send_other_widths_and_zero_digests_down_the_general_path() 
     for prompt in ([*chain[:2], PageHash(b"x" * 16)], [zero, *chain], [*chain[:3], zero]):
         keys = PromptKeys.of([prompt])
         assert keys.width == 0
-        assert store.holder_ids(prompt, keys) == store.holder_ids(prompt)
+        assert store.walk(keys) is None
     assert PromptKeys.of([chain]).width == 32
-    # the widths must match the store's: 8-byte keys look a 32-byte store up the general way
-    assert store.holder_ids(chain, PromptKeys.of([chain])) == store.holder_ids(chain)
 
 
 def _holder_ids_by_find(store: PageStore, prompt: list[PageHash]) -> list[int]:
@@ -139,11 +148,6 @@ def _holder_ids_by_find(store: PageStore, prompt: list[PageHash]) -> list[int]:
         if not out[-1]:
             break
     return out
-
-
-def _trimmed(ids: list[int]) -> list[int]:
-    """Holder ids up to their first 0 (callers stop there)."""
-    return ids[: ids.index(0) + 1] if 0 in ids else ids
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -159,9 +163,8 @@ def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path
     removed: list[tuple[int, int]],
     seed: int,
 ) -> None:
-    """The hot path (home slots taken at once, an empty home slot ending the walk without a
-    probe) gives what `find` gives, with one `PromptKeys` shared by stores whose tables differ
-    in size (its home slots are kept per table size)."""
+    """One `PromptKeys` shared by stores whose tables differ in size (each walk finds the home
+    slots of its own table) walks each store as `find` and the masks give."""
     rng = random.Random(seed)
     small, large = PageStore(min_slots=16), PageStore(min_slots=1 << 14)
     for store in (small, large):
@@ -178,10 +181,14 @@ def test_one_prompts_keys_look_up_stores_of_any_table_size_as_their_general_path
         all_chains[k % chains][:n] + _chain(10**6 + 100 * i, fresh)
         for i, (k, n, fresh) in enumerate(kept)
     ]
-    for prompt in prompts:
-        keys = PromptKeys.of([prompt])
-        for store in (small, large, small):
-            assert _trimmed(store.holder_ids(prompt, keys)) == _holder_ids_by_find(store, prompt)
+    keys = PromptKeys.of(prompts)
+    for store in (small, large, small):
+        if not store._top or not any(prompts):
+            continue
+        rows, _ = _walked(store, prompts, 2, keys)
+        for i, prompt in enumerate(prompts):
+            want = [(slot, _prefix_by_find(store, prompt, slot)) for slot in range(2)]
+            assert sorted(rows[i]) == [(slot, n) for slot, n in want if n]
 
 
 _OFF_DEVICE = int("e" * 20, 16)  # the cpu, disk and other bits of 20 slots
@@ -198,11 +205,11 @@ def _prefix_by_find(store: PageStore, prompt: list[PageHash], slot: int) -> int:
 
 
 def _walked(
-    store: PageStore, prompts: list[list[PageHash]], slots: int
+    store: PageStore, prompts: list[list[PageHash]], slots: int, keys: PromptKeys | None = None
 ) -> tuple[list[list[tuple[int, int]]], list[bool]]:
-    """`store.walk` of `prompts`: per prompt its (slot, length) rows in the order given, and
-    whether it was flagged (a page off the device)."""
-    k = store.walk(PromptKeys.of(prompts))
+    """`store.walk` of `prompts` (by `keys`, else their own): per prompt its (slot, length)
+    rows in the order given, and whether it was flagged (a page off the device)."""
+    k = store.walk(keys or PromptKeys.of(prompts))
     assert k is not None
     w = store.walker
     rows: list[list[tuple[int, int]]] = [[] for _ in prompts]
