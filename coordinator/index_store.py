@@ -619,7 +619,7 @@ class PageStore:
 
     def walk(self, keys: PromptKeys) -> int | None:
         """Every worker slot's held prefix of each of `keys`' prompts, by the compiled walk
-        (`index_walk`): how many rows of `walker`'s (prompt, slot, length) buffers now hold
+        (`index_kernels`): how many rows of `walker`'s (prompt, slot, length) buffers now hold
         them, `walker.flagged` marking the prompts with a page off the device. None where
         the prompts take the general path (`holder_ids`): digests of several widths, or
         another width than the store's."""
