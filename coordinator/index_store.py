@@ -33,8 +33,9 @@ Invariants, and why:
   bit of that slot, so dropping a worker costs O(its pages).
 
 Operations take whole runs of hashes (one event or consecutive events of one
-worker and tier) and cost a few numpy calls per probing round plus
-O(distinct holder masks touched) Python steps, not a Python step per page.
+worker and tier) and cost one compiled call for the lookup table's finds
+and placements (`index_kernels`), a few numpy calls, and O(distinct holder
+masks touched) Python steps, not a Python step per page.
 The digest width is the widest digest seen (8 bytes for engine hashes, 32
 for SHA-256): one 64-byte digest would widen every row.
 """
