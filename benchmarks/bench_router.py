@@ -281,11 +281,16 @@ class _NaiveIndex:
         return out
 
 
+def _register(wl: _Workload, coord: Coordinator | ShardedCoordinator) -> None:
+    """Every worker of `wl` registered in `coord` (not timed)."""
+    for w in wl.worker_ids:
+        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
+
+
 def _fed(wl: _Workload, coord: Coordinator | ShardedCoordinator) -> tuple[float, float]:
     """Registers every worker in `coord`, then reports every stored batch: the wall and
     process CPU seconds the reports took (registering is not timed)."""
-    for w in wl.worker_ids:
-        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
+    _register(wl, coord)
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     for wid, data in wl.stored_batches:
@@ -413,8 +418,7 @@ def _build_sharded(wl: _Workload, shards: int) -> Any:
     from kvmesh.coordinator.shards import ShardedCoordinator
 
     coord = ShardedCoordinator(CoordinatorConfig(policy="kv_aware", index_shards=shards))
-    for w in wl.worker_ids:
-        coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
+    _register(wl, coord)
     for wid, data in wl.stored_batches:
         coord.report(WorkerReport(wid, [data]))
     return coord
@@ -588,8 +592,7 @@ def _side_by_side(
         for shards in shard_counts
     ]
     for coord in coords:
-        for w in wl.worker_ids:
-            coord.register_worker(WorkerRegistration(w, f"127.0.0.1:{len(w)}", 100_000, "inc-0"))
+        _register(wl, coord)
     gc.collect()
     wall_ns = [0] * len(coords)
     cpu_ns = [0] * len(coords)
