@@ -581,8 +581,8 @@ class GlobalIndex:
         one holds. `keys`: `PromptKeys.of([hashes])`, made once for several indexes (shards)."""
         if keys is None:
             keys = PromptKeys.of((hashes,))
-        pages = self._walked(keys)
-        if pages is not None:
+        pages: dict[WorkerId, int] = {}
+        if self._walked_into(keys, pages):
             return self._result(pages, 0, len(hashes))
         return self._walk(hashes)
 
@@ -604,10 +604,25 @@ class GlobalIndex:
         a share of each shard's fixed cost per route."""
         if keys is None:
             keys = PromptKeys.of((hashes,))
-        pages = self._walked(keys)
-        if pages is not None:
+        pages: dict[WorkerId, int] = {}
+        if self._walked_into(keys, pages):
             return pages, {}
         return self._overlaps(hashes)
+
+    def overlaps_into(
+        self,
+        hashes: Sequence[PageHash],
+        keys: PromptKeys,
+        pages: dict[WorkerId, int],
+        tiers: dict[WorkerId, TierPages],
+    ) -> None:
+        """`overlaps`, added to `pages` and `tiers`: a router in the same process merging
+        shards (disjoint workers) hands each shard its dicts, so that a route builds one
+        dict of overlaps, not one per shard and then their union (docs/scale.md)."""
+        if not self._walked_into(keys, pages):
+            found, tiered = self._overlaps(hashes)
+            pages.update(found)
+            tiers.update(tiered)
 
     def overlaps_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None = None
@@ -644,19 +659,20 @@ class GlobalIndex:
                 tiered[i] = found
         return PrefixTable(tuple(self._by_slot), lengths, tiered)
 
-    def _walked(self, keys: PromptKeys) -> dict[WorkerId, int] | None:
-        """The compiled walk's answer for `keys`' one prompt: each worker's held prefix, or
-        None where the general path answers (digests of another width, a page held off the
-        device, whose tiers it counts)."""
+    def _walked_into(self, keys: PromptKeys, pages: dict[WorkerId, int]) -> bool:
+        """Adds the compiled walk's answer for `keys`' one prompt (each worker's held prefix)
+        to `pages`; False, adding nothing, where the general path answers (digests of
+        another width, a page held off the device, whose tiers it counts)."""
         store = self._store
         k = store.walk(keys)
         if k is None:
-            return None
+            return False
         walker = store.walker
         if walker.flagged[0]:
-            return None
+            return False
         slots, lengths = walker.out[1:, :k].tolist()
-        return dict(zip(map(self._live_slots().__getitem__, slots), lengths, strict=True))
+        pages.update(zip(map(self._live_slots().__getitem__, slots), lengths, strict=True))
+        return True
 
     def _walked_many(
         self, prompts: Sequence[Sequence[PageHash]], keys: PromptKeys | None

@@ -266,7 +266,9 @@ class Coordinator:
         # coordinators (a shard and its restart, two replicas) never share one: a
         # router holding a shard's loads of that version need not be sent them again.
         self.loads_version = _random_version()
-        self._workers_gauges = {s: WORKERS.labels(self.name, s) for s in ("all", "stale", "draining")}
+        self._workers_gauges = {
+            s: WORKERS.labels(self.name, s) for s in ("all", "stale", "draining")
+        }
         self._indexed_pages = INDEXED_PAGES.labels(self.name)
 
     # ---------------------------------------------------------------- workers
@@ -505,15 +507,20 @@ class Coordinator:
         with self._lock:
             return self._view(query, self.index.overlaps(query.hashes, keys), known_loads_version)
 
-    def overlaps_and_loads(
-        self, query: RouteQuery, keys: PromptKeys | None = None
-    ) -> tuple[dict[WorkerId, int], dict[WorkerId, TierPages], tuple[WorkerLoad, ...]]:
+    def overlaps_into(
+        self,
+        query: RouteQuery,
+        keys: PromptKeys,
+        pages: dict[WorkerId, int],
+        tiers: dict[WorkerId, TierPages],
+    ) -> tuple[WorkerLoad, ...]:
         """`view` without the view, for a router in the same process merging shards (and no
-        tenant): the overlaps, their tiers and the role's loads, with no `RouteView` built
-        per shard and taken apart again."""
+        tenant): the overlaps and their tiers added to the router's `pages` and `tiers`
+        (`GlobalIndex.overlaps_into`), and the role's loads returned, with no `RouteView`
+        nor dict of overlaps built per shard."""
         with self._lock:
-            pages, tiers = self.index.overlaps(query.hashes, keys)
-            return pages, tiers, self._current_loads(query.role)
+            self.index.overlaps_into(query.hashes, keys, pages, tiers)
+            return self._current_loads(query.role)
 
     def view_many(
         self,

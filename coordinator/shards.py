@@ -444,17 +444,11 @@ class ShardedCoordinator:
         keys = PromptKeys.of((query.hashes,))  # what every shard's lookup needs, made once
         if query.tenant is not None and self.config.tenant_share_weight > 0:
             return merge_views([s.view(query, None, keys) for s in self.shards], self._loads)
-        # each shard's overlaps and loads as they are, merged here: no view per shard
+        # each shard adds its overlaps to one dict and returns its loads: no view, no dict per shard
         overlaps: dict[WorkerId, int] = {}
         tiers: dict[WorkerId, TierPages] = {}
-        parts = []
-        for shard in self.shards:
-            pages, tiered, loads = shard.overlaps_and_loads(query, keys)
-            overlaps.update(pages)
-            if tiered:
-                tiers.update(tiered)
-            parts.append(loads)
-        return RouteView(overlaps, self._loads.of_parts(tuple(parts)), tiers, {}, {})
+        parts = tuple([shard.overlaps_into(query, keys, overlaps, tiers) for shard in self.shards])
+        return RouteView(overlaps, self._loads.of_parts(parts), tiers, {}, {})
 
     def view_many(self, queries: Sequence[RouteQuery]) -> list[RouteView]:
         """`view` of each query, with one call per shard for them all, each a round of numpy
