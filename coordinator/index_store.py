@@ -83,6 +83,42 @@ def _distinct(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return ordered[keep]
 
 
+def _repeats(
+    digests: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint8]
+) -> tuple[Rows, Rows] | None:
+    """Where some of `digests` (uint64 rows, each `lengths` bytes long) repeat: the index of
+    each distinct one's first appearance, in order of appearance, and for each digest which
+    of those it is; None where they are all distinct.
+
+    Sorted by their first 8 bytes, in numpy: a Python dict over a batch's hundreds of
+    digests cost a shard indexing a system prompt anew a tenth of its ingest (docs/scale.md).
+    Digests that share their first 8 bytes and differ after (never, from a hash; the tests
+    make them) are told apart by a sort of whole rows.
+    """
+    keys = digests[:, 0]
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.empty(len(keys), bool)
+    starts[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    if starts.all():
+        return None
+    run = np.cumsum(starts) - 1  # of each sorted digest: its run of equal first words
+    heads = order[starts]  # each run's first appearance: the sort is stable
+    leader = heads[run]
+    if (digests[order] == digests[leader]).all() and (lengths[order] == lengths[leader]).all():
+        which = np.empty(len(keys), np.int64)
+        which[order] = run
+    else:
+        whole = np.column_stack([digests, lengths.astype(np.uint64)])
+        _, heads, inverse = np.unique(whole, axis=0, return_index=True, return_inverse=True)
+        which = inverse.reshape(-1)
+    appear = np.argsort(heads)  # the distinct digests in order of first appearance
+    rank = np.empty(len(heads), np.int64)
+    rank[appear] = np.arange(len(heads))
+    return heads[appear], rank[which]
+
+
 _HUGE_PAGES: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
@@ -318,31 +354,25 @@ class PageStore:
         digests, lengths = self._encode(hashes)
         return self._find(digests, lengths)
 
-    def _rows_for(self, hashes: Sequence[bytes]) -> tuple[Rows, Rows | None]:
-        """Each digest's row, creating (as ghosts) the missing ones.
-
-        Also the positions whose rows were created here, when they are all
-        distinct (None when some digest repeats among them).
-        """
+    def _rows_for(self, hashes: Sequence[bytes]) -> tuple[Rows, Rows]:
+        """Each digest's row, creating (as ghosts) the missing ones; and the positions whose
+        rows were created here, the first of each where a new digest repeats (a batch's
+        conversations sharing a system prompt not indexed yet)."""
         digests, lengths = self._encode(hashes)
         rows = self._find(digests, lengths)
         new = np.flatnonzero(rows < 0)
         if not len(new):
             return rows, new
-        keys = np.ascontiguousarray(digests[new, 0])
-        one_each = len(_distinct(keys)) == len(keys)
-        if one_each:  # distinct keys, so distinct digests: no dedupe needed
+        repeats = _repeats(digests[new], lengths[new])
+        if repeats is None:
             first = new
             made = self._alloc(len(new))
             rows[new] = made
         else:
-            wanted = [hashes[i] for i in new.tolist()]
-            distinct = list(dict.fromkeys(wanted))
-            where = {d: i for i, d in enumerate(distinct)}
-            slot = np.fromiter((where[d] for d in wanted), np.int64, len(wanted))
-            first = new[np.unique(slot, return_index=True)[1]]
-            made = self._alloc(len(distinct))
-            rows[new] = made[slot]
+            heads, which = repeats
+            first = new[heads]
+            made = self._alloc(len(heads))
+            rows[new] = made[which]
         self._widen(digests.shape[1])
         self._digest[made, : digests.shape[1]] = digests[first]
         self._length[made] = lengths[first]
@@ -350,7 +380,7 @@ class PageStore:
             self._narrow = True
         self._make_room(len(made))
         self._place(made)
-        return rows, new if one_each else None
+        return rows, first
 
     def _free(self, rows: Rows) -> None:
         """Forget rows nobody holds and nobody names as parent."""
@@ -529,9 +559,8 @@ class PageStore:
             first_parents = np.full(len(starts), -1, np.int64)
             first_parents[np.asarray(has_parent, bool)] = named
             parents[np.asarray(starts, np.int64)] = first_parents
-        if created is not None:  # new pages: no holder or parent to merge with
-            created = created[created < n]
-        if created is not None and len(created):
+        created = created[created < n]  # new pages: no holder or parent to merge with
+        if len(created):
             if len(created) == n:
                 self._store_fresh(rows, parents, slot, bit)
                 return

@@ -303,3 +303,38 @@ def test_a_batchs_lookup_probes_past_a_long_run_of_full_slots() -> None:
     rows, flagged = _walked(store, prompts, 1)
     assert rows == [[(0, 19)], [(0, 3)], [], [(0, 19)]]
     assert flagged == [False] * 4
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_a_batch_repeating_new_digests_ends_as_its_events_stored_one_by_one(
+    crowded: bool,
+) -> None:
+    """Conversations sharing a system prompt not indexed yet, stored in one batch: each new
+    digest gets one row, made where it first appears, and the store ends as it does with the
+    same events stored one call each (no digest repeating within a call), parents included
+    (a page stored twice takes the parent of its last appearance). `crowded`: digests
+    sharing their first 8 bytes, told apart by whole rows."""
+
+    def page(i: int) -> PageHash:
+        return PageHash(b"samekey!" + i.to_bytes(24, "little")) if crowded else _h(i)
+
+    system = [page(k) for k in range(4)]
+    convs = [[*system, *(page(100 + 10 * c + k) for k in range(6))] for c in range(8)]
+    moved = ([page(100), page(900)], system[1])  # conversation 0's page again, another parent
+    events = [*((conv, None) for conv in convs), moved]
+    together, one_by_one = PageStore(min_slots=64), PageStore(min_slots=64)
+    for store in (together, one_by_one):
+        store.ensure_slot(0)
+        store.ensure_slot(1)
+    together.store(events, 0, 1)
+    assert together.parent(page(100)) == system[1]
+    together.store(events[:3], 1, 1)  # found now: the general path
+    for event in events:
+        one_by_one.store([event], 0, 1)
+    for event in events[:3]:
+        one_by_one.store([event], 1, 1)
+    distinct = {h for hs, _ in events for h in hs}
+    assert len(together) == len(distinct) == len(one_by_one)
+    assert together.items() == one_by_one.items()
+    together.check_invariants([0, 1])
+    assert _walked(together, convs, 2) == _walked(one_by_one, convs, 2)
