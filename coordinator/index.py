@@ -605,9 +605,9 @@ class GlobalIndex:
         if keys is None:
             keys = PromptKeys.of((hashes,))
         pages: dict[WorkerId, int] = {}
-        if self._walked_into(keys, pages):
-            return pages, {}
-        return self._overlaps(hashes)
+        tiers: dict[WorkerId, TierPages] = {}
+        self.overlaps_into(hashes, keys, pages, tiers)
+        return pages, tiers
 
     def overlaps_into(
         self,
