@@ -76,13 +76,26 @@ class Followed:
         )
 
     def complete(self, tokens: list[int], **body: object) -> None:
-        response = httpx.post(
-            f"{self.engine.url}/v1/completions",
-            json={"model": self.engine.spec.served_model_name, "prompt": tokens, "max_tokens": 1}
-            | body,
-            timeout=BOUND_S,
-        )
-        assert response.status_code == 200, response.text
+        complete(self.engine, tokens, body=body)
+
+
+def complete(
+    engine: VLLMEngine,
+    tokens: list[int],
+    client: httpx.Client | None = None,
+    body: dict[str, object] | None = None,
+) -> None:
+    """One completion of `tokens`, one token long; `client`: one kept across thousands of
+    requests (each `httpx.post` builds its own TLS context, which a slow machine pays
+    milliseconds for)."""
+    post = httpx.post if client is None else client.post
+    response = post(
+        f"{engine.url}/v1/completions",
+        json={"model": engine.spec.served_model_name, "prompt": tokens, "max_tokens": 1}
+        | (body or {}),
+        timeout=BOUND_S,
+    )
+    assert response.status_code == 200, response.text
 
 
 def wait_until(check: Callable[[], bool], what: str) -> None:
@@ -189,7 +202,9 @@ def test_a_dropped_event_batch_is_healed_from_the_engines_replay_socket(
 def test_losing_more_batches_than_replay_holds_drops_the_entries_then_follows_afresh(
     followed: Followed,
 ) -> None:
-    uncovered = counter("kvmesh_engine_event_gaps", engine=followed.engine.name, outcome="uncovered")
+    uncovered = counter(
+        "kvmesh_engine_event_gaps", engine=followed.engine.name, outcome="uncovered"
+    )
     lost_from = followed.subscriber.stream_state(followed.wid).last_seq + 1
     followed.drop.update(range(lost_from, lost_from + REPLAY_STEPS + 1))
     kept_before = followed.pages()
@@ -232,6 +247,7 @@ def test_a_restarted_engine_is_a_new_incarnation_with_only_its_new_blocks(
 LATE_HISTORY = 2500  # batches the engine publishes before anyone follows it
 
 
+@pytest.mark.timeout(900)  # 2,700 real completions: minutes on a slow shared machine
 def test_a_subscriber_that_joins_after_thousands_of_batches_holds_every_block_again(
     start_engine: StartEngine,
 ) -> None:
@@ -239,39 +255,33 @@ def test_a_subscriber_that_joins_after_thousands_of_batches_holds_every_block_ag
     ZMQ's high-water marks and requests keep coming while it is replayed; the index still
     ends up holding every block the engine holds (the cache is large enough that nothing
     is evicted), fresh and with nothing held back."""
-    engine = start_engine(
-        EngineSpec(kv_cache_memory_bytes=1024 * 1024 * 1024), name="engine-late"
-    )
+    engine = start_engine(EngineSpec(kv_cache_memory_bytes=1024 * 1024 * 1024), name="engine-late")
     rng = random.Random(77)
 
     def prompt() -> list[int]:
         return [rng.randrange(10, 1700) for _ in range(BLOCK + 1)]
 
-    def complete(tokens: list[int]) -> None:
-        response = httpx.post(
-            f"{engine.url}/v1/completions",
-            json={"model": engine.spec.served_model_name, "prompt": tokens, "max_tokens": 1},
-            timeout=BOUND_S,
-        )
-        assert response.status_code == 200, response.text
-
+    client = httpx.Client()
     want: set[PageHash] = set()
     for _ in range(LATE_HISTORY):  # nobody binds the events endpoint yet: PUB drops them
         tokens = prompt()
-        complete(tokens)
+        complete(engine, tokens, client)
         want |= set(HASHER.hash_prompt(tokens))
     index = GlobalIndex()
-    runner = EngineSubscriberThread(EngineSubscriber(index, [EngineEventsEndpoint.of_engine(engine)]))
+    runner = EngineSubscriberThread(
+        EngineSubscriber(index, [EngineEventsEndpoint.of_engine(engine)])
+    )
     runner.start()
     followed = Followed(engine, index, runner)
     try:
         for _ in range(200):  # live traffic while the subscriber replays the history
             tokens = prompt()
-            complete(tokens)
+            complete(engine, tokens, client)
             want |= set(HASHER.hash_prompt(tokens))
         assert followed.subscriber.stream_state(followed.wid).last_seq >= LATE_HISTORY
         wait_until(lambda: followed.pages() == want and not followed.stale(), "every block")
         with followed.subscriber.lock:
             assert index.worker_state(followed.wid).pending_batches == 0
     finally:
+        client.close()
         runner.stop()
