@@ -261,27 +261,26 @@ def test_a_subscriber_that_joins_after_thousands_of_batches_holds_every_block_ag
     def prompt() -> list[int]:
         return [rng.randrange(10, 1700) for _ in range(BLOCK + 1)]
 
-    client = httpx.Client()
-    want: set[PageHash] = set()
-    for _ in range(LATE_HISTORY):  # nobody binds the events endpoint yet: PUB drops them
-        tokens = prompt()
-        complete(engine, tokens, client)
-        want |= set(HASHER.hash_prompt(tokens))
-    index = GlobalIndex()
-    runner = EngineSubscriberThread(
-        EngineSubscriber(index, [EngineEventsEndpoint.of_engine(engine)])
-    )
-    runner.start()
-    followed = Followed(engine, index, runner)
-    try:
-        for _ in range(200):  # live traffic while the subscriber replays the history
+    with httpx.Client() as client:  # one TLS context for all the completions
+        want: set[PageHash] = set()
+        for _ in range(LATE_HISTORY):  # nobody binds the events endpoint yet: PUB drops them
             tokens = prompt()
             complete(engine, tokens, client)
             want |= set(HASHER.hash_prompt(tokens))
-        assert followed.subscriber.stream_state(followed.wid).last_seq >= LATE_HISTORY
-        wait_until(lambda: followed.pages() == want and not followed.stale(), "every block")
-        with followed.subscriber.lock:
-            assert index.worker_state(followed.wid).pending_batches == 0
-    finally:
-        client.close()
-        runner.stop()
+        index = GlobalIndex()
+        runner = EngineSubscriberThread(
+            EngineSubscriber(index, [EngineEventsEndpoint.of_engine(engine)])
+        )
+        runner.start()
+        followed = Followed(engine, index, runner)
+        try:
+            for _ in range(200):  # live traffic while the subscriber replays the history
+                tokens = prompt()
+                complete(engine, tokens, client)
+                want |= set(HASHER.hash_prompt(tokens))
+            assert followed.subscriber.stream_state(followed.wid).last_seq >= LATE_HISTORY
+            wait_until(lambda: followed.pages() == want and not followed.stale(), "every block")
+            with followed.subscriber.lock:
+                assert index.worker_state(followed.wid).pending_batches == 0
+        finally:
+            runner.stop()
