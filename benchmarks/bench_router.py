@@ -786,6 +786,22 @@ def _ray_waves(
     return len(queries) / (time.perf_counter() - t0), waves
 
 
+def _shard_view_calls(cfg: CoordinatorConfig) -> int:
+    """The `view_many` calls every shard actor of every replica of `cfg` has served: a
+    hedge to another replica's shard counts as the call it is."""
+    import ray
+
+    from kvmesh.router_replicas import shard_actor_name
+
+    handles = [
+        ray.get_actor(shard_actor_name(cfg, rep, s), namespace=cfg.namespace)
+        for rep in range(cfg.router_replicas)
+        for s in range(cfg.index_shards)
+    ]
+    counts: list[dict[str, int]] = ray.get([h.calls.remote() for h in handles])
+    return sum(calls.get("view_many", 0) for calls in counts)
+
+
 class _EmptyShard:
     """A shard actor that answers at once: with `_FanOut`, what Ray alone costs a route."""
 
@@ -889,7 +905,9 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
     times, floor_times = _ray_routes([r0, floor], prompts)
     for actor in (floor, *empty):
         ray.kill(actor)
+    calls_before = _shard_view_calls(cfg)
     per_s, waves = _ray_waves(r0, prompts, args.route_batch)
+    shard_calls = _shard_view_calls(cfg) - calls_before
     out: dict[str, Any] = {
         "ray_route_p50_ms": round(percentile(times, 50), 3),
         "ray_route_p99_ms": round(percentile(times, 99), 3),
@@ -903,6 +921,8 @@ def _sharded_on_ray(shards: int, replicas: int, args: argparse.Namespace) -> dic
         "ray_in_flight_routes_per_s": round(per_s),
         "ray_in_flight_wave_p50_ms": round(percentile(waves, 50), 3),
         "ray_in_flight_wave_p99_ms": round(percentile(waves, 99), 3),
+        # what a shard was asked per call meanwhile: the router's batches (`RouterActor.view`)
+        "ray_in_flight_routes_per_shard_call": round(len(prompts) * shards / shard_calls, 2),
     }
     if replicas > 1:
         out["failover_gap_ms"] = _failover_gap_ms(

@@ -152,6 +152,9 @@ def test_json_of_a_small_run_on_ray_is_pure_json_on_stdout() -> None:
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["shards"] for r in results] == [1, 2]
     assert all(r["ray_route_p50_ms"] > 0 for r in results)
+    # a shard call carries at least one route of the in-flight waves and at most a wave's
+    # worth (no more routes than are in flight)
+    assert all(1 <= r["ray_in_flight_routes_per_shard_call"] <= 16 for r in results), results
 
 
 def test_each_cpu_pass_measures_every_shard_count_side_by_side(
